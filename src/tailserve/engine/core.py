@@ -1,0 +1,132 @@
+"""EngineCore: load, size the KV pool, then step. The loop reads in ten lines (``step``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tailserve.config import EngineArgs, SchedulerConfig
+from tailserve.engine.outputs import EngineOutput, SchedulerOutput, StepStats
+from tailserve.engine.scheduler import Scheduler
+from tailserve.errors import ConfigError, InvalidRequestError
+from tailserve.model.loader import LoadedModel, load_model
+from tailserve.model.runner import ModelRunner
+from tailserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 4096}
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        self.args = args
+        self.loaded = loaded if loaded is not None else load_model(args.model)
+        cfg = self.loaded.config
+        self.model_config = cfg
+        max_model_len = args.max_model_len or cfg.max_position_embeddings
+        if max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len ({max_model_len}) exceeds the model's context length "
+                f"({cfg.max_position_embeddings})"
+            )
+        self.max_model_len = max_model_len
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(cfg, self.loaded.weights, args, max_model_len, 1)
+        device_type = self.runner.device.type
+        budget = args.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device_type, 512)
+        if not args.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
+        budget = max(budget, args.max_num_seqs)
+        self.runner.max_num_batched_tokens = budget
+        if args.num_kv_blocks is None and device_type == "cuda":
+            self.runner.num_kv_blocks = self.runner._determine_num_blocks(args)
+        # Validates that one max_model_len sequence fits before a byte of KV is allocated.
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            block_size=args.block_size,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            watermark=args.watermark,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            admission_policy=args.admission_policy,
+            scheduling_policy=args.scheduling_policy,
+            max_queue_len=args.max_queue_len,
+        )
+        self.runner.allocate_kv_cache()
+        self.scheduler = Scheduler(self.scheduler_config)
+        self._last_queries = 0
+        self._last_hits = 0
+        logger.info(
+            "engine ready in %.1fs: %s %s on %s, %d KV blocks x %d tokens (%.2f GiB), budget %d",
+            time.perf_counter() - t0, cfg.architecture, self.runner.dtype, self.runner.device,
+            self.runner.num_kv_blocks, args.block_size, self.runner.kv_cache_bytes / (1 << 30),
+            budget,
+        )
+
+    def add_request(self, req: Request) -> None:
+        """Validate and queue; raises ``InvalidRequestError`` / ``QueueFullError``."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt"
+            )
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.model_config.eos_token_ids
+        self.scheduler.add_request(req)
+
+    def abort_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[EngineOutput]:
+        outputs = []
+        for req in self.scheduler.finish_requests(request_ids, status):
+            outputs.append(
+                EngineOutput(
+                    req.request_id, [], finish_reason=status.finish_reason,
+                    stop_reason=req.stop_reason, num_cached_tokens=req.num_cached_tokens,
+                    timestamps=req.timestamps, timing=req.timing(),
+                )
+            )
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> tuple[list[EngineOutput], StepStats | None]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return [], None
+        runner_out = self.runner.execute(sched)
+        step_s = time.perf_counter() - t0
+        outputs = self.scheduler.update_from_output(sched, runner_out, step_s)
+        return outputs, self._stats(sched, step_s, outputs)
+
+    def _stats(
+        self, sched: SchedulerOutput, step_s: float, outputs: list[EngineOutput]
+    ) -> StepStats:
+        s = self.scheduler
+        kv = s.kv
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        stats = StepStats(
+            t=time.time(),
+            step_s=step_s,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_seqs=sched.num_decode_seqs,
+            num_scheduled_seqs=len(sched.scheduled),
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            free_blocks=kv.num_free_blocks,
+            total_blocks=kv.num_blocks,
+            num_preemptions=len(sched.preempted_request_ids),
+            prefix_cache_queries=queries - self._last_queries,
+            prefix_cache_hits=hits - self._last_hits,
+            num_finished=sum(1 for o in outputs if o.finished),
+            admission_blocked_by=sched.admission_blocked_by,
+        )
+        self._last_queries, self._last_hits = queries, hits
+        return stats

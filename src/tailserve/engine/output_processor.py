@@ -1,0 +1,140 @@
+"""OutputProcessor: token ids from the engine -> text, stop strings, RequestOutputs.
+
+Runs above the engine (in the API process when there is one): it detokenizes incrementally,
+ends a request on a stop string (the engine is then told to stop it) and groups the ``n``
+completions of one prompt back into one ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailserve.engine.outputs import EngineOutput
+from tailserve.model.tokenizer import IncrementalDetokenizer
+from tailserve.outputs import CompletionOutput, RequestOutput
+from tailserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Completion:
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    out: CompletionOutput
+    timing: dict[str, Any] | None = None
+
+
+@dataclass
+class _Parent:
+    output: RequestOutput
+    children: dict[str, _Completion] = field(default_factory=dict)
+    num_finished: int = 0
+
+
+def find_stop(text: str, stops: list[str], new_chars: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last ``new_chars`` characters of ``text``."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        pos = text.find(stop, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        child_params: dict[str, SamplingParams],
+    ) -> None:
+        parent = _Parent(RequestOutput(request_id, prompt, prompt_token_ids, outputs=[]))
+        for index, (child_id, params) in enumerate(child_params.items()):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+            )
+            out = CompletionOutput(
+                index, "", [], logprobs=[] if params.logprobs is not None else None
+            )
+            parent.children[child_id] = _Completion(index, params, detok, out)
+            parent.output.outputs.append(out)
+            self._child_to_parent[child_id] = request_id
+        self._parents[request_id] = parent
+
+    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply engine outputs. Returns finished RequestOutputs and child ids to stop."""
+        finished: list[RequestOutput] = []
+        to_stop: list[str] = []
+        for eo in outputs:
+            parent_id = self._child_to_parent.get(eo.request_id)
+            if parent_id is None:
+                continue
+            parent = self._parents[parent_id]
+            child = parent.children[eo.request_id]
+            out = child.out
+            if out.finished and not eo.finished:
+                continue  # tokens of a step that ran while a stop string was being handled
+            stop_hit = not out.finished and self._append(child, eo)
+            if stop_hit and not eo.finished:
+                # Count it done when the engine confirms the stop, with its timing.
+                to_stop.append(eo.request_id)
+                continue
+            if eo.finished:
+                if out.finish_reason is None:
+                    out.finish_reason = eo.finish_reason.value if eo.finish_reason else None
+                    out.stop_reason = eo.stop_reason
+                child.timing = eo.timing
+                if child.index == 0:
+                    parent.output.metrics = eo.timestamps
+                    parent.output.num_cached_tokens = eo.num_cached_tokens
+                parent.num_finished += 1
+                if parent.num_finished == len(parent.children):
+                    finished.append(self._finish(parent_id))
+        return finished, to_stop
+
+    def _append(self, child: _Completion, eo: EngineOutput) -> bool:
+        """Add new tokens and text; True when a stop string ended the completion."""
+        out = child.out
+        params = child.params
+        for i, token in enumerate(eo.new_token_ids):
+            out.token_ids.append(token)
+            if out.logprobs is not None and eo.new_logprobs is not None:
+                out.logprobs.append(eo.new_logprobs[i])
+            delta = child.detok.add(token)
+            out.text += delta
+            if params.stop and len(out.token_ids) >= params.min_tokens and delta:
+                hit = find_stop(out.text, params.stop, len(delta))
+                if hit is not None:
+                    pos, stop = hit
+                    end = pos + len(stop) if params.include_stop_str_in_output else pos
+                    out.text = out.text[:end]
+                    out.finish_reason = "stop"
+                    out.stop_reason = stop
+                    return True
+        return False
+
+    def _finish(self, parent_id: str) -> RequestOutput:
+        parent = self._parents.pop(parent_id)
+        for child_id, child in parent.children.items():
+            self._child_to_parent.pop(child_id, None)
+            if child.timing is not None:
+                parent.output.timing.append(child.timing)
+        parent.output.finished = True
+        return parent.output
+
+    def abort(self, parent_id: str) -> list[str]:
+        """Forget a request; returns its child ids so the engine can abort them too."""
+        parent = self._parents.pop(parent_id, None)
+        if parent is None:
+            return []
+        for child_id in parent.children:
+            self._child_to_parent.pop(child_id, None)
+        return list(parent.children)

@@ -1,0 +1,167 @@
+"""KVCacheManager: block tables per request, prefix-cache lookups and the admission watermark.
+
+Torch-free and deterministic. A request's block table covers its computed tokens plus the
+tokens scheduled this step::
+
+    tokens:  |<- num_computed_tokens ->|<- num_new_tokens ->|
+    blocks:  [b0][b1][b2]...                         [bk]  <- allocated up to here
+
+Full blocks whose tokens are known are hashed (chained, see ``block_pool.hash_block``) and
+registered in the pool as soon as they are scheduled, so a request admitted later in the same
+step can already share them: K/V are written before attention reads them in every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tailserve.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from tailserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        watermark: float = 0.0,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        # Free blocks that admitting a *new* request must leave, so running requests can grow.
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        self._req_num_cached: dict[str, int] = {}
+        # Counted in tokens, as vLLM does: queries = prompt tokens looked up, hits = found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        """The request's chained hashes for its first ``num_full_blocks`` blocks (memoized)."""
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request's known tokens, as blocks and a token count.
+
+        At least one token is always left to compute, since the step must produce its logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in self._block_hashes(request, max_hit_blocks):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission, not once per attempt of a request held in the queue."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        *,
+        apply_watermark: bool = False,
+        reserve_up_to: int | None = None,
+    ) -> bool:
+        """Grow the request's block table for ``num_new_tokens`` more tokens.
+
+        ``new_computed_blocks`` are prefix-cache hits to adopt first (fresh admissions only).
+        ``reserve_up_to`` allocates for that many tokens in total at once (reserve admission).
+        Returns False, changing nothing, when the pool (less the watermark) cannot serve it.
+        """
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_tokens_after = num_computed + num_new_tokens
+        target = max(num_tokens_after, reserve_up_to or 0)
+        num_required = cdiv(target, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_required = max(num_required, 0)
+        # Hits sitting in the free queue stop being free once adopted.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        reserve = self.watermark_blocks if apply_watermark else 0
+        if num_required + num_revived > self.pool.num_free_blocks - reserve:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(self.pool.get_new_blocks(num_required))
+        self._cache_full_blocks(request, min(num_tokens_after, request.num_tokens))
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_known_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        num_full = num_known_tokens // self.block_size
+        start = self._req_num_cached.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._req_num_cached[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so the shared head is evicted last."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+        self._req_num_cached.pop(request.request_id, None)
+        if request.is_finished:
+            self._req_hashes.pop(request.request_id, None)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if block accounting is inconsistent (tests call this each step)."""
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        free = set(self.pool.free_block_ids())
+        if len(free) != len(self.pool.free_block_ids()):
+            raise AssertionError("a block appears twice in the free queue")
+        for block in self.pool.blocks:
+            expected = refs.get(block.block_id, 0)
+            if block.ref_cnt != expected:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {expected} tables hold it"
+                )
+            if (block.block_id in free) != (expected == 0):
+                raise AssertionError(
+                    f"block {block.block_id}: free={block.block_id in free} with {expected} refs"
+                )

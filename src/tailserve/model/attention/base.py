@@ -1,0 +1,51 @@
+"""The attention backend interface: paged K/V in, attention out; the model never branches."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flattened tokens of one step map onto sequences and KV blocks.
+
+    Sequences are laid out decodes first, then prefill chunks::
+
+        tokens: [d0 d1 ... d_{D-1} | p0 p0 p0 ... | p1 p1 ... ]
+                 one per decode      a chunk per prefilling sequence
+
+    ``seq_lens`` are context lengths *after* this step (computed + new), so sequence i's new
+    tokens sit at positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+    """
+
+    num_decodes: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    query_start_loc: list[int]  # [num_seqs + 1] token offsets into the flattened batch
+    query_lens: list[int]  # [num_seqs]
+    seq_lens_list: list[int]  # [num_seqs]
+    seq_lens: torch.Tensor  # [num_seqs] int64 on device
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0
+    block_size: int
+    scale: float
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    """Writes this step's K/V into the paged cache, then attends over each sequence's blocks."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...

@@ -1,0 +1,225 @@
+"""ModelRunner: one forward per step over a flattened mix of prefill chunks and decodes.
+
+It owns everything on the device: the weights, the KV pool (allocated once, here, at start-up),
+the rope table and the per-request sampling generators. Input: a ``SchedulerOutput``;
+output: a ``RunnerOutput`` of sampled token ids. Nothing here decides who runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tailserve.config import EngineArgs, ModelConfig
+from tailserve.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tailserve.errors import ConfigError
+from tailserve.model.attention import AttentionMetadata, get_attention_backend
+from tailserve.model.llama import LlamaForCausalLM
+from tailserve.model.sampler import Sampler, SamplingRow
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 where the hardware computes it natively, else float32.
+
+    On CPU that means AVX512-BF16 or AMX; on AVX2-only CPUs bf16 matmuls are emulated and
+    slower than float32, so float32 wins there.
+    """
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    bf16_native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if bf16_native else torch.float32
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        args: EngineArgs,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.model_config = model_config
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.block_size = args.block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        backend = get_attention_backend(self.device.type)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
+        model.load_weights(weights)
+        # The rope table stays float32; only parameters take the serving dtype.
+        for param in model.parameters():
+            param.data = param.data.to(self.dtype)
+        self.model = model.eval()
+        self.scale = 1.0 / math.sqrt(model_config.head_dim)
+        self.num_kv_blocks = self._determine_num_blocks(args)
+        self.kv_cache = torch.empty(0)
+        self.kv_caches: list[torch.Tensor] = []
+        self._default_generator = torch.Generator(device=self.device).manual_seed(args.seed)
+        self.sampler = Sampler(model_config.vocab_size, self._default_generator)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def allocate_kv_cache(self) -> None:
+        """The whole KV cache, once: [layers, 2, num_blocks, block_size, H_kv, D]."""
+        cfg = self.model_config
+        self.kv_cache = torch.zeros(
+            cfg.num_hidden_layers, 2, self.num_kv_blocks, self.block_size,
+            cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _determine_num_blocks(self, args: EngineArgs) -> int:
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(args.gpu_memory_utilization, block_bytes)
+        return int(args.kv_cache_memory * (1 << 30)) // block_bytes
+
+    def _profile_cuda_blocks(self, utilization: float, block_bytes: int) -> int:
+        """Run one forward at the token budget, then give the KV pool what is left."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.max_num_batched_tokens
+        scratch = [torch.zeros(2, 1, self.block_size, self.model_config.num_key_value_heads,
+                               self.model_config.head_dim, dtype=self.dtype, device=self.device)
+                   for _ in range(self.model_config.num_hidden_layers)]
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            num_decodes=0, slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
+            query_start_loc=[0, n], query_lens=[n], seq_lens_list=[n],
+            seq_lens=torch.tensor([n], device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+            block_size=self.block_size, scale=self.scale,
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(n, device=self.device), scratch, meta)
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * utilization - used_by_others - peak
+        return max(int(budget) // block_bytes, 0)
+
+    # ------------------------------------------------------------------ one step
+    def _prepare(self, sched: SchedulerOutput) -> _Batch:
+        # Decodes first so the backend attends over all of them in one batched call.
+        order = sorted(sched.scheduled, key=lambda s: s.is_prefill)
+        num_decodes = sum(1 for s in order if not s.is_prefill)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        for s in order:
+            n = len(s.token_ids)
+            start = s.num_computed_tokens
+            input_ids.extend(s.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            if s.sample:
+                logits_indices.append(qsl[-1] - 1)
+                sampling.append(s)
+        max_blocks = max(len(s.block_ids) for s in order)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in order]
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=qsl,
+            query_lens=[len(s.token_ids) for s in order],
+            seq_lens_list=seq_lens,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            block_size=bs,
+            scale=self.scale,
+        )
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sampling=sampling,
+        )
+
+    def _generator_for(self, s: ScheduledRequest) -> torch.Generator | None:
+        seed = s.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(s.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[s.request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for rid in sched.finished_request_ids:
+            self._generators.pop(rid, None)
+        if not sched.scheduled:
+            return RunnerOutput(sampled_token_ids={})
+        batch = self._prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sampling:
+            return RunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = [
+            SamplingRow(
+                params=s.sampling_params,
+                prompt_token_ids=s.prompt_token_ids,
+                output_token_ids=s.output_token_ids,
+                eos_token_ids=s.eos_token_ids,
+                generator=self._generator_for(s),
+            )
+            for s in batch.sampling
+        ]
+        result = self.sampler(logits, rows)
+        sampled = {s.request_id: t for s, t in zip(batch.sampling, result.token_ids, strict=True)}
+        logprobs = {
+            s.request_id: lp
+            for s, lp in zip(batch.sampling, result.logprobs, strict=True)
+            if lp is not None
+        }
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

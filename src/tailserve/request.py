@@ -1,0 +1,156 @@
+"""Request: one sequence's state inside the engine, its status and its timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status greater than ``PREEMPTED`` is finished."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+class FinishReason(str, enum.Enum):
+    """OpenAI's finish_reason words."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass
+class RequestTimestamps:
+    """Engine-stamped, ``time.monotonic()`` seconds. Lists grow once per preemption."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    preempted: list[float] = field(default_factory=list)
+    resumed: list[float] = field(default_factory=list)
+    num_steps: int = 0
+    num_steps_with_prefill: int = 0
+    # Time this request spent in steps that also carried prefill tokens (its own or others').
+    time_in_steps_with_prefill: float = 0.0
+    # Sum of the steps in which this request was computing its prompt (own prefill).
+    prefill_time: float = 0.0
+
+
+@dataclass
+class Request:
+    """A single sequence. ``n > 1`` is expanded into several Requests above the engine.
+
+    Invariant: ``all_token_ids == prompt_token_ids + output_token_ids`` and
+    ``num_computed_tokens <= num_tokens``. A preempted request keeps its output tokens and
+    recomputes them as part of its next prefill, so its answer does not change.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    error: str | None = None
+    # Sampled-token logprobs: one entry per output token, {token_id: logprob} (top-N + sampled).
+    logprobs: list[dict[int, float]] | None = None
+    timestamps: RequestTimestamps = field(init=False)
+    all_token_ids: list[int] = field(init=False)
+    # The order in which requests were admitted; preemption picks the newest admission.
+    admit_seq: int = 0
+
+    def __post_init__(self) -> None:
+        self.timestamps = RequestTimestamps(arrival=self.arrival_time)
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        # None was resolved to the room left under max_model_len when the request was added.
+        mt = self.sampling_params.max_tokens
+        return mt if mt is not None else 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def timing(self) -> dict[str, Any]:
+        """The ``tailserve_timing`` dict (see DESIGN.md), from the engine's timestamps."""
+        ts = self.timestamps
+        end = ts.finished if ts.finished is not None else time.monotonic()
+        queue_s = (ts.first_scheduled - ts.arrival) if ts.first_scheduled is not None else (
+            end - ts.arrival
+        )
+        ttft_s = (ts.first_token - ts.arrival) if ts.first_token is not None else None
+        decode_s = (end - ts.first_token) if ts.first_token is not None else 0.0
+        preempted_s = 0.0
+        for i, t0 in enumerate(ts.preempted):
+            t1 = ts.resumed[i] if i < len(ts.resumed) else end
+            preempted_s += t1 - t0
+        return {
+            "queue_s": queue_s,
+            "prefill_s": ts.prefill_time,
+            "ttft_s": ttft_s,
+            "decode_s": decode_s,
+            "e2e_s": end - ts.arrival,
+            "num_steps": ts.num_steps,
+            "num_steps_with_prefill": ts.num_steps_with_prefill,
+            "time_in_steps_with_prefill_s": ts.time_in_steps_with_prefill,
+            "num_preemptions": self.num_preemptions,
+            "preempted_s": preempted_s,
+            "prompt_tokens": self.num_prompt_tokens,
+            "cached_prompt_tokens": self.num_cached_tokens,
+            "output_tokens": self.num_output_tokens,
+        }

@@ -1,0 +1,91 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tailserve.errors import InvalidRequestError
+
+# Top-N logprobs are computed with one topk over the vocabulary; the cap keeps that op bounded.
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings; validated on construction (``InvalidRequestError``).
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1, as vLLM users write it) disables
+    top-k. ``seed`` makes the request's draws reproducible regardless of its batch mates.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"
+            )
+        if self.min_tokens < 0:
+            raise InvalidRequestError(
+                f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0, got {self.temperature}", param="temperature"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", param=name)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty", param="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,146 @@
+"""Block pool and KV cache manager: exact block ids, reference counts, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from tailserve.kv import block_pool
+from tailserve.kv.block_pool import BlockHash, BlockPool, hash_block
+from tailserve.kv.manager import KVCacheManager
+from tailserve.request import Request, RequestStatus
+from tailserve.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int], max_tokens: int = 8) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens))
+
+
+def test_allocate_and_free_order() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    a = req("a", list(range(10)))
+    assert kv.allocate_slots(a, 10)
+    assert kv.block_ids("a") == [0, 1, 2]
+    a.num_computed_tokens = 10
+    assert kv.allocate_slots(a, 2)  # 12 tokens still fit 3 blocks
+    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.allocate_slots(a, 3)
+    assert kv.block_ids("a") == [0, 1, 2, 3]
+    a.status = RequestStatus.FINISHED_STOPPED
+    kv.free(a)
+    # Tail first: block 3 is evicted before the head blocks a shared prefix would use.
+    assert kv.pool.free_block_ids() == [4, 5, 6, 7, 3, 2, 1, 0]
+    kv.check_invariants()
+
+
+def test_allocation_fails_without_side_effects() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
+    a = req("a", list(range(12)))
+    assert kv.allocate_slots(a, 12)
+    b = req("b", list(range(8)))
+    assert not kv.allocate_slots(b, 8)
+    assert kv.num_free_blocks == 1
+    assert "b" not in kv.req_to_blocks
+    kv.check_invariants()
+
+
+def test_watermark_applies_only_when_asked() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False, watermark=0.2)
+    assert kv.watermark_blocks == 2
+    a = req("a", list(range(28)))
+    # 7 blocks leave 3 free >= 2: admitted.
+    assert kv.allocate_slots(a, 28, apply_watermark=True)
+    b = req("b", list(range(8)))
+    # 2 more blocks would leave 1 < 2: a new admission is refused ...
+    assert not kv.allocate_slots(b, 8, apply_watermark=True)
+    # ... but a running request may grow into the watermark.
+    a.num_computed_tokens = 28
+    assert kv.allocate_slots(a, 8)
+    assert kv.num_free_blocks == 1
+
+
+def test_prefix_cache_hit_shares_blocks_with_refcounts() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    shared = [7, 7, 7, 7, 8, 8, 8, 8]
+    a = req("a", [*shared, 1, 2])
+    hits, n = kv.get_computed_blocks(a)
+    assert (hits, n) == ([], 0)
+    assert kv.allocate_slots(a, 10)
+    assert kv.block_ids("a") == [0, 1, 2]
+    b = req("b", [*shared, 3])
+    hits, n = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == [0, 1] and n == 8
+    assert kv.allocate_slots(b, 1, hits)
+    assert kv.block_ids("b") == [0, 1, 3]
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    kv.check_invariants()
+
+
+def test_prefix_hit_leaves_one_token_to_compute() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(8)))
+    assert kv.allocate_slots(a, 8)
+    b = req("b", list(range(8)))
+    _, n = kv.get_computed_blocks(b)
+    assert n == 4  # the last block is recomputed so the step has logits to sample from
+
+
+def test_freed_blocks_stay_cached_then_evict_lru() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = req("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    assert kv.block_ids("a") == [0, 1, 2]
+    a.status = RequestStatus.FINISHED_STOPPED
+    kv.free(a)
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    # A later request with the same prefix revives blocks 0 and 1 from the free queue.
+    b = req("b", [1, 2, 3, 4, 9])
+    hits, n = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == [0, 1] and n == 4
+    assert kv.allocate_slots(b, 1, hits)
+    assert kv.block_ids("b") == [0, 1, 3]
+    assert kv.pool.free_block_ids() == [2]
+    b.status = RequestStatus.FINISHED_STOPPED
+    kv.free(b)
+    # A new prefix takes the least recently freed block first: 2 (a's old tail) goes.
+    c = req("c", [5, 5, 5])
+    assert kv.allocate_slots(c, 3)
+    assert kv.block_ids("c") == [2, 3]
+    d = req("d", [1, 2, 3, 4, 0])
+    hits, _ = kv.get_computed_blocks(d)
+    assert [h.block_id for h in hits] == [0, 1]
+    kv.check_invariants()
+
+
+def test_hash_collision_is_guarded_by_token_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    def constant_hash(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
+        return BlockHash(42, parent.value if parent else None, tuple(token_ids))
+
+    monkeypatch.setattr("tailserve.kv.manager.hash_block", constant_hash)
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    a = req("a", [1, 2, 3])
+    assert kv.allocate_slots(a, 3)
+    b = req("b", [9, 9, 3])
+    hits, n = kv.get_computed_blocks(b)
+    assert hits == [] and n == 0  # same 64-bit key, different tokens: a miss, not a wrong hit
+
+
+def test_hash_chain_depends_on_parent() -> None:
+    h1 = hash_block(None, [1, 2])
+    assert hash_block(h1, [3, 4]).value != hash_block(None, [3, 4]).value
+    assert hash_block(None, [1, 2]) == h1
+    assert block_pool.hash_block(None, [2, 1]).value != h1.value
+
+
+def test_double_free_is_an_error() -> None:
+    pool = BlockPool(2)
+    blocks = pool.get_new_blocks(1)
+    pool.free_blocks(blocks)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free_blocks(blocks)
+
+
+def test_reserve_allocates_the_whole_budget_up_front() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
+    a = req("a", list(range(5)), max_tokens=10)
+    assert kv.allocate_slots(a, 5, reserve_up_to=15)
+    assert kv.block_ids("a") == [0, 1, 2, 3]
