@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from fake_runner import EOS, FakeRunner, next_token
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fake_runner import EOS, FakeRunner, next_token
 from tailserve.config import SchedulerConfig
 from tailserve.engine.outputs import EngineOutput
 from tailserve.engine.scheduler import Scheduler

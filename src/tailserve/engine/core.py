@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from tailserve.config import EngineArgs, SchedulerConfig
 from tailserve.engine.outputs import EngineOutput, SchedulerOutput, StepStats
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError, InvalidRequestError
-from tailserve.model.loader import LoadedModel, load_model
 from tailserve.model.runner import ModelRunner
 from tailserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tailserve.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +24,11 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 4096}
 class EngineCore:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.args = args
-        self.loaded = loaded if loaded is not None else load_model(args.model)
+        if loaded is None:
+            from tailserve.model.loader import load_model
+
+            loaded = load_model(args.model)
+        self.loaded = loaded
         cfg = self.loaded.config
         self.model_config = cfg
         max_model_len = args.max_model_len or cfg.max_position_embeddings

@@ -14,6 +14,7 @@ from tailserve.engine.core import EngineCore
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.engine.outputs import StepStats
 from tailserve.errors import InvalidRequestError
+from tailserve.model.loader import LoadedModel
 from tailserve.outputs import RequestOutput
 from tailserve.request import Request, RequestStatus
 from tailserve.sampling_params import SamplingParams
@@ -27,8 +28,18 @@ class LLM:
     ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one for all or one per prompt."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine_args = EngineArgs(model=model, **engine_args)
-        self.engine = EngineCore(self.engine_args)
+        self._setup(EngineArgs(model=model, **engine_args), None)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, **engine_args: Any) -> LLM:
+        """An LLM over weights already in memory (several engines, one load)."""
+        llm = cls.__new__(cls)
+        llm._setup(EngineArgs(model=loaded.source, **engine_args), loaded)
+        return llm
+
+    def _setup(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
+        self.engine_args = args
+        self.engine = EngineCore(args, loaded)
         self.tokenizer = self.engine.loaded.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

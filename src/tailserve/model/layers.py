@@ -58,6 +58,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         # [max_position, head_dim / 2] each
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

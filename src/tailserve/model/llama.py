@@ -7,6 +7,8 @@ Inputs are one step's tokens flattened across sequences; attention goes through 
 
 from __future__ import annotations
 
+import typing
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -122,7 +124,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm.weight.copy_(take("model.norm.weight"))
         if not cfg.tie_word_embeddings:
             self.lm_head.weight.copy_(take("lm_head.weight"))
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer = typing.cast(LlamaDecoderLayer, module)
             p = f"model.layers.{i}."
             attn = layer.self_attn
             attn.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight")

