@@ -89,6 +89,8 @@ class OutputProcessor:
                 continue
             if eo.finished:
                 if out.finish_reason is None:
+                    # A character split across the last tokens is only complete now.
+                    out.text += child.detok.flush()
                     out.finish_reason = eo.finish_reason.value if eo.finish_reason else None
                     out.stop_reason = eo.stop_reason
                 child.timing = eo.timing
