@@ -118,7 +118,7 @@ class EngineArgs:
         default=None, metadata={"help": "override the computed number of KV blocks"}
     )
     watermark: float = field(
-        default=0.01,
+        default=0.05,
         metadata={"help": "fraction of KV blocks that admitting a new request must leave free"},
     )
     enable_prefix_caching: bool = True
@@ -177,7 +177,7 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-    watermark: float = 0.01
+    watermark: float = 0.05
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
