@@ -15,11 +15,11 @@ from torch import nn
 
 from tailserve.config import ModelConfig
 from tailserve.model.attention import AttentionBackend, AttentionMetadata
-from tailserve.model.layers import RMSNorm, RotaryEmbedding
+from tailserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -27,26 +27,27 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matmul: one weight read per step instead of three.
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rope = rope
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,  # [num_tokens, hidden]
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        num_tokens = qkv.shape[0]
+        # Rope on q and k together: [num_tokens, num_heads + num_kv_heads, head_dim]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = apply_rope(qk, *rope)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -55,8 +56,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -64,18 +65,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rope, backend)
+        self.self_attn = LlamaAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -84,13 +85,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        # One rope table shared by every layer.
-        rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        # One rope table; each step looks its positions up once for every layer.
+        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rope, backend) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -102,8 +103,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

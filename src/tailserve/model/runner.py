@@ -16,6 +16,7 @@ from tailserve.config import EngineArgs, ModelConfig
 from tailserve.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.errors import ConfigError
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
+from tailserve.model.layers import add_gemv_layout
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
 
@@ -73,7 +74,7 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        backend = get_attention_backend(self.device.type)
+        self.backend = backend = get_attention_backend(self.device.type)
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
         model.load_weights(weights)
@@ -81,6 +82,9 @@ class ModelRunner:
         for param in model.parameters():
             param.data = param.data.to(self.dtype)
         self.model = model.eval()
+        if self.device.type == "cpu":
+            # Single-stream decode reads every weight once per token: give it the faster layout.
+            add_gemv_layout(self.model)
         self.scale = 1.0 / math.sqrt(model_config.head_dim)
         self.num_kv_blocks = self._determine_num_blocks(args)
         self.kv_cache = torch.empty(0)
@@ -138,8 +142,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
-        # Decodes first so the backend attends over all of them in one batched call.
-        order = sorted(sched.scheduled, key=lambda s: s.is_prefill)
+        # Decodes first, longest context first, so the backend can attend over them in a few
+        # batched calls each padded only to a similar length.
+        order = sorted(
+            sched.scheduled,
+            key=lambda s: (s.is_prefill, -(s.num_computed_tokens + len(s.token_ids))),
+        )
         num_decodes = sum(1 for s in order if not s.is_prefill)
         bs = self.block_size
         input_ids: list[int] = []
@@ -201,6 +209,7 @@ class ModelRunner:
         if not sched.scheduled:
             return RunnerOutput(sampled_token_ids={})
         batch = self._prepare(sched)
+        self.backend.begin_step(batch.meta)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sampling:
             return RunnerOutput(sampled_token_ids={})

@@ -12,7 +12,7 @@ import torch
 class AttentionMetadata:
     """How the flattened tokens of one step map onto sequences and KV blocks.
 
-    Sequences are laid out decodes first, then prefill chunks::
+    Sequences are laid out decodes first (longest context first), then prefill chunks::
 
         tokens: [d0 d1 ... d_{D-1} | p0 p0 p0 ... | p1 p1 ... ]
                  one per decode      a chunk per prefilling sequence
@@ -38,6 +38,9 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache, then attends over each sequence's blocks."""
+
+    def begin_step(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Called once per step before the forward: plan work every layer will reuse."""
 
     @abstractmethod
     def forward(

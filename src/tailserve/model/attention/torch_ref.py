@@ -1,19 +1,71 @@
 """The torch reference backend: correct everywhere, fast enough on CPU.
 
-Decodes are batched: their blocks are gathered into one padded [B, L, H_kv, D] tensor and one
-SDPA call attends with a length mask (GQA without repeating K/V). Prefill chunks run one
-SDPA per sequence; a chunk with no earlier context skips the gather entirely.
+Paged K/V are gathered into a workspace that is allocated once and reused by every layer and
+every step (it only grows to a new high-water mark): a fresh multi-MB tensor per layer would
+page-fault its way in each time, which on CPU cost 5x the copy itself (measured 54 ms vs
+10 ms for 64 sequences x 60 blocks).
+
+Decodes are sorted longest first by the runner and attended in groups of ``DECODE_GROUP``: each
+group is padded only to its own longest context, then one SDPA call with a length mask covers
+the group (GQA without repeating K/V). Prefill chunks run one SDPA per sequence; a chunk with no
+earlier context attends to its own K/V with no gather at all.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tailserve.model.attention.base import AttentionBackend, AttentionMetadata
 
+DECODE_GROUP = 16
+
+
+@dataclass
+class _Group:
+    start: int  # index of the first sequence of the group
+    end: int
+    num_blocks: int  # blocks per sequence after padding
+    block_index: torch.Tensor  # [(end - start) * num_blocks] block ids, padded with block 0
+    mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] bool
+
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self._workspace = torch.empty(0)
+        self._groups: list[_Group] = []
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Plan the decode groups once per step; every layer reuses the plan."""
+        self._groups = []
+        bs = meta.block_size
+        for start in range(0, meta.num_decodes, DECODE_GROUP):
+            end = min(start + DECODE_GROUP, meta.num_decodes)
+            lens = meta.seq_lens_list[start:end]
+            num_blocks = -(-max(lens) // bs)
+            index = meta.block_tables[start:end, :num_blocks].reshape(-1)
+            positions = torch.arange(num_blocks * bs, device=index.device)
+            mask = positions[None, :] < meta.seq_lens[start:end, None]
+            self._groups.append(_Group(start, end, num_blocks, index, mask[:, None, None, :]))
+
+    def _gather(
+        self, kv_cache: torch.Tensor, block_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``block_index`` into the workspace: each [len(index) * block_size, H, D]."""
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        n = block_index.numel()
+        need = 2 * n * block_size * num_kv_heads * head_dim
+        ws = self._workspace
+        if ws.numel() < need or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
+            self._workspace = ws = torch.empty(need, dtype=kv_cache.dtype, device=kv_cache.device)
+        buf = ws[:need].view(2, n, block_size, num_kv_heads, head_dim)
+        torch.index_select(kv_cache[0], 0, block_index, out=buf[0])
+        torch.index_select(kv_cache[1], 0, block_index, out=buf[1])
+        flat = (n * block_size, num_kv_heads, head_dim)
+        return buf[0].view(flat), buf[1].view(flat)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -29,31 +81,30 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta)
-        for i in range(nd, meta.num_seqs):
+        for group in self._groups:
+            out[group.start : group.end] = self._decode(q, kv_cache, meta, group)
+        for i in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
-                                           meta, i)
+            out[start:end] = self._prefill(
+                q[start:end], k[start:end], v[start:end], kv_cache, meta, i
+            )
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, group: _Group
     ) -> torch.Tensor:
-        nd = meta.num_decodes
-        max_len = max(meta.seq_lens_list[:nd])
-        max_blocks = -(-max_len // meta.block_size)
-        table = meta.block_tables[:nd, :max_blocks]
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        # [nd, max_blocks * block_size, H_kv, D] -> [nd, H_kv, L, D] as a strided view
-        keys = kv_cache[0][table].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = kv_cache[1][table].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        positions = torch.arange(keys.shape[2], device=q.device)
-        mask = (positions[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+        n = group.end - group.start
+        keys, values = self._gather(kv_cache, group.block_index)
+        # [n * L, H_kv, D] -> [n, H_kv, L, D] as a strided view
+        shape = (n, -1, keys.shape[1], keys.shape[2])
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=meta.scale, enable_gqa=True
-        )  # [nd, H, 1, D]
+            q[group.start : group.end].unsqueeze(2),  # [n, H, 1, D]
+            keys.view(shape).transpose(1, 2),
+            values.view(shape).transpose(1, 2),
+            attn_mask=group.mask,
+            scale=meta.scale,
+            enable_gqa=True,
+        )  # [n, H, 1, D]
         return out.squeeze(2)
 
     def _prefill(
@@ -72,10 +123,9 @@ class TorchAttentionBackend(AttentionBackend):
             keys, values = k, v
             mask = None
         else:
-            num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
             table = meta.block_tables[i, : -(-ctx // meta.block_size)]
-            keys = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:ctx]
-            values = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:ctx]
+            keys, values = self._gather(kv_cache, table)
+            keys, values = keys[:ctx], values[:ctx]
             # Query j sits at position ctx - n + j and sees keys 0 .. ctx - n + j.
             qpos = torch.arange(ctx - n, ctx, device=q.device)
             mask = (torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None])[None, None]
