@@ -27,7 +27,7 @@ import torch
 from tailserve.config import ModelConfig
 from tailserve.errors import ModelLoadError
 from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
-from tailserve.model.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+from tailserve.model.tokenizer import folder_listing, load_gguf_tokenizer, load_hf_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -132,7 +132,8 @@ def _resolve(path: str) -> str:
             f"({', '.join(ggufs)}); pass the one to load"
         )
     raise ModelLoadError(
-        f"folder {path!r} has no config.json; expected {_EXPECTED}; found: {_listing(resolved)}"
+        f"folder {path!r} has no config.json; expected {_EXPECTED}; "
+        f"found: {folder_listing(resolved)}"
     )
 
 
@@ -181,7 +182,7 @@ def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
         files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(
-            f"no *.safetensors weights in {folder} (found: {_listing(folder)}); "
+            f"no *.safetensors weights in {folder} (found: {folder_listing(folder)}); "
             "only safetensors checkpoints are supported, not pytorch_model.bin"
         )
     weights: dict[str, torch.Tensor] = {}
@@ -251,14 +252,6 @@ def _read_json(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} holds a JSON {type(data).__name__}, expected an object")
     return data
-
-
-def _listing(folder: str, limit: int = 12) -> str:
-    names = sorted(os.listdir(folder))
-    shown = ", ".join(names[:limit]) + (
-        f", ... ({len(names)} entries)" if len(names) > limit else ""
-    )
-    return shown or "nothing (empty folder)"
 
 
 __all__ = [

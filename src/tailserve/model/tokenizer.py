@@ -43,7 +43,7 @@ def load_hf_tokenizer(folder: str) -> PreTrainedTokenizerBase:
     if not any(os.path.isfile(os.path.join(folder, name)) for name in _HF_TOKENIZER_FILES):
         raise ModelLoadError(
             f"no tokenizer in {folder}: expected tokenizer.json (or tokenizer.model) next to "
-            f"tokenizer_config.json; found: {_listing(folder)}"
+            f"tokenizer_config.json; found: {folder_listing(folder)}"
         )
     return _load_hf_cached(folder, _stamp(folder, _HF_TOKENIZER_STAMPED))
 
@@ -100,7 +100,8 @@ def _stamp(folder: str, names: Sequence[str]) -> tuple[tuple[str, int, int], ...
     return tuple(stamp)
 
 
-def _listing(folder: str, limit: int = 12) -> str:
+def folder_listing(folder: str, limit: int = 12) -> str:
+    """What a folder holds, for error messages that name what was found."""
     names = sorted(os.listdir(folder))
     shown = ", ".join(names[:limit]) + (
         f", ... ({len(names)} entries)" if len(names) > limit else ""
