@@ -10,7 +10,7 @@ from tailserve.config import EngineArgs, SchedulerConfig
 from tailserve.engine.outputs import EngineOutput, SchedulerOutput, StepStats
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError, InvalidRequestError
-from tailserve.model.runner import ModelRunner
+from tailserve.model.runner import ModelRunner, resolve_device
 from tailserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -39,15 +39,14 @@ class EngineCore:
             )
         self.max_model_len = max_model_len
         t0 = time.perf_counter()
-        self.runner = ModelRunner(cfg, self.loaded.weights, args, max_model_len, 1)
-        device_type = self.runner.device.type
-        budget = args.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device_type, 512)
-        if not args.enable_chunked_prefill:
-            budget = max(budget, max_model_len)
-        budget = max(budget, args.max_num_seqs)
-        self.runner.max_num_batched_tokens = budget
-        if args.num_kv_blocks is None and device_type == "cuda":
-            self.runner.num_kv_blocks = self.runner._determine_num_blocks(args)
+        device_type = resolve_device(args.device).type
+        budget = args.max_num_batched_tokens
+        if budget is None:
+            # The default must hold every running decode, and whole prompts when not chunking.
+            budget = max(DEFAULT_BATCHED_TOKENS.get(device_type, 512), args.max_num_seqs)
+            if not args.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        self.runner = ModelRunner(cfg, self.loaded.weights, args, max_model_len, budget)
         # Validates that one max_model_len sequence fits before a byte of KV is allocated.
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
