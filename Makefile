@@ -23,7 +23,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: setup lint
-	$(BIN)/pytest -x
+	$(BIN)/pytest -x --durations=10
 
 serve: setup
 	$(BIN)/tailserve generate --prompt "Write a haiku about tail latency." --max-tokens 64
