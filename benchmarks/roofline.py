@@ -1,0 +1,130 @@
+"""Memory roofline for single-stream decode: bytes one decoded token must read ÷ bandwidth.
+
+At batch size 1 every weight is read once per token and reused zero times, so decode is
+memory-bound: the fastest a token can come is (bytes of weights read) / (memory bandwidth).
+Both factors are measured or counted here, never taken from a datasheet.
+
+    python benchmarks/roofline.py            # bandwidth of this machine only
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    copy_gbps: float  # (bytes read + bytes written) / time of dst.copy_(src), best of N
+    read_gbps: float  # bytes read / time of t.sum(), best of N
+    copy_mib: int
+    read_mib: int
+    repeats: int
+    threads: int
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # first touch: page faults would otherwise be timed as bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _copy_seconds(mib: int, repeats: int) -> float:
+    src = torch.ones(mib * MIB // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return _best_seconds(lambda: dst.copy_(src), repeats)
+
+
+def _read_seconds(mib: int, repeats: int) -> float:
+    # A reduction reads every byte once and writes one scalar: the read-only bandwidth.
+    big = torch.ones(mib * MIB // 4, dtype=torch.float32)
+    return _best_seconds(lambda: big.sum(), repeats)
+
+
+def measure_bandwidth(copy_mib: int = 512, read_mib: int = 1024, repeats: int = 5) -> Bandwidth:
+    """Best of ``repeats``: on a shared machine the best run is the one least disturbed by
+    neighbours, which is the number a roofline should use."""
+    copy_s = _copy_seconds(copy_mib, repeats)
+    read_s = _read_seconds(read_mib, repeats)
+    return Bandwidth(
+        copy_gbps=2 * copy_mib * MIB / copy_s / 1e9,
+        read_gbps=read_mib * MIB / read_s / 1e9,
+        copy_mib=copy_mib,
+        read_mib=read_mib,
+        repeats=repeats,
+        threads=torch.get_num_threads(),
+    )
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """What one decode step of one sequence reads, in the serving dtype."""
+
+    linear_bytes: int  # every projection matrix of every layer (q, k, v, o, gate, up, down)
+    lm_head_bytes: int  # the whole [vocab, hidden] matrix: every logit needs every row
+    norm_bytes: int  # RMSNorm weights (and biases, if any)
+    embedding_row_bytes: int  # the embedding lookup is a gather of one row, not a table read
+    kv_bytes_per_context_token: int  # K and V of one cached token across all layers
+    element_size: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.linear_bytes + self.lm_head_bytes + self.norm_bytes + self.embedding_row_bytes
+
+    def kv_bytes(self, context_len: float) -> float:
+        return self.kv_bytes_per_context_token * context_len
+
+
+def decode_bytes(
+    weights: dict[str, torch.Tensor],
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    element_size: int,
+) -> DecodeBytes:
+    """Count from Hugging Face-named tensors. With tied embeddings there is no
+    ``lm_head.weight``: the LM head *is* the embedding matrix, counted once, as the LM head."""
+    embed = weights["model.embed_tokens.weight"]
+    lm_head = weights.get("lm_head.weight", embed)
+    linear = norms = 0
+    for name, w in weights.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            continue
+        if w.dim() == 2:
+            linear += w.numel()
+        else:
+            norms += w.numel()
+    return DecodeBytes(
+        linear_bytes=linear * element_size,
+        lm_head_bytes=lm_head.numel() * element_size,
+        norm_bytes=norms * element_size,
+        embedding_row_bytes=embed.shape[1] * element_size,
+        kv_bytes_per_context_token=num_layers * 2 * num_kv_heads * head_dim * element_size,
+        element_size=element_size,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--copy-mib", type=int, default=512)
+    p.add_argument("--read-mib", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args()
+    bw = measure_bandwidth(a.copy_mib, a.read_mib, a.repeats)
+    for k, v in asdict(bw).items():
+        print(f"{k:>10}: {v:.2f}" if isinstance(v, float) else f"{k:>10}: {v}")
+
+
+if __name__ == "__main__":
+    main()
