@@ -129,6 +129,22 @@ def step_summary(stats: Sequence[StepStats]) -> dict[str, Any]:
         ms_per_seq = [1e3 * s.step_s / s.num_decode_seqs for s in decode_only]
         out["decode_only_step_ms_median"] = 1e3 * statistics.median(s.step_s for s in decode_only)
         out["decode_only_ms_per_seq_median"] = statistics.median(ms_per_seq)
+        # Per-sequence cost by batch size: if it does not fall as the batch grows, the step is
+        # bound by per-sequence work (attention over the context), not by the weights.
+        buckets: dict[str, list[StepStats]] = {}
+        for s in decode_only:
+            lo = 1 << (s.num_decode_seqs - 1).bit_length()  # 1, 2, 4, 8, ... upper edges
+            buckets.setdefault(f"<={lo}", []).append(s)
+        out["decode_only_by_batch"] = {
+            k: {
+                "steps": len(v),
+                "step_ms_median": 1e3 * statistics.median(s.step_s for s in v),
+                "ms_per_seq_median": statistics.median(
+                    1e3 * s.step_s / s.num_decode_seqs for s in v
+                ),
+            }
+            for k, v in sorted(buckets.items(), key=lambda kv: int(kv[0][2:]))
+        }
     return out
 
 
@@ -600,8 +616,12 @@ def main() -> None:
     with maybe_torch_profile(args.torch_profile, "batched"):
         phases["tailserve"] = run_tailserve(llm, reqs, progress_s=args.progress_s)
     print_phase(phases["tailserve"])
+    steps = phases["tailserve"].extra["steps"]
     print("  steps:", {k: round(v, 3) if isinstance(v, float) else v
-                       for k, v in phases["tailserve"].extra["steps"].items()})
+                       for k, v in steps.items() if k != "decode_only_by_batch"})
+    for k, v in steps.get("decode_only_by_batch", {}).items():
+        print(f"    decode-only steps with {k:>5} seqs: {v['steps']:4d} steps, median "
+              f"{v['step_ms_median']:7.1f} ms/step, {v['ms_per_seq_median']:6.1f} ms/seq")
     save()
 
     hf_n = min(args.hf_num_prompts or len(reqs), len(reqs))
