@@ -413,6 +413,10 @@ def machine_info() -> dict[str, Any]:
         pass
     info["torch"] = torch.__version__
     info["torch_threads"] = torch.get_num_threads()
+    # OMP_WAIT_POLICY decides whether idle OpenMP threads spin or sleep; on an oversubscribed
+    # machine spinning made every step several times slower (see RESULTS.md).
+    info["env"] = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
+                                                  "MKL_NUM_THREADS", "GOMP_SPINCOUNT")}
     return info
 
 
