@@ -101,6 +101,8 @@ class StepStats:
     prefix_cache_hits: int
     num_finished: int
     admission_blocked_by: str | None = None
+    # Engine-process memory sampled at the end of the step (keys as ``EngineState.memory``).
+    memory: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
