@@ -1,0 +1,241 @@
+"""Prometheus rendering of the engine's plain stats (``/metrics``).
+
+Names mirror vLLM's with the ``tailserve:`` prefix so Grafana dashboards port by a rename.
+Quirks of prometheus_client that shape the code below:
+
+- A Counter's ``_total`` suffix is added by the library: ``Counter("tailserve:prompt_tokens")``
+  renders ``tailserve:prompt_tokens_total`` (plus a ``_created`` timestamp sample).
+- ``iteration_tokens_total`` is a *histogram* (as in vLLM), so its series are
+  ``tailserve:iteration_tokens_total_bucket/_sum/_count``.
+- Each ServerMetrics owns its registry: several servers (or tests) in one process must not
+  collide in the global ``REGISTRY``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from tailserve.engine.outputs import StepStats
+from tailserve.obs.records import EngineState, RequestRecord
+
+PREFIX = "tailserve:"
+# prometheus_client >= 0.22 labels its output "version=1.0.0" (UTF-8 names). Every name here is
+# a classic one (letters, digits, "_", ":"), so the body is the 0.0.4 text format byte for byte;
+# saying so keeps older scrapers and proxies that check the version happy.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Engine steps and token gaps are milliseconds on a GPU, so the low end is 0.5 ms; roughly
+# 1-2-3-5 per decade keeps relative resolution near constant up to 10 s.
+FAST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
+    0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# Request-level times include queueing under overload, so they reach minutes.
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+# Prompt/output lengths and step sizes: powers of two, 1 .. 32768.
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(16))
+
+# finish_reason values that count as success; "error" goes to request_errors_total.
+SUCCESS_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = (
+    "queue_full", "invalid_request", "draining", "engine_dead", "unauthorized", "too_large",
+)  # fmt: skip
+
+
+class ServerMetrics:
+    """The ``/metrics`` page of one server: feed it engine states, steps and finished requests."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        # process_resident_memory_bytes, process_cpu_seconds_total, ... of the API process.
+        ProcessCollector(registry=self.registry)
+        # Device label for the device_* gauges; EngineState carries it, StepStats does not.
+        self._device = "cpu"
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            # prometheus_client appends "_total" itself; pass the stem.
+            stem = name.removesuffix("_total")
+            return Counter(PREFIX + stem, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full; cached blocks free)."
+        )
+        self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV cache blocks.")
+        self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
+        self.device_memory_used_bytes = gauge(
+            "device_memory_used_bytes", "Device memory in use (all processes).", ("device",)
+        )
+        self.device_memory_total_bytes = gauge(
+            "device_memory_total_bytes", "Device memory capacity.", ("device",)
+        )
+        self.torch_memory_allocated_bytes = gauge(
+            "torch_memory_allocated_bytes", "Bytes held by live tensors in the engine process."
+        )
+        self.torch_memory_reserved_bytes = gauge(
+            "torch_memory_reserved_bytes", "Bytes reserved by the torch caching allocator."
+        )
+
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter(
+            "generation_tokens_total", "Generated tokens of finished requests."
+        )
+        self.request_success = counter(
+            "request_success_total", "Finished requests by finish_reason.", ("finished_reason",)
+        )
+        self.request_errors = counter(
+            "request_errors_total", "Failed requests by error type.", ("type",)
+        )
+        self.num_preemptions = counter("num_preemptions_total", "Preemptions (recompute).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."
+        )
+        self.requests_rejected = counter(
+            "requests_rejected_total", "Requests refused before reaching the engine.", ("reason",)
+        )
+        # Zero-valued series from the start, so rate() works before the first event.
+        for reason in SUCCESS_REASONS:
+            self.request_success.labels(finished_reason=reason)
+        for reason in REJECT_REASONS:
+            self.requests_rejected.labels(reason=reason)
+
+        fast, slow, tokens = FAST_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token (engine clock).", slow
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Gaps between a request's streamed tokens.", fast
+        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: decode time / (output tokens - 1).",
+            fast,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish (engine clock).", slow
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", slow
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Steps spent computing the request's prompt.", slow
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to finish.", slow
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", tokens
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Output length of finished requests.", tokens
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens per engine step (prefill + decode).", tokens
+        )
+        self.engine_step_seconds = histogram(
+            "engine_step_seconds", "Wall time of one engine step.", fast
+        )
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def on_engine_state(self, state: EngineState) -> None:
+        self._device = state.device
+        self.num_requests_running.set(state.num_running)
+        self.num_requests_waiting.set(state.num_waiting)
+        self.kv_cache_free_blocks.set(state.free_blocks)
+        self.kv_cache_total_blocks.set(state.total_blocks)
+        self.kv_cache_usage_perc.set(state.kv_cache_usage)
+        self._set_memory(state.memory)
+
+    def on_step(self, stats: StepStats) -> None:
+        self.engine_step_seconds.observe(stats.step_s)
+        # A decode sequence contributes exactly one token to the step.
+        self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_seqs)
+        # StepStats carries per-step deltas, so they add straight into the counters.
+        self.num_preemptions.inc(stats.num_preemptions)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_free_blocks.set(stats.free_blocks)
+        self.kv_cache_total_blocks.set(stats.total_blocks)
+        if stats.total_blocks:
+            self.kv_cache_usage_perc.set(1.0 - stats.free_blocks / stats.total_blocks)
+        self._set_memory(stats.memory)
+
+    def on_request_finished(self, rec: RequestRecord) -> None:
+        self.prompt_tokens.inc(rec.prompt_tokens)
+        self.generation_tokens.inc(rec.output_tokens)
+        if rec.error_type is not None:
+            self.request_errors.labels(type=rec.error_type).inc()
+        elif rec.finish_reason in SUCCESS_REASONS:
+            self.request_success.labels(finished_reason=rec.finish_reason).inc()
+        elif rec.finish_reason == "error":
+            # An engine-reported failure without a classified type still has to show up.
+            self.request_errors.labels(type="unknown").inc()
+
+        timing = rec.timing
+        if timing is None:  # never reached the engine: no engine times or lengths to observe
+            return
+        self._observe(self.time_to_first_token, timing, "ttft_s")
+        self._observe(self.e2e_request_latency, timing, "e2e_s")
+        self._observe(self.request_queue_time, timing, "queue_s")
+        self._observe(self.request_prefill_time, timing, "prefill_s")
+        self._observe(self.request_decode_time, timing, "decode_s")
+        decode_s = timing.get("decode_s")
+        if decode_s is not None and rec.output_tokens > 1:
+            # TPOT excludes the first token, whose cost is the prefill (TTFT).
+            self.time_per_output_token.observe(decode_s / (rec.output_tokens - 1))
+        self.request_prompt_tokens.observe(rec.prompt_tokens)
+        self.request_generation_tokens.observe(rec.output_tokens)
+        for gap in rec.itl_s:
+            self.inter_token_latency.observe(gap)
+
+    def on_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(reason=reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, for the ``/metrics`` response."""
+        return generate_latest(self.registry), CONTENT_TYPE
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _set_memory(self, memory: Mapping[str, float]) -> None:
+        # Absent keys (CPU engine, CUDA not yet initialized) leave the gauges as they were.
+        if (v := memory.get("torch_allocated_bytes")) is not None:
+            self.torch_memory_allocated_bytes.set(v)
+        if (v := memory.get("torch_reserved_bytes")) is not None:
+            self.torch_memory_reserved_bytes.set(v)
+        if (v := memory.get("device_used_bytes")) is not None:
+            self.device_memory_used_bytes.labels(device=self._device).set(v)
+        if (v := memory.get("device_total_bytes")) is not None:
+            self.device_memory_total_bytes.labels(device=self._device).set(v)
+
+    @staticmethod
+    def _observe(hist: Histogram, timing: Mapping[str, object], key: str) -> None:
+        # ttft_s is None for a request that ended before its first token.
+        value = timing.get(key)
+        if isinstance(value, (int, float)):
+            hist.observe(float(value))
