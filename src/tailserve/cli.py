@@ -80,6 +80,53 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    import os
+
+    from tailserve.server.app import run_server
+    from tailserve.server.context import ServerSettings
+
+    if ns.model_pos is not None:
+        ns.model = ns.model_pos
+    settings = ServerSettings(
+        host=ns.host, port=ns.port,
+        api_key=ns.api_key or os.environ.get("TAILSERVE_API_KEY") or None,
+        served_model_name=ns.served_model_name, max_request_bytes=ns.max_request_bytes,
+        max_header_bytes=ns.max_header_bytes, shutdown_timeout=ns.shutdown_timeout,
+        timeline=ns.timeline, otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        watchdog_timeout=ns.watchdog_timeout, log_level=ns.log_level,
+    )
+    return run_server(engine_args_from(ns), settings)
+
+
+def _add_serve(sub: Any) -> None:
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                     help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    srv.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    g = srv.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (or set TAILSERVE_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="the name clients use as model")
+    g.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="larger bodies get 413 (default: 4 MiB)")
+    g.add_argument("--max-header-bytes", type=int, default=16 << 10,
+                   help="larger headers get 431 (default: 16 KiB)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests before aborting them")
+    g.add_argument("--timeline", default=None, help="append step and request records (JSONL)")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces")
+    g.add_argument("--watchdog-timeout", type=float, default=30.0,
+                   help="/health turns 503 after this long without engine progress")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(srv)
+    srv.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tailserve",
@@ -103,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print completions and timing as JSON")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+    _add_serve(sub)
     return parser
 
 

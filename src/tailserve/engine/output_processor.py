@@ -132,6 +132,11 @@ class OutputProcessor:
         parent.output.finished = True
         return parent.output
 
+    def get(self, parent_id: str) -> RequestOutput | None:
+        """The request's output so far (texts and tokens grow as ``process`` runs)."""
+        parent = self._parents.get(parent_id)
+        return parent.output if parent is not None else None
+
     def abort(self, parent_id: str) -> list[str]:
         """Forget a request; returns its child ids so the engine can abort them too."""
         parent = self._parents.pop(parent_id, None)

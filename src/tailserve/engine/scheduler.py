@@ -39,6 +39,38 @@ from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus
 
 
+def check_request_lengths(cfg: SchedulerConfig, n_prompt: int, max_tokens: int | None) -> int:
+    """Raise ``InvalidRequestError`` (with the numbers) for a request that can never be served;
+    return ``max_tokens`` resolved (``None`` -> the room left under max_model_len).
+
+    Pure, so the API process runs the same check before a request crosses to the engine.
+    """
+    if n_prompt == 0:
+        raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
+    if n_prompt >= cfg.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; "
+            f"at most {cfg.max_model_len - 1} prompt tokens leave room for one output token",
+            param="input_tokens",
+        )
+    if max_tokens is None:
+        max_tokens = cfg.max_model_len - n_prompt
+    elif n_prompt + max_tokens > cfg.max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
+            f"{n_prompt + max_tokens} exceeds max_model_len ({cfg.max_model_len})",
+            param="max_tokens",
+        )
+    blocks_needed = cdiv(n_prompt + max_tokens, cfg.block_size)
+    if blocks_needed > cfg.num_kv_blocks:
+        raise InvalidRequestError(
+            f"prompt + max_tokens = {n_prompt + max_tokens} tokens need {blocks_needed} KV "
+            f"blocks but the whole pool has {cfg.num_kv_blocks}",
+            param="input_tokens",
+        )
+    return max_tokens
+
+
 class WaitingQueue:
     """FCFS (a deque; preempted requests return to the front) or priority (a heap on
     ``(priority, arrival_time)``: lower value first, as vLLM orders it)."""
@@ -100,32 +132,8 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in and out
     def validate(self, req: Request) -> None:
         """Reject what can never be served, with the numbers; resolves ``max_tokens=None``."""
-        cfg = self.config
-        n_prompt = req.num_prompt_tokens
-        if n_prompt == 0:
-            raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
-        if n_prompt >= cfg.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; "
-                f"at most {cfg.max_model_len - 1} prompt tokens leave room for one output token",
-                param="input_tokens",
-            )
         sp = req.sampling_params
-        if sp.max_tokens is None:
-            sp.max_tokens = cfg.max_model_len - n_prompt
-        elif n_prompt + sp.max_tokens > cfg.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({sp.max_tokens}) = "
-                f"{n_prompt + sp.max_tokens} exceeds max_model_len ({cfg.max_model_len})",
-                param="max_tokens",
-            )
-        blocks_needed = cdiv(n_prompt + sp.max_tokens, cfg.block_size)
-        if blocks_needed > cfg.num_kv_blocks:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {n_prompt + sp.max_tokens} tokens need {blocks_needed} KV "
-                f"blocks but the whole pool has {cfg.num_kv_blocks}",
-                param="input_tokens",
-            )
+        sp.max_tokens = check_request_lengths(self.config, req.num_prompt_tokens, sp.max_tokens)
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
 

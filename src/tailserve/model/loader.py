@@ -75,6 +75,19 @@ def load_model(path: str | None) -> LoadedModel:
     return _load_hf_folder(source)
 
 
+def resolve_model_path(path: str | None) -> str:
+    """The file or folder ``load_model(path)`` would load (``None``: the bundled default)."""
+    return default_model_path() if path is None else _resolve(path)
+
+
+def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:
+    """Only the tokenizer of a model (the API process needs it, not the weights)."""
+    source = resolve_model_path(path)
+    if source.endswith(".gguf"):
+        return load_gguf_tokenizer(source)
+    return load_hf_tokenizer(source)
+
+
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter a supported model has, with its shape."""
     h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim

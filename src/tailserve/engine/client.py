@@ -1,0 +1,366 @@
+"""EngineClient: the API process's handle on the engine.
+
+Two implementations behind one interface:
+
+- ``MPEngineClient``: the engine runs in its own process (``engine/process.py``) and talks over
+  ZMQ IPC sockets with msgpack messages; HTTP work can never stall the step loop.
+- ``InprocEngineClient``: the same ``EngineLoop`` on a thread of this process, messages passed
+  as objects; for tests and embedding.
+
+The client owns one ``asyncio.Queue`` per engine request id. The engine's messages are
+dispatched on the event loop: outputs go to their queue, stats to the listeners (metrics,
+timeline), a death notice fails every queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tailserve.config import EngineArgs
+from tailserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineInput,
+    EngineMessage,
+    Heartbeat,
+    Ready,
+    Rejected,
+    Shutdown,
+    StartupFailed,
+    StepResult,
+    input_encoder,
+    message_decoder,
+)
+from tailserve.engine.outputs import EngineOutput, StepStats
+from tailserve.errors import InvalidRequestError, QueueFullError
+from tailserve.obs.records import EngineState
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed or stopped; requests it held are lost."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not start (its message says why, e.g. a bad model path)."""
+
+
+# What a request's queue yields: (engine-stamped step end, output), or an exception to raise.
+StreamItem = tuple[float, EngineOutput] | BaseException
+
+
+class EngineClient:
+    """Base: request bookkeeping, message dispatch, health. Subclasses move the bytes."""
+
+    def __init__(self, watchdog_timeout_s: float = 30.0) -> None:
+        self.info: Ready | None = None
+        self.state: EngineState | None = None
+        self.dead_reason: str | None = None
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.last_seen = time.monotonic()
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self.state_listeners: list[Callable[[EngineState], None]] = []
+        self.death_listeners: list[Callable[[str], None]] = []
+
+    # ------------------------------------------------------------------ interface
+    async def start(self) -> Ready:
+        raise NotImplementedError
+
+    def _send(self, msg: EngineInput) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self, timeout_s: float = 10.0) -> int | None:
+        """Stop the engine; returns its exit code where there is a process."""
+        raise NotImplementedError
+
+    def engine_alive(self) -> bool:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def num_inflight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def inflight_request_ids(self) -> list[str]:
+        return list(self._streams)
+
+    def add_request(
+        self, msg: AddRequest, q: asyncio.Queue[StreamItem] | None = None
+    ) -> asyncio.Queue[StreamItem]:
+        """Send a request; its outputs arrive on ``q`` (several requests may share one)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if msg.request_id in self._streams:
+            raise InvalidRequestError(f"request_id {msg.request_id!r} is already in use")
+        if q is None:
+            q = asyncio.Queue()
+        self._streams[msg.request_id] = q
+        self._send(msg)
+        return q
+
+    def stop(self, request_ids: list[str]) -> None:
+        """Finish requests as ``stop`` (a stop string matched); their last outputs still come."""
+        live = [rid for rid in request_ids if rid in self._streams]
+        if live and self.dead_reason is None:
+            self._send(AbortRequests(live, stopped=True))
+
+    def abort_keep_streams(self, request_ids: list[str]) -> None:
+        """Abort but still deliver the ``abort`` outputs (used by the shutdown drain)."""
+        live = [rid for rid in request_ids if rid in self._streams]
+        if live and self.dead_reason is None:
+            self._send(AbortRequests(live))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort in the engine (it frees the blocks before its next step). Idempotent."""
+        live = [rid for rid in request_ids if rid in self._streams]
+        for rid in live:
+            del self._streams[rid]
+        if live and self.dead_reason is None:
+            self._send(AbortRequests(live))
+
+    def healthy(self) -> bool:
+        if self.dead_reason is not None or not self.engine_alive():
+            return False
+        # Heartbeats arrive every 0.25 s when idle and a message per step when busy.
+        return time.monotonic() - self.last_seen < self.watchdog_timeout_s
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self, msg: EngineMessage) -> None:
+        self.last_seen = time.monotonic()
+        if isinstance(msg, StepResult):
+            for out in msg.outputs:
+                q = self._streams.get(out.request_id)
+                if q is None:
+                    continue  # aborted here already
+                q.put_nowait((msg.t, out))
+                if out.finished:
+                    del self._streams[out.request_id]
+            self._set_state(msg.state)
+            if msg.stats is not None:
+                for step_cb in self.step_listeners:
+                    step_cb(msg.stats)
+        elif isinstance(msg, Heartbeat):
+            self._set_state(msg.state)
+        elif isinstance(msg, Rejected):
+            q = self._streams.pop(msg.request_id, None)
+            if q is not None:
+                exc: Exception = (
+                    QueueFullError(msg.message)
+                    if msg.kind == "queue_full"
+                    else InvalidRequestError(msg.message, param=msg.param)
+                )
+                q.put_nowait(exc)
+        elif isinstance(msg, EngineDead):
+            self._die(msg.message)
+        elif isinstance(msg, Ready):
+            self.info = msg
+
+    def _set_state(self, state: EngineState) -> None:
+        self.state = state
+        for cb in self.state_listeners:
+            cb(state)
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("engine dead: %s", reason)
+        streams, self._streams = self._streams, {}
+        for q in streams.values():
+            q.put_nowait(EngineDeadError(reason))
+        for cb in self.death_listeners:
+            cb(reason)
+
+
+class MPEngineClient(EngineClient):
+    """The engine in a child process, over ZMQ IPC sockets in a private temporary directory."""
+
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        watchdog_timeout_s: float = 30.0,
+        startup_timeout_s: float = 900.0,
+        log_level: str = "INFO",
+    ) -> None:
+        super().__init__(watchdog_timeout_s)
+        self.engine_args = engine_args
+        self.startup_timeout_s = startup_timeout_s
+        self.log_level = log_level
+        self._dir = tempfile.mkdtemp(prefix="tailserve-")  # mode 0700: only this user
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._proc: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> Ready:
+        in_addr = f"ipc://{os.path.join(self._dir, 'in')}"
+        out_addr = f"ipc://{os.path.join(self._dir, 'out')}"
+        self._in.bind(in_addr)
+        self._out.bind(out_addr)
+        from tailserve.engine.process import engine_main
+
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(
+            target=engine_main,
+            args=(dataclasses.asdict(self.engine_args), in_addr, out_addr, self.log_level),
+            name="tailserve-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._kill()
+                raise EngineStartupError(
+                    f"the engine did not become ready within {self.startup_timeout_s:.0f} s"
+                )
+            if await self._out.poll(timeout=min(250, int(left * 1000))):
+                msg = message_decoder.decode(await self._out.recv())
+                if isinstance(msg, StartupFailed):
+                    self._proc.join(5)
+                    raise EngineStartupError(msg.message)
+                if isinstance(msg, Ready):
+                    self.info = msg
+                    break
+            elif not self._proc.is_alive():
+                raise EngineStartupError(
+                    f"the engine process exited during start-up (exit code {self._proc.exitcode})"
+                )
+        self.last_seen = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._reader()), loop.create_task(self._watchdog())]
+        return msg
+
+    def _send(self, msg: EngineInput) -> None:
+        # PUSH on a connected IPC pipe: non-blocking unless the high-water mark is hit.
+        self._in.send(input_encoder.encode(msg), copy=False)
+
+    async def _reader(self) -> None:
+        while True:
+            raw = await self._out.recv()
+            self._dispatch(message_decoder.decode(raw))
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(0.25)
+            if not self._proc.is_alive():
+                # Let the reader deliver an EngineDead that was sent just before the exit.
+                await asyncio.sleep(0.1)
+                self._die(f"the engine process exited (exit code {self._proc.exitcode})")
+            elif time.monotonic() - self.last_seen > self.watchdog_timeout_s:
+                self._die(
+                    f"the engine loop made no progress for {self.watchdog_timeout_s:.0f} s"
+                )
+
+    def engine_alive(self) -> bool:
+        return self._proc is not None and bool(self._proc.is_alive())
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self._proc is None else self._proc.exitcode
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> int | None:
+        for task in self._tasks:
+            task.cancel()
+        if self._proc is not None and self._proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(Shutdown())
+            deadline = time.monotonic() + timeout_s
+            while self._proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._proc.is_alive():
+                logger.warning("engine did not stop within %.0f s; killing it", timeout_s)
+                self._kill()
+        self._in.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return self.exitcode
+
+
+class InprocEngineClient(EngineClient):
+    """The engine loop on a thread of this process (tests, embedding). Same messages, no bytes."""
+
+    def __init__(self, engine_args: EngineArgs, loaded: Any = None) -> None:
+        super().__init__(watchdog_timeout_s=float("inf"))
+        self.engine_args = engine_args
+        self._loaded = loaded
+        self._inbox: queue.Queue[EngineInput] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> Ready:
+        from tailserve.engine.core import EngineCore
+        from tailserve.engine.loop import EngineLoop
+
+        self._aloop = asyncio.get_running_loop()
+        core = await asyncio.to_thread(EngineCore, self.engine_args, self._loaded)
+        engine_loop = EngineLoop(core, self._emit)
+        self.info = engine_loop.ready_message()
+        self._thread = threading.Thread(
+            target=self._run, args=(engine_loop,), name="tailserve-engine", daemon=True
+        )
+        self._thread.start()
+        return self.info
+
+    def _emit(self, msg: EngineMessage) -> None:
+        assert self._aloop is not None
+        self._aloop.call_soon_threadsafe(self._dispatch, msg)
+
+    def _run(self, engine_loop: Any) -> None:
+        from tailserve.engine.loop import EngineFatalError
+
+        while True:
+            batch: list[EngineInput] = []
+            if not engine_loop.has_work():
+                batch.append(self._inbox.get())  # idle: sleep until there is something to do
+            while True:
+                try:
+                    batch.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if batch and not engine_loop.handle(batch):
+                return
+            if engine_loop.has_work():
+                try:
+                    engine_loop.step()
+                except EngineFatalError:
+                    return
+
+    def _send(self, msg: EngineInput) -> None:
+        self._inbox.put(msg)
+
+    def engine_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> int | None:
+        self._send(Shutdown())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+        return None

@@ -1,0 +1,136 @@
+"""EngineLoop: what the engine does between steps, shared by the engine process and the
+in-process client. Inputs in (add / abort / shutdown), messages out (step results, heartbeats,
+rejections, death notices). The driver decides where messages go and how inputs arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from tailserve.engine.core import EngineCore
+from tailserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineInput,
+    EngineMessage,
+    Heartbeat,
+    Ready,
+    Rejected,
+    Shutdown,
+    StepResult,
+)
+from tailserve.errors import QueueFullError
+from tailserve.obs.memory import sample_memory
+from tailserve.obs.records import EngineState
+from tailserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# Test-only fault injection: the forward raises at this step number (1-based), so tests can
+# check what users see when the model fails mid-flight. Read once, when the loop is built.
+FAULT_ENV = "TAILSERVE_TEST_FAIL_FORWARD_AT_STEP"
+
+
+class EngineFatalError(RuntimeError):
+    """The engine loop cannot go on; an ``EngineDead`` message has already been emitted."""
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, emit: Callable[[EngineMessage], None]) -> None:
+        self.core = core
+        self.emit = emit
+        self.device = str(core.runner.device)
+        self.num_steps = 0
+        self.last_emit = time.monotonic()
+        fault = os.environ.get(FAULT_ENV)
+        self._fail_at_step = int(fault) if fault else None
+
+    def ready_message(self) -> Ready:
+        core = self.core
+        return Ready(
+            scheduler_config=core.scheduler_config,
+            model=core.loaded.source,
+            vocab_size=core.model_config.vocab_size,
+            eos_token_ids=core.model_config.eos_token_ids,
+            dtype=str(core.runner.dtype).removeprefix("torch."),
+            device=self.device,
+            kv_cache_bytes=int(core.runner.kv_cache_bytes),
+            pid=os.getpid(),
+        )
+
+    def state(self) -> EngineState:
+        s = self.core.scheduler
+        return EngineState(
+            t=time.time(),
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            free_blocks=s.kv.num_free_blocks,
+            total_blocks=s.kv.num_blocks,
+            num_preemptions_total=s.num_preemptions_total,
+            memory=sample_memory(self.device),
+            device=self.device,
+        )
+
+    def _send(self, msg: EngineMessage) -> None:
+        self.last_emit = time.monotonic()
+        self.emit(msg)
+
+    def handle(self, inputs: list[EngineInput]) -> bool:
+        """Apply a batch of inputs; False once a ``Shutdown`` was among them."""
+        aborted = []
+        running = True
+        for msg in inputs:
+            if isinstance(msg, AddRequest):
+                req = Request(
+                    msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                    arrival_time=msg.arrival_time, priority=msg.priority,
+                )
+                try:
+                    self.core.add_request(req)
+                except QueueFullError as exc:
+                    self._send(Rejected(msg.request_id, "queue_full", str(exc)))
+                except ValueError as exc:
+                    param = getattr(exc, "param", None)
+                    self._send(Rejected(msg.request_id, "invalid_request", str(exc), param))
+            elif isinstance(msg, AbortRequests):
+                status = (
+                    RequestStatus.FINISHED_STOPPED if msg.stopped
+                    else RequestStatus.FINISHED_ABORTED
+                )
+                aborted.extend(self.core.abort_requests(msg.request_ids, status))
+            elif isinstance(msg, Shutdown):
+                running = False
+        if aborted:
+            # Aborts change the gauges (blocks freed) even when no step follows.
+            self._send(StepResult(aborted, None, self.state(), time.monotonic()))
+        return running
+
+    def has_work(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> None:
+        """Run one step and emit its result. Raises ``EngineFatalError`` if the model failed."""
+        self.num_steps += 1
+        try:
+            if self._fail_at_step is not None and self.num_steps >= self._fail_at_step:
+                raise RuntimeError(f"injected forward failure at step {self.num_steps}")
+            outputs, stats = self.core.step()
+        except Exception as exc:
+            logger.exception("engine step %d failed", self.num_steps)
+            lost = list(self.core.scheduler.requests)
+            # The message names the exception type only: no paths, addresses or traceback.
+            self._send(EngineDead(f"the model forward failed ({type(exc).__name__})", lost))
+            raise EngineFatalError(str(exc)) from exc
+        if outputs or stats is not None:
+            state = self.state()
+            if stats is not None:
+                stats.memory = state.memory
+            self._send(StepResult(outputs, stats, state, time.monotonic()))
+
+    def heartbeat_if_due(self, interval_s: float) -> None:
+        if time.monotonic() - self.last_emit >= interval_s:
+            self._send(Heartbeat(self.state(), time.monotonic()))

@@ -1,0 +1,91 @@
+"""Messages between the API process and the engine process (msgspec/msgpack, never pickle).
+
+Token ids only cross the wire: tokenization, chat templates and detokenization stay in the
+API process. Each message is a tagged struct so one typed decoder reads a whole union.
+
+    API -> engine:  AddRequest | AbortRequests | Shutdown
+    engine -> API:  Ready | StartupFailed | StepResult | Heartbeat | Rejected | EngineDead
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from tailserve.config import SchedulerConfig
+from tailserve.engine.outputs import EngineOutput, StepStats
+from tailserve.obs.records import EngineState
+from tailserve.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # time.monotonic() when the API process received the HTTP request (system-wide clock), so
+    # queue_s covers parsing, tokenization and the hop to the engine too.
+    arrival_time: float
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+    # True: a stop string matched above the engine, so the request finishes as ``stop``.
+    stopped: bool = False
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    scheduler_config: SchedulerConfig
+    model: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    kv_cache_bytes: int
+    pid: int
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed"):
+    message: str
+
+
+class StepResult(msgspec.Struct, tag="step"):
+    """What one engine step (or a batch of aborts, then ``stats`` is None) produced."""
+
+    outputs: list[EngineOutput]
+    stats: StepStats | None
+    state: EngineState
+    t: float  # time.monotonic() at the end of the step
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    state: EngineState
+    t: float
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    request_id: str
+    kind: Literal["invalid_request", "queue_full"]
+    message: str
+    param: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    """The engine loop failed; every request it held is lost. The process exits after this."""
+
+    message: str
+    request_ids: list[str]
+
+
+EngineInput = AddRequest | AbortRequests | Shutdown
+EngineMessage = Ready | StartupFailed | StepResult | Heartbeat | Rejected | EngineDead
+
+input_encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(EngineInput)
+message_encoder = msgspec.msgpack.Encoder()
+message_decoder = msgspec.msgpack.Decoder(EngineMessage)

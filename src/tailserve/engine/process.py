@@ -1,0 +1,102 @@
+"""The engine process: load the model, then loop (inputs from ZMQ -> step -> messages out).
+
+Started by ``MPEngineClient`` with the ``spawn`` method. It connects a PULL socket for inputs
+and a PUSH socket for messages to IPC paths the API process bound in a private directory;
+only msgpack crosses them. It exits when told to, when its parent dies, or (non-zero) when
+the model fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from tailserve.config import EngineArgs
+from tailserve.engine.messages import (
+    EngineInput,
+    EngineMessage,
+    StartupFailed,
+    input_decoder,
+    message_encoder,
+)
+
+logger = logging.getLogger("tailserve.engine")
+
+HEARTBEAT_S = 0.25
+
+
+def engine_main(
+    engine_args: dict[str, Any], input_addr: str, output_addr: str, log_level: str = "INFO"
+) -> None:
+    """Entry point of the engine process (never returns normally: exits with a status)."""
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s"
+    )
+    # SIGINT goes to the whole process group on Ctrl-C; the API process decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(output_addr)
+
+    def emit(msg: EngineMessage) -> None:
+        out.send(message_encoder.encode(msg), copy=False)
+
+    status = 0
+    try:
+        status = _run(engine_args, inputs, emit, parent)
+    finally:
+        inputs.close(linger=0)
+        out.close()
+        ctx.term()
+    sys.exit(status)
+
+
+def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int) -> int:
+    from tailserve.engine.core import EngineCore
+    from tailserve.engine.loop import EngineFatalError, EngineLoop
+
+    try:
+        core = EngineCore(EngineArgs(**engine_args))
+    except Exception as exc:
+        logger.exception("engine start-up failed")
+        # ValueErrors are ours (load / config problems) and written for users; anything else
+        # is reported by type only, never with paths or addresses from a traceback.
+        text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__} at start-up"
+        emit(StartupFailed(text))
+        return 1
+    loop = EngineLoop(core, emit)
+    emit(loop.ready_message())
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        timeout_ms = 0 if loop.has_work() else int(HEARTBEAT_S * 1000)
+        batch: list[EngineInput] = []
+        if poller.poll(timeout_ms):
+            while True:
+                try:
+                    raw = inputs.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                batch.append(input_decoder.decode(raw.buffer))
+        if batch and not loop.handle(batch):
+            logger.info("engine shutting down")
+            return 0
+        if loop.has_work():
+            try:
+                loop.step()
+            except EngineFatalError:
+                return 1
+        else:
+            if os.getppid() != parent:  # the API process is gone: do not linger as an orphan
+                logger.warning("API process exited; engine stopping")
+                return 0
+            loop.heartbeat_if_due(HEARTBEAT_S)

@@ -1,0 +1,264 @@
+"""The FastAPI app (routes, error mapping) and ``run_server`` (engine process, uvicorn, SIGTERM).
+
+    tailserve serve [MODEL] [engine flags] [--host --port --api-key ...]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tailserve
+from tailserve.config import EngineArgs
+from tailserve.engine.client import EngineClient, EngineStartupError, MPEngineClient
+from tailserve.obs.metrics import ServerMetrics
+from tailserve.obs.timeline import Timeline
+from tailserve.server.context import ServerContext, ServerSettings, served_names
+from tailserve.server.errors import APIError, bad_request, error_body, error_response
+from tailserve.server.middleware import EdgeMiddleware
+from tailserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tailserve.server.serving import OpenAIServing
+
+logger = logging.getLogger("tailserve.server")
+
+_REJECT_REASONS = {400: "invalid_request", 404: "invalid_request", 429: "queue_full"}
+
+
+def create_app(ctx: ServerContext) -> Any:
+    app = FastAPI(title="tailserve", version=tailserve.__version__)
+    serving = OpenAIServing(ctx)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        reason = _REJECT_REASONS.get(exc.status)
+        if exc.status == 503:
+            reason = exc.code or "unavailable"
+        if reason is not None:
+            ctx.metrics.on_rejected(reason)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        ctx.metrics.on_rejected("invalid_request")
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(
+            error_body(str(exc.detail), "invalid_request_error", None, str(exc.status_code)),
+            status_code=exc.status_code, headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(
+            error_body("internal server error", "internal_error", None, "internal_error"),
+            status_code=500,
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{
+                "id": ctx.model_names[0], "object": "model", "created": int(ctx.started),
+                "owned_by": "tailserve", "root": ctx.client.info.model if ctx.client.info else None,
+                "max_model_len": ctx.scheduler_config.max_model_len,
+            }],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.client.dead_reason is not None or not ctx.client.healthy():
+            reason = ctx.client.dead_reason or "the engine loop is not making progress"
+            return JSONResponse(
+                error_body(f"unhealthy: {reason}", "service_unavailable", None, "engine_dead"),
+                status_code=503,
+            )
+        if ctx.draining:
+            return JSONResponse(
+                error_body("draining", "service_unavailable", None, "draining"), status_code=503
+            )
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tailserve.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = ctx.chat_token_ids(body.messages, body.add_generation_prompt)
+        else:
+            ids = list(ctx.tokenizer(
+                body.prompt, add_special_tokens=body.add_special_tokens
+            ).input_ids)
+        return {
+            "tokens": ids, "count": len(ids),
+            "max_model_len": ctx.scheduler_config.max_model_len,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {ctx.vocab_size}); got {bad[:5]}",
+                              "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/debug/timeline")
+    async def timeline(since: float | None = None, limit: int | None = None) -> dict[str, Any]:
+        if limit is not None and limit < 1:
+            raise bad_request(f"limit must be >= 1, got {limit}", "limit")
+        return {"now": time.time(), "records": ctx.timeline.since(since, limit)}
+
+    return EdgeMiddleware(
+        app,
+        api_key=ctx.settings.api_key,
+        max_request_bytes=ctx.settings.max_request_bytes,
+        max_header_bytes=ctx.settings.max_header_bytes,
+        on_reject=ctx.metrics.on_rejected,
+    )
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request("the request body is not valid JSON", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Unions report every branch; the field name and pydantic's own words are enough.
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    return bad_request(f"{where}: {first.get('msg', 'invalid value')}", param)
+
+
+class _Server(uvicorn.Server):
+    """SIGTERM / SIGINT start the drain instead of an immediate stop; a second one forces."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.ctx.draining or self._loop is None:
+            self.should_exit = True
+            if self.ctx.draining and sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.ctx.drain()))
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+
+def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
+    """Start the engine process and the HTTP server; return the exit status."""
+    return asyncio.run(_serve(engine_args, settings))
+
+
+async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
+    from tailserve.model.loader import load_tokenizer, resolve_model_path
+    from tailserve.obs.tracing import make_tracer
+
+    tracer = make_tracer(settings.otlp_traces_endpoint)  # fails fast if the extra is missing
+    source = resolve_model_path(engine_args.model)
+    client: EngineClient = MPEngineClient(
+        engine_args, watchdog_timeout_s=settings.watchdog_timeout,
+        log_level=settings.log_level.upper(),
+    )
+    tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, engine_args.model))
+    try:
+        info = await client.start()
+    except EngineStartupError as exc:
+        print(f"error: the engine could not start: {exc}", file=sys.stderr)
+        await client.shutdown(timeout_s=5)
+        return 1
+    tokenizer = await tokenizer_task
+    metrics = ServerMetrics()
+    timeline = Timeline(settings.timeline, maxlen=settings.timeline_buffer)
+    ctx = ServerContext(
+        settings, client, tokenizer,
+        served_names(engine_args.model, source, settings.served_model_name),
+        metrics, timeline, tracer,
+    )
+    config = uvicorn.Config(
+        create_app(ctx), host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+        # Our middleware answers oversized headers with 431; the parser must let them through.
+        h11_max_incomplete_event_size=max(settings.max_header_bytes * 4, 64 << 10),
+    )
+    server = _Server(config, ctx)
+
+    def request_exit() -> None:
+        server.should_exit = True
+
+    ctx.request_exit = request_exit
+    _print_ready(settings, ctx.model_names[0], info.model)
+    try:
+        await server.serve()
+    finally:
+        timeline.close()
+        if tracer is not None:
+            tracer.shutdown()
+        code = await client.shutdown(timeout_s=10)
+        logger.info("engine stopped (exit code %s)", code)
+    if not server.started:
+        return 1
+    return ctx.exit_code
+
+
+def _print_ready(settings: ServerSettings, name: str, source: str) -> None:
+    host = settings.host if settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    url = f"http://{host}:{settings.port}"
+    auth = ' -H "Authorization: Bearer $TAILSERVE_API_KEY"' if settings.api_key else ""
+    body = json.dumps({
+        "model": name, "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 32,
+    })
+    print(
+        f"tailserve: serving {name} ({source})\n"
+        f"  OpenAI base URL: {url}/v1   metrics: {url}/metrics   health: {url}/health\n"
+        f"  try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{body}'",
+        flush=True,
+    )

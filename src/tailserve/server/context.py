@@ -1,0 +1,219 @@
+"""ServerContext: what every route shares — the engine client, the tokenizer, admission and
+drain state, and the sinks a finished request is written to (metrics, timeline, traces)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from tailserve.config import SchedulerConfig
+from tailserve.engine.client import EngineClient
+from tailserve.obs.metrics import ServerMetrics
+from tailserve.obs.records import RequestRecord
+from tailserve.obs.timeline import Timeline
+from tailserve.sampling_params import SamplingParams
+from tailserve.server.errors import APIError, bad_request, unavailable
+from tailserve.server.protocol import ChatMessage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_bytes: int = 4 << 20
+    max_header_bytes: int = 16 << 10
+    shutdown_timeout: float = 30.0
+    timeline: str | None = None
+    timeline_buffer: int = 20000
+    otlp_traces_endpoint: str | None = None
+    watchdog_timeout: float = 30.0
+    retry_after_s: int = 1
+    log_level: str = "info"
+
+
+def served_names(model: str | None, source: str, override: str | None) -> list[str]:
+    """The names a request's ``model`` may use; the first is the one responses carry."""
+    if override:
+        names = [override]
+    elif model is None:
+        names = [DEFAULT_MODEL_NAME]
+    else:
+        base = os.path.basename(os.path.normpath(source))
+        names = [base.removesuffix(".gguf")]
+    for extra in (model, source):
+        if extra and extra not in names:
+            names.append(extra)
+    return names
+
+
+class ServerContext:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        client: EngineClient,
+        tokenizer: Any,
+        model_names: list[str],
+        metrics: ServerMetrics,
+        timeline: Timeline,
+        tracer: Any = None,
+    ) -> None:
+        assert client.info is not None, "start the engine client first"
+        self.settings = settings
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_names = model_names
+        self.metrics = metrics
+        self.timeline = timeline
+        self.tracer = tracer
+        self.scheduler_config: SchedulerConfig = client.info.scheduler_config
+        self.vocab_size = client.info.vocab_size
+        self.draining = False
+        self.exit_code = 0
+        self.started = time.time()
+        # Set by the runner: asks the HTTP server to stop (after a drain or an engine death).
+        self.request_exit: Callable[[], None] = lambda: None
+        client.step_listeners.append(self._on_step)
+        client.state_listeners.append(metrics.on_engine_state)
+        client.death_listeners.append(self._on_engine_death)
+
+    # ---------------------------------------------------------------- checks
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.model_names:
+            raise APIError(
+                404, f"the model {name!r} does not exist; this server serves "
+                f"{self.model_names[0]!r}", "invalid_request_error", "model", "model_not_found",
+            )
+
+    def model_name(self, name: str | None) -> str:
+        return self.model_names[0]
+
+    def admit(self, num_engine_requests: int) -> None:
+        """Shed load before any work is done: 503 while draining or dead, 429 when full."""
+        if self.client.dead_reason is not None:
+            raise self.dead_error()
+        if self.draining:
+            raise unavailable("the server is shutting down", "draining")
+        cfg = self.scheduler_config
+        if cfg.max_queue_len is None:
+            return
+        capacity = cfg.max_num_seqs + cfg.max_queue_len
+        inflight = self.client.num_inflight
+        if inflight + num_engine_requests > capacity:
+            raise self.queue_full_error(
+                f"the server is at capacity ({inflight} requests in flight; "
+                f"max_num_seqs {cfg.max_num_seqs} + max_queue_len {cfg.max_queue_len})"
+            )
+
+    def queue_full_error(self, message: str) -> APIError:
+        return APIError(
+            429, message, "rate_limit_error", None, "queue_full",
+            headers={"Retry-After": str(self.settings.retry_after_s)},
+        )
+
+    def dead_error(self) -> APIError:
+        return unavailable(f"the engine is not running: {self.client.dead_reason}", "engine_dead")
+
+    def chat_token_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        conv = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            conv.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # the template raises for conversations it does not accept
+            raise bad_request(
+                f"the chat template rejected these messages: {str(exc)[:200]}", "messages"
+            ) from None
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    # ---------------------------------------------------------------- sinks
+    def _on_step(self, stats: Any) -> None:
+        self.metrics.on_step(stats)
+        self.timeline.add_step(stats)
+
+    def on_choice_finished(
+        self, http: Request, params: SamplingParams
+    ) -> Callable[[RequestRecord], None]:
+        traceparent = http.headers.get("traceparent")
+        path = http.url.path
+
+        def record(rec: RequestRecord) -> None:
+            rec.model = self.model_names[0]
+            if rec.finish_reason == "error":
+                rec.error_type = "engine_error"
+            self.metrics.on_request_finished(rec)
+            self.timeline.add_request(rec)
+            if self.tracer is not None:
+                self._trace(rec, traceparent, path, params)
+
+        return record
+
+    def _trace(
+        self, rec: RequestRecord, traceparent: str | None, path: str, params: SamplingParams
+    ) -> None:
+        op = "chat" if path.endswith("/chat/completions") else "text_completion"
+        attributes = {
+            "gen_ai.operation.name": op,
+            "gen_ai.system": "tailserve",
+            "gen_ai.request.model": rec.model,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.response.id": rec.request_id,
+            "gen_ai.response.finish_reasons": [rec.finish_reason or ""],
+            "gen_ai.usage.input_tokens": rec.prompt_tokens,
+            "gen_ai.usage.output_tokens": rec.output_tokens,
+        }
+        try:
+            self.tracer.record(
+                rec, traceparent=traceparent, attributes=attributes,
+                start_wall=rec.arrival_time or rec.t, end_wall=rec.finished_time or rec.t,
+            )
+        except Exception:  # tracing must never fail a request
+            logger.exception("could not record a trace span")
+
+    # ---------------------------------------------------------------- lifecycle
+    def _on_engine_death(self, reason: str) -> None:
+        self.metrics.on_rejected("engine_dead")
+        self.exit_code = 1
+        # Give the failed requests a moment to receive their 500s, then stop so a supervisor
+        # restarts the server.
+        asyncio.get_running_loop().call_later(1.0, self.request_exit)
+
+    async def drain(self) -> None:
+        """SIGTERM: stop admitting, let in-flight requests finish up to shutdown_timeout, then
+        abort the rest (they end with finish_reason "abort"), then stop the server."""
+        if self.draining:
+            return
+        self.draining = True
+        timeout = self.settings.shutdown_timeout
+        logger.info(
+            "draining: %d requests in flight, up to %.0f s", self.client.num_inflight, timeout
+        )
+        deadline = time.monotonic() + timeout
+        while self.client.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.client.num_inflight:
+            logger.warning("aborting %d requests still in flight", self.client.num_inflight)
+            self.client.abort_keep_streams(self.client.inflight_request_ids)
+            end = time.monotonic() + 5.0
+            while self.client.num_inflight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        self.request_exit()

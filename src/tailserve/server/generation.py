@@ -1,0 +1,232 @@
+"""One HTTP request's generation: submit its engine requests, follow their outputs, record them.
+
+A request with several prompts and ``n`` completions each becomes ``prompts x n`` engine
+requests sharing one output queue. Text, stop strings and ``n`` grouping are the
+``OutputProcessor``'s; this module adds what the HTTP edge needs: per-choice deltas for
+streaming, client-disconnect handling, and one ``RequestRecord`` per finished choice for the
+metrics, the timeline and traces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailserve.engine.client import EngineClient, EngineDeadError, StreamItem
+from tailserve.engine.messages import AddRequest
+from tailserve.engine.output_processor import OutputProcessor
+from tailserve.engine.outputs import EngineOutput
+from tailserve.obs.records import RequestRecord
+from tailserve.outputs import CompletionOutput
+from tailserve.sampling_params import SamplingParams
+
+# How often a non-streamed request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.1
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; the engine requests have been aborted."""
+
+
+def wall_from_monotonic(t: float) -> float:
+    return time.time() - (time.monotonic() - t)
+
+
+@dataclass
+class Choice:
+    """One completion: prompt ``prompt_index``, sample ``sample_index`` -> OpenAI ``index``."""
+
+    index: int
+    prompt_index: int
+    engine_id: str
+    out: CompletionOutput
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    last_t: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    timing: dict[str, Any] | None = None
+    finished: bool = False
+    # True once the final chunk (finish_reason) was streamed.
+    final_sent: bool = False
+
+
+@dataclass
+class Delta:
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+class Generation:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int,
+        on_choice_finished: Callable[[RequestRecord], None],
+        record_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self.request_id = request_id
+        # The id records carry (the HTTP x-request-id), so client and server views join.
+        self.record_id = record_id or request_id
+        self.prompts = prompts
+        self.params = params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.on_choice_finished = on_choice_finished
+        self.processor = OutputProcessor(tokenizer)
+        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self.choices: dict[str, Choice] = {}
+        # Streaming holds back the last characters that could begin a stop string.
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    # ---------------------------------------------------------------- submit
+    def submit(self) -> None:
+        n = self.params.n
+        added: list[str] = []
+        try:
+            for p, (text, ids) in enumerate(self.prompts):
+                parent_id = f"{self.request_id}-{p}"
+                children: dict[str, SamplingParams] = {}
+                for i in range(n):
+                    seed = self.params.seed + i if self.params.seed is not None else None
+                    children[f"{parent_id}-{i}"] = dataclasses.replace(
+                        self.params, n=1, seed=seed
+                    )
+                self.processor.add_request(parent_id, text, ids, children)
+                ro = self.processor.get(parent_id)
+                assert ro is not None
+                for i, (child_id, child_params) in enumerate(children.items()):
+                    self.choices[child_id] = Choice(p * n + i, p, child_id, ro.outputs[i])
+                    self.client.add_request(
+                        AddRequest(child_id, ids, child_params, self.arrival_time, self.priority),
+                        self.queue,
+                    )
+                    added.append(child_id)
+        except Exception:
+            self.client.abort(added)
+            raise
+
+    def fail(self, error_type: str) -> None:
+        """Record every unfinished choice as failed (the engine died under it)."""
+        for choice in self.choices.values():
+            if not choice.finished:
+                choice.finished = True
+                choice.out.finish_reason = "error"
+                rec = self._record(choice, None)
+                rec.error_type = error_type
+                rec.http_status = 500
+                self.on_choice_finished(rec)
+
+    def abort(self) -> None:
+        self.client.abort([cid for cid, c in self.choices.items() if not c.finished])
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices.values())
+
+    # ---------------------------------------------------------------- consume
+    async def next_outputs(
+        self, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[Choice]:
+        """Wait for the next engine output(s); returns the choices that changed.
+
+        Raises the engine's rejection / death as an exception, or ``ClientGone``.
+        """
+        item = await self._get(is_disconnected)
+        items = [item]
+        while not self.queue.empty():  # apply everything that is already here at once
+            items.append(self.queue.get_nowait())
+        changed: dict[str, Choice] = {}
+        for it in items:
+            if isinstance(it, BaseException):
+                if isinstance(it, EngineDeadError):
+                    self.fail("engine_error")
+                self.abort()
+                raise it
+            t, eo = it
+            choice = self.choices.get(eo.request_id)
+            if choice is None:
+                continue
+            self._apply(choice, t, eo)
+            changed[choice.engine_id] = choice
+        return list(changed.values())
+
+    async def _get(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> StreamItem:
+        if is_disconnected is None:
+            return await self.queue.get()
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await is_disconnected():
+                    self.abort()
+                    raise ClientGone() from None
+
+    def _apply(self, choice: Choice, t: float, eo: EngineOutput) -> None:
+        if eo.new_token_ids:
+            if choice.last_t is not None:
+                choice.itl_s.append(t - choice.last_t)
+            choice.last_t = t
+        _, to_stop = self.processor.process([eo])
+        if to_stop:
+            self.client.stop(to_stop)
+        if eo.finished:
+            choice.finished = True
+            choice.timing = eo.timing
+            self.on_choice_finished(self._record(choice, eo))
+
+    def _record(self, choice: Choice, eo: EngineOutput | None) -> RequestRecord:
+        ts = eo.timestamps if eo is not None else None
+        first = ts.first_token if ts is not None else None
+        finished = ts.finished if ts is not None and ts.finished is not None else time.monotonic()
+        return RequestRecord(
+            t=time.time(),
+            request_id=self.record_id if len(self.choices) == 1
+            else f"{self.record_id}-{choice.index}",
+            finish_reason=choice.out.finish_reason,
+            prompt_tokens=len(self.prompts[choice.prompt_index][1]),
+            output_tokens=len(choice.out.token_ids),
+            timing=eo.timing if eo is not None else None,
+            arrival_time=wall_from_monotonic(self.arrival_time),
+            first_token_time=wall_from_monotonic(first) if first is not None else None,
+            finished_time=wall_from_monotonic(finished),
+            itl_s=choice.itl_s,
+        )
+
+    def delta(self, choice: Choice, holdback: bool) -> Delta:
+        """What of ``choice`` has not been streamed yet (text minus a stop-string holdback)."""
+        out = choice.out
+        end = len(out.text)
+        if holdback and not choice.finished:
+            end = max(choice.sent_chars, end - self.holdback)
+        text = out.text[choice.sent_chars : end]
+        choice.sent_chars = end
+        tokens = out.token_ids[choice.sent_tokens :]
+        logprobs = out.logprobs[choice.sent_tokens :] if out.logprobs is not None else None
+        choice.sent_tokens = len(out.token_ids)
+        reason = out.finish_reason if choice.finished else None
+        return Delta(choice, text, tokens, logprobs, reason)
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        completion = sum(len(c.out.token_ids) for c in self.choices.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def ordered_choices(self) -> list[Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)

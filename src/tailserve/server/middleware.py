@@ -1,0 +1,154 @@
+"""The edge, as one pure ASGI middleware (no per-request task or body copy):
+
+1. ``x-request-id``: echo the client's (if sane) or make one; on every response.
+2. Header size: more than ``max_header_bytes`` of headers -> 431.
+3. Auth: with an API key, every path except ``/health`` and ``/metrics`` needs
+   ``Authorization: Bearer KEY`` (constant-time compare). The check uses the path the router
+   will route on (``scope["path"]``), so no Host header, query or encoding trick reaches a
+   protected route without the key: anything not exactly an exempt path is protected.
+4. Body size: a ``Content-Length`` over ``max_request_bytes`` -> 413 before reading; a chunked
+   body is counted as it arrives and cut off with 413 at the limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from tailserve.server.errors import error_body
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+AUTH_EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class EdgeMiddleware:
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        max_request_bytes: int,
+        max_header_bytes: int,
+        on_reject: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+        self.max_header_bytes = max_header_bytes
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        rid = None
+        auth = b""
+        content_length = None
+        header_bytes = 0
+        for name, value in headers:
+            header_bytes += len(name) + len(value) + 4
+            if name == b"x-request-id":
+                rid = value.decode("latin-1")
+            elif name == b"authorization":
+                auth = value
+            elif name == b"content-length":
+                content_length = value
+        if rid is None or not _SANE_ID.match(rid):
+            rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        rid_header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [
+                    *[(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"],
+                    rid_header,
+                ]
+            await send(message)
+
+        if header_bytes > self.max_header_bytes:
+            self.on_reject("too_large")
+            await _error(send_with_id, 431, f"request headers total {header_bytes} bytes; the "
+                         f"limit is {self.max_header_bytes}", "invalid_request_error",
+                         "headers_too_large")
+            return
+        if self.api_key is not None and scope["path"] not in AUTH_EXEMPT_PATHS:
+            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, self.api_key):
+                self.on_reject("unauthorized")
+                await _error(send_with_id, 401, "a valid API key is required (Authorization: "
+                             "Bearer KEY)", "authentication_error", "invalid_api_key",
+                             extra=[(b"www-authenticate", b"Bearer")])
+                return
+        limit = self.max_request_bytes
+        if content_length is not None:
+            try:
+                declared = int(content_length)
+            except ValueError:
+                declared = None
+            if declared is not None and declared > limit:
+                self.on_reject("too_large")
+                await _error(send_with_id, 413, f"the request body is {declared} bytes; the "
+                             f"limit is {limit}", "invalid_request_error", "request_too_large")
+                return
+        received = 0
+        started = False
+        too_large = False
+
+        async def counting_receive() -> dict[str, Any]:
+            nonlocal received, too_large
+            message: dict[str, Any] = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # The app sees the client go away; its answer is replaced by a 413 below.
+                    too_large = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if too_large:
+                return
+            if message["type"] == "http.response.start":
+                started = True
+            await send_with_id(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large and not started:
+            self.on_reject("too_large")
+            await _error(send_with_id, 413, f"the request body exceeds {limit} bytes",
+                         "invalid_request_error", "request_too_large")
+
+
+async def _error(
+    send: Send,
+    status: int,
+    message: str,
+    type: str,
+    code: str,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    body = json.dumps(error_body(message, type, None, code)).encode()
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *(extra or []),
+        ],
+    })
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,95 @@
+"""OpenAI request schemas (pydantic). Responses are built as plain dicts in ``serving.py``.
+
+Field names and defaults follow OpenAI's API; the sampling extras vLLM users send (top_k,
+min_p, repetition_penalty, ignore_eos, ...) are accepted too. Ranges are checked once, by
+``SamplingParams`` and the length check, so every message carries the numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Base(BaseModel):
+    # Unknown fields are ignored, as OpenAI's SDKs add new ones over time.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Base):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+
+
+PromptInput = Annotated[
+    str | list[str] | list[int] | list[list[int]],
+    Field(description="text, a list of texts, token ids, or a list of token-id lists"),
+]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeRequest(_Base):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[int]
