@@ -39,3 +39,12 @@ def default_llm(default_loaded: Any) -> Any:
     from tailserve import LLM
 
     return LLM.from_loaded(default_loaded, dtype="float32", kv_cache_memory=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random 2-layer Llama (SmolLM2's tokenizer) as an HF folder: a fast engine for server
+    tests whose subject is the HTTP edge, not the answers."""
+    from tiny_models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
