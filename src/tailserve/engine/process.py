@@ -67,7 +67,10 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
     try:
         core = EngineCore(EngineArgs(**engine_args))
     except Exception as exc:
-        logger.exception("engine start-up failed")
+        if isinstance(exc, ValueError):
+            logger.error("engine start-up failed: %s", exc)
+        else:
+            logger.exception("engine start-up failed")
         # ValueErrors are ours (load / config problems) and written for users; anything else
         # is reported by type only, never with paths or addresses from a traceback.
         text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__} at start-up"
