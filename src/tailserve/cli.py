@@ -93,7 +93,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key or os.environ.get("TAILSERVE_API_KEY") or None,
         served_model_name=ns.served_model_name, max_request_bytes=ns.max_request_bytes,
         max_header_bytes=ns.max_header_bytes, shutdown_timeout=ns.shutdown_timeout,
-        timeline=ns.timeline, otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        timeline=ns.timeline, timeline_buffer=ns.timeline_buffer,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
         watchdog_timeout=ns.watchdog_timeout, log_level=ns.log_level,
     )
     return run_server(engine_args_from(ns), settings)
@@ -117,6 +118,8 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before aborting them")
     g.add_argument("--timeline", default=None, help="append step and request records (JSONL)")
+    g.add_argument("--timeline-buffer", type=int, default=20000,
+                   help="records kept in memory for GET /debug/timeline")
     g.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces")
     g.add_argument("--watchdog-timeout", type=float, default=30.0,
