@@ -25,8 +25,9 @@ lint: setup
 test: setup lint
 	$(BIN)/pytest -x --durations=10
 
+# Serves the bundled model on 127.0.0.1:8000 and prints the URL and a ready-to-paste curl.
 serve: setup
-	$(BIN)/tailserve generate --prompt "Write a haiku about tail latency." --max-tokens 64
+	$(BIN)/tailserve serve --host 127.0.0.1 --port 8000
 
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py
