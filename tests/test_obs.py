@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -394,36 +390,6 @@ def test_sample_memory_is_cheap() -> None:
 
 
 # -- tracing --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def otlp_collector() -> Iterator[tuple[str, list[bytes]]]:
-    """A real HTTP server collecting OTLP/HTTP protobuf POST bodies."""
-    bodies: list[bytes] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            if self.headers.get("Content-Encoding") == "gzip":
-                body = gzip.decompress(body)
-            if self.path == "/v1/traces":
-                bodies.append(body)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_tracer_exports_a_child_span_with_genai_and_timing_attributes(
