@@ -1,4 +1,4 @@
-"""The ``tailserve`` command: ``generate`` now; ``serve``, ``bench``, ``diagnose``, ``compare``
+"""The ``tailserve`` command: ``generate``, ``serve`` and ``bench``; ``diagnose``, ``compare``
 and ``plan`` join as they land. Engine flags are generated from ``EngineArgs`` fields."""
 
 from __future__ import annotations
@@ -130,6 +130,120 @@ def _add_serve(sub: Any) -> None:
     srv.set_defaults(func=_cmd_serve)
 
 
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    import os
+
+    from tailserve.bench.datasets import DatasetOptions
+    from tailserve.bench.metrics import parse_goodput, parse_percentiles
+    from tailserve.bench.run import BenchConfig, run_bench
+
+    def rates(spec: str) -> list[float]:
+        try:
+            return [float(r) for r in spec.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(f"--request-rates wants numbers like 1,2,4,8; got {spec!r}") from None
+
+    extra = None
+    if ns.extra_body:
+        try:
+            extra = json.loads(ns.extra_body)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--extra-body is not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
+    cfg = BenchConfig(
+        base_url=ns.base_url, model=ns.model, endpoint=ns.endpoint,
+        api_key=ns.api_key or os.environ.get("OPENAI_API_KEY")
+        or os.environ.get("TAILSERVE_API_KEY") or None,
+        dataset=DatasetOptions(
+            name=ns.dataset, path=ns.dataset_path, num_prompts=ns.num_prompts,
+            input_len=ns.input_len, output_len=ns.output_len, range_ratio=ns.range_ratio,
+            mix=ns.mix, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes,
+        ),
+        request_rate=ns.request_rate,
+        request_rates=rates(ns.request_rates) if ns.request_rates else None,
+        sweep=ns.sweep, sweep_steps=ns.sweep_steps, burstiness=ns.burstiness,
+        max_concurrency=ns.max_concurrency, goodput=parse_goodput(ns.goodput),
+        percentiles=parse_percentiles(ns.percentiles), warmup=ns.warmup, seed=ns.seed,
+        save_result=ns.save_result, save_detailed=ns.save_detailed, label=ns.label,
+        timeout_s=ns.timeout if ns.timeout and ns.timeout > 0 else None,
+        tokenizer=ns.tokenizer, ignore_eos=ns.ignore_eos, extra_body=extra,
+        progress=not ns.no_progress, observe=not ns.no_observe,
+        metrics_interval_s=ns.metrics_interval, argv=sys.argv,
+    )
+    steps = run_bench(cfg)
+    return 0 if all(s["completed"] > 0 for s in steps) else 1
+
+
+def _add_bench(sub: Any) -> None:
+    from tailserve.bench import DATASETS, DEFAULT_INPUT_LEN, DEFAULT_MIX
+
+    b = sub.add_parser(
+        "bench", help="open-loop load test of any OpenAI-compatible server",
+        description="Send a precomputed open-loop load and report TTFT, TPOT, ITL, E2EL, "
+        "throughput and goodput (vLLM's definitions), with the server's own view when it is "
+        "tailserve. Exit status: 0, 1 if a step completed no request, 2 on a usage error.",
+    )
+    t = b.add_argument_group("target")
+    t.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server root, with or without /v1 (default: %(default)s)")
+    t.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    t.add_argument("--model", default=None, help="model name (default: the server's first)")
+    t.add_argument("--api-key", default=None,
+                   help="Bearer key (default: $OPENAI_API_KEY or $TAILSERVE_API_KEY)")
+    t.add_argument("--timeout", type=float, default=600.0,
+                   help="per-request limit in seconds; 0 for none (default: %(default)s)")
+    t.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask for exactly max_tokens (default: on for random/mixed/prefix)")
+    d = b.add_argument_group("dataset")
+    d.add_argument("--dataset", choices=DATASETS, default="random")
+    d.add_argument("--dataset-path", default=None, help="file for sharegpt / jsonl")
+    d.add_argument("--num-prompts", type=int, default=1000, help="requests per step")
+    d.add_argument("--input-len", type=int, default=DEFAULT_INPUT_LEN,
+                   help="prompt tokens (random, prefix: the part after the prefix)")
+    d.add_argument("--output-len", type=int, default=None,
+                   help="max_tokens (default: 128; sharegpt: the reply's length)")
+    d.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in L·[1-X, 1+X] (default: 0)")
+    d.add_argument("--mix", default=DEFAULT_MIX,
+                   help="mixed: LEN:WEIGHT or IN/OUT:WEIGHT items (default: %(default)s)")
+    d.add_argument("--prefix-len", type=int, default=256, help="prefix: shared tokens")
+    d.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct prefixes")
+    d.add_argument("--tokenizer", default=None,
+                   help="HF folder or .gguf for lengths, or 'default' for the bundled model "
+                   "(default: the server's /tokenize, else 4 chars/token)")
+    d.add_argument("--seed", type=int, default=0)
+    ld = b.add_argument_group("load")
+    ld.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests/s, or inf to send all at once (default: inf)")
+    ld.add_argument("--request-rates", default=None,
+                    help="stepped load: one step per rate, e.g. 1,2,4,8")
+    ld.add_argument("--sweep", action="store_true",
+                    help="synchronous and throughput steps, then rates in between")
+    ld.add_argument("--sweep-steps", type=int, default=4,
+                    help="interpolated rates in a sweep (default: 4)")
+    ld.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 steadier")
+    ld.add_argument("--max-concurrency", type=int, default=None,
+                    help="cap on requests in flight")
+    ld.add_argument("--warmup", type=int, default=0, help="unmeasured requests first")
+    o = b.add_argument_group("output")
+    o.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
+    o.add_argument("--percentiles", default="50,90,99,99.9", help="(default: %(default)s)")
+    o.add_argument("--save-result", default=None, metavar="PATH", help="write the result JSON")
+    o.add_argument("--save-detailed", action="store_true",
+                   help="also per-request lists (vLLM's input_lens, ttfts, itls, texts)")
+    o.add_argument("--label", default=None, help="a name stored in the result")
+    o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    o.add_argument("--no-observe", action="store_true",
+                   help="do not sample /metrics or collect /debug/timeline")
+    o.add_argument("--metrics-interval", type=float, default=1.0,
+                   help="seconds between /metrics samples (default: %(default)s)")
+    b.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tailserve",
@@ -154,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
     _add_serve(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,26 @@
+"""``tailserve bench``: an open-loop load generator for any OpenAI-compatible server.
+
+    datasets.py  what to send (random, mixed, prefix, sharegpt, jsonl), lengths in tokens
+    tokens.py    how long a text is in the target model's tokens (local, server, estimate)
+    client.py    one streamed request, timed chunk by chunk; the pre-flight checks
+    observe.py   the server's side: /metrics samples and /debug/timeline records
+    metrics.py   the numbers, defined as vLLM's ``bench serve`` defines them
+    report.py    the terminal tables and the latency-vs-rate plot
+    run.py       arrivals, the open loop, steps and sweeps, the result file
+"""
+
+from __future__ import annotations
+
+# Here, not in datasets.py, so building the CLI parser imports neither numpy nor aiohttp.
+DATASETS = ("random", "mixed", "prefix", "sharegpt", "jsonl")
+DEFAULT_INPUT_LEN = 1024
+DEFAULT_OUTPUT_LEN = 128
+DEFAULT_MIX = "128:0.7,1024:0.2,8192:0.1"
+
+
+class BenchError(ValueError):
+    """A mistake the user can fix (wrong URL, refused connection, bad key, bad flag or file).
+
+    Raised before any load is sent, with what to do in the message; the CLI prints it
+    without a traceback and exits 2.
+    """

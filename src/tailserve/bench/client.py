@@ -1,0 +1,426 @@
+"""The wire: one streamed request timed chunk by chunk, and the checks before any load.
+
+Timing rules (the same as vLLM's ``bench serve``; README "Load testing" states them):
+
+- the clock is ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux), read once per network
+  read: every SSE event that arrived in the same read gets the same timestamp, because that
+  is when the client could first have seen it;
+- a *content chunk* is an event whose first choice carries non-empty text (``text`` for
+  completions, ``delta.content`` or ``delta.reasoning_content`` for chat); role-only,
+  empty, usage-only and ``[DONE]`` events are not tokens and do not start or split time;
+- TTFT = send → first content chunk; ITL = the gaps between consecutive content chunks;
+  E2EL = send → the read that completed the response (``[DONE]`` or end of stream).
+
+The set-up phase (pre-flight, /tokenize while building a dataset) uses ``SyncHTTP``: blocking
+stdlib HTTP, because it happens before the clock starts and needs no event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import urllib.parse
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import msgspec
+
+from tailserve.bench import BenchError
+
+if TYPE_CHECKING:
+    from tailserve.bench.datasets import BenchRequest
+
+ENDPOINT_PATHS: dict[str, str] = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}
+# vLLM's backend names for the two endpoints, so a result file reads like vLLM's.
+BACKEND_NAMES: dict[str, str] = {"completions": "openai", "chat": "openai-chat"}
+_ERROR_BODY_LIMIT = 64 << 10
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it. Times are seconds on the step's clock (0 = start)."""
+
+    index: int
+    request_id: str
+    prompt_len: int  # the dataset's count, as vLLM counts it (the raw prompt text)
+    output_len: int  # max_tokens asked for
+    scheduled_s: float  # when the arrival process said to send it
+    send_s: float | None = None  # when it was actually sent (None: never sent)
+    end_s: float | None = None  # when the client was done with it, success or not
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2el_s: float | None = None
+    output_tokens: int | None = None
+    output_tokens_source: str | None = None  # "usage" | "tokenizer" | "chunks"
+    server_prompt_tokens: int | None = None  # usage.prompt_tokens (after any chat template)
+    status: int | None = None  # HTTP status; None when no response came
+    error_type: str | None = None  # None means success
+    error: str | None = None
+    finish_reason: str | None = None
+    server_timing: dict[str, Any] | None = None  # tailserve_timing from the final chunk
+    text: str = ""
+
+    @property
+    def success(self) -> bool:
+        return self.error_type is None and self.send_s is not None
+
+    @property
+    def lag_s(self) -> float | None:
+        """Scheduled → sent: the client's own delay (or, with --max-concurrency, the wait
+        for a free slot). Large values mean the arrivals were not what was asked for."""
+        return None if self.send_s is None else self.send_s - self.scheduled_s
+
+    def as_record(self, with_text: bool = False) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "text"}
+        d["lag_s"] = self.lag_s
+        if with_text:
+            d["text"] = self.text
+        return d
+
+
+def build_payload(
+    req: BenchRequest,
+    endpoint: str,
+    model: str,
+    ignore_eos: bool,
+    extra_body: dict[str, Any] | None = None,
+) -> bytes:
+    """The JSON body, encoded once before the clock starts (not on the send path)."""
+    body: dict[str, Any] = {"model": model, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if endpoint == "completions":
+        body["prompt"] = req.prompt
+        body["max_tokens"] = req.output_len
+    else:
+        body["messages"] = req.chat_messages()
+        body["max_completion_tokens"] = req.output_len
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM / tailserve extension: outputs get the asked length
+    if extra_body:
+        body.update(extra_body)
+    return msgspec.json.encode(body)
+
+
+def describe_http_error(status: int, body: bytes, reason: str | None) -> tuple[str, str]:
+    """(error type, message) from an error response: OpenAI's ``{"error": {...}}`` when the
+    server sends it, FastAPI's ``{"detail"}``, else the raw text."""
+    err_type: str | None = None
+    message: str | None = None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict):
+            err_type = err.get("type") or err.get("code")
+            message = err.get("message")
+        elif isinstance(err, str):
+            message = err
+        elif "detail" in obj:
+            message = str(obj["detail"])
+        elif "message" in obj:
+            message = str(obj["message"])
+    if message is None:
+        message = body.decode("utf-8", "replace").strip()[:300] or (reason or "")
+    return str(err_type or f"http_{status}"), f"HTTP {status}: {message}"
+
+
+_DECODE = msgspec.json.Decoder().decode
+
+
+class StreamClient:
+    """Sends one streamed request and fills its ``RequestResult`` (never raises for a
+    failed request: a failure is a result, counted by HTTP status and error type)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        headers: dict[str, str],
+        timeout_s: float | None,
+    ) -> None:
+        self.session = session
+        self.url = url
+        self.headers = {**headers, "Content-Type": "application/json"}
+        self.timeout_s = timeout_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def send(self, body: bytes, res: RequestResult, t0: float) -> None:
+        headers = {**self.headers, "x-request-id": res.request_id}
+        st = perf_counter()
+        res.send_s = st - t0
+        try:
+            async with self.session.post(
+                self.url, data=body, headers=headers, timeout=self.timeout
+            ) as resp:
+                res.status = resp.status
+                if resp.status != 200:
+                    raw = await resp.content.read(_ERROR_BODY_LIMIT)
+                    res.error_type, res.error = describe_http_error(resp.status, raw, resp.reason)
+                    return
+                await self._read_stream(resp, res, st)
+        except asyncio.TimeoutError:
+            # Before ClientError: aiohttp's ServerTimeoutError is both.
+            res.error_type = "timeout"
+            res.error = f"no complete response within --timeout {self.timeout_s:g} s"
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            res.error_type = "connection_refused" if refused else "connection_error"
+            res.error = str(exc)
+        except aiohttp.ServerDisconnectedError:
+            res.error_type = "server_disconnected"
+            res.error = "the server closed the connection before the response was complete"
+        except aiohttp.ClientPayloadError as exc:
+            res.error_type = "incomplete_response"
+            res.error = str(exc)
+        except aiohttp.ClientError as exc:
+            res.error_type = "client_error"
+            res.error = f"{type(exc).__name__}: {exc}"
+        except msgspec.DecodeError as exc:
+            res.error_type = "bad_json"
+            res.error = f"a streamed event is not JSON: {exc}"
+        finally:
+            res.end_s = perf_counter() - t0
+
+    async def _read_stream(
+        self, resp: aiohttp.ClientResponse, res: RequestResult, st: float
+    ) -> None:
+        buf = b""
+        last = now = st
+        pieces: list[str] = []
+        itl = res.itl_s
+        done = False
+        stream_error: dict[str, Any] | None = None
+        async for data in resp.content.iter_any():
+            now = perf_counter()
+            buf += data
+            if b"\n\n" not in buf:
+                if b"\r\n\r\n" not in buf:
+                    continue
+                buf = buf.replace(b"\r\n", b"\n")
+            events = buf.split(b"\n\n")
+            buf = events.pop()  # an incomplete event waits for the next read
+            for event in events:
+                for line in event.split(b"\n"):
+                    # SSE: "data:" lines carry the payload; ":" comments (pings), "event:"
+                    # and "id:" lines are not tokens.
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        continue
+                    obj = _DECODE(payload)
+                    if not isinstance(obj, dict):
+                        continue
+                    choices = obj.get("choices")
+                    if choices:
+                        c0 = choices[0]
+                        text = c0.get("text")
+                        if text is None:
+                            delta = c0.get("delta") or {}
+                            text = delta.get("content") or delta.get("reasoning_content")
+                        if text:
+                            if res.ttft_s is None:
+                                res.ttft_s = now - st
+                            else:
+                                itl.append(now - last)
+                            last = now
+                            pieces.append(text)
+                        if c0.get("finish_reason"):
+                            res.finish_reason = c0["finish_reason"]
+                    usage = obj.get("usage")
+                    if usage:
+                        res.output_tokens = usage.get("completion_tokens")
+                        res.server_prompt_tokens = usage.get("prompt_tokens")
+                        if res.output_tokens is not None:
+                            res.output_tokens_source = "usage"
+                    timing = obj.get("tailserve_timing")
+                    if timing:
+                        res.server_timing = timing
+                    if obj.get("error"):
+                        stream_error = obj["error"]
+        res.text = "".join(pieces)
+        if stream_error is not None:
+            detail = stream_error if isinstance(stream_error, dict) else {"message": stream_error}
+            res.error_type = str(detail.get("type") or "stream_error")
+            res.error = f"error event mid-stream: {detail.get('message')}"
+        elif res.ttft_s is None:
+            res.error_type = "no_content"
+            res.error = "the stream ended without any generated text"
+        elif not done and res.finish_reason is None:
+            res.error_type = "incomplete_stream"
+            res.error = "the stream ended without a finish_reason or [DONE]"
+        else:
+            res.e2el_s = now - st
+
+
+# ---------------------------------------------------------------- set-up phase (blocking)
+class SyncHTTP:
+    """Blocking JSON over one kept-alive connection, for the pre-flight and /tokenize.
+
+    Network failures become ``BenchError`` with what to check, never a traceback.
+    """
+
+    def __init__(self, base_url: str, headers: dict[str, str], timeout_s: float = 30.0) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BenchError(f"--base-url must look like http://HOST:PORT, got {base_url!r}")
+        self.base_url = base_url
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname
+        try:
+            self.port = parts.port or (443 if self.https else 80)
+        except ValueError:
+            raise BenchError(f"--base-url has a bad port: {base_url!r}") from None
+        self.prefix = parts.path.rstrip("/")
+        self.headers = headers
+        self.timeout_s = timeout_s
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=self.timeout_s)
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {**self.headers, **({"Content-Type": "application/json"} if data else {})}
+        for attempt in (0, 1):
+            reused = self._conn is not None
+            conn = self._conn or self._connect()
+            self._conn = conn
+            try:
+                conn.request(method, self.prefix + path, body=data, headers=headers)
+                resp = conn.getresponse()
+                return resp.status, resp.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                conn.close()
+                self._conn = None
+                if reused and attempt == 0:
+                    continue  # the server closed an idle kept-alive connection: reconnect
+                raise BenchError(
+                    f"{self.base_url} closed the connection on {method} {path}"
+                ) from None
+            except ConnectionRefusedError:
+                self.close()
+                raise BenchError(
+                    f"connection refused at {self.host}:{self.port}: nothing is listening "
+                    f"there. Is the server running, and is --base-url {self.base_url} right?"
+                ) from None
+            except socket.gaierror:
+                self.close()
+                raise BenchError(
+                    f"cannot resolve the host {self.host!r} of --base-url {self.base_url}"
+                ) from None
+            except TimeoutError:
+                self.close()
+                raise BenchError(
+                    f"{self.base_url} did not answer {method} {path} within {self.timeout_s:g} s"
+                ) from None
+            except OSError as exc:
+                self.close()
+                raise BenchError(f"cannot reach {self.base_url}: {exc.strerror or exc}") from None
+        raise AssertionError("unreachable")
+
+    def get_json(self, path: str) -> tuple[int, Any]:
+        status, raw = self.request("GET", path)
+        return status, _json_or_none(raw)
+
+    def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        status, raw = self.request("POST", path, body)
+        return status, _json_or_none(raw)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+@dataclass
+class ServerInfo:
+    """What the pre-flight learned. The tailserve-only parts are used only where present."""
+
+    base_url: str
+    model: str
+    served_models: list[str]
+    version: str | None = None
+    max_model_len: int | None = None
+    has_tokenize: bool = False
+    metrics_names: list[str] = field(default_factory=list)  # the gauges /metrics has
+    has_timeline: bool = False
+
+    @property
+    def is_tailserve(self) -> bool:
+        return any(n.startswith("tailserve:") for n in self.metrics_names)
+
+
+def normalize_base_url(url: str) -> str:
+    """The server root. People paste the OpenAI base URL (``.../v1``); accept it."""
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def preflight(http: SyncHTTP, model: str | None, api_key: str | None) -> ServerInfo:
+    """Check the URL, the key and the model before the clock starts; learn what the server
+    offers besides the API (/tokenize, /metrics, /debug/timeline)."""
+    where = http.base_url
+    status, raw = http.request("GET", "/v1/models")
+    if status in (401, 403):
+        _, msg = describe_http_error(status, raw, None)
+        hint = ("the key given with --api-key (or OPENAI_API_KEY) is not accepted"
+                if api_key else "the server wants an API key: pass --api-key or set "
+                "OPENAI_API_KEY")
+        raise BenchError(f"{where} refused the request ({msg}): {hint}")
+    if status == 404:
+        raise BenchError(
+            f"GET {where}/v1/models answered 404: {where} is not the root of an "
+            "OpenAI-compatible server. --base-url wants the server root, e.g. "
+            "http://127.0.0.1:8000 (with or without /v1)"
+        )
+    body = _json_or_none(raw)
+    if status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        raise BenchError(
+            f"GET {where}/v1/models answered HTTP {status} "
+            f"{raw[:200].decode('utf-8', 'replace')!r}: not an OpenAI-compatible server?"
+        )
+    served = [str(m.get("id")) for m in body["data"] if isinstance(m, dict) and m.get("id")]
+    if model is None:
+        if not served:
+            raise BenchError(f"{where} serves no models; pass --model")
+        model = served[0]
+    elif served and model not in served:
+        raise BenchError(f"{where} does not serve model {model!r}; it serves {served}")
+    info = ServerInfo(base_url=where, model=model, served_models=served)
+
+    status, body = http.get_json("/version")
+    if status == 200 and isinstance(body, dict) and "version" in body:
+        info.version = str(body["version"])
+    status, raw = http.request("POST", "/tokenize", {"model": model, "prompt": "Hello world"})
+    body = _json_or_none(raw)
+    if status == 200 and isinstance(body, dict) and isinstance(body.get("count"), int):
+        info.has_tokenize = True
+        mml = body.get("max_model_len")
+        info.max_model_len = int(mml) if isinstance(mml, int) else None
+    status, raw = http.request("GET", "/metrics")
+    if status == 200:
+        from tailserve.bench.observe import available_gauges
+
+        info.metrics_names = available_gauges(raw.decode("utf-8", "replace"))
+    status, body = http.get_json("/debug/timeline?limit=1")
+    info.has_timeline = status == 200 and isinstance(body, dict) and "records" in body
+    return info

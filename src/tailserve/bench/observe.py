@@ -1,0 +1,191 @@
+"""The server's side of the same time window: /metrics samples and /debug/timeline records.
+
+``/metrics`` is sampled before the step, once per ``interval_s`` during it and after it; the
+timeline is polled every ``TIMELINE_POLL_S`` (so the server's ring buffer cannot drop records
+of a long run) and once at the end. Both use wall-clock ``t`` (``time.time()``), the
+timeline's clock, so samples, timeline records and the client's requests (whose step start is
+stored as wall clock too) line up.
+
+The observer runs in its own process: fetching and decoding a few megabytes of timeline JSON
+takes milliseconds of CPU, and in the client's event loop (or a thread holding the GIL) that
+would delay chunk reads and inflate the very latencies being measured. Results come back as
+JSON over a pipe when the step ends.
+
+Against a server without these routes the parts are simply absent; vLLM's ``vllm:`` gauges
+are sampled too when present.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+GAUGES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "kv_cache_free_blocks", "kv_cache_total_blocks", "num_preemptions_total",
+    "device_memory_used_bytes", "torch_memory_allocated_bytes", "torch_memory_reserved_bytes",
+    "prompt_tokens_total", "generation_tokens_total", "requests_rejected_total",
+    "gpu_cache_usage_perc",  # older vLLM's name for kv_cache_usage_perc
+})
+PREFIXES = ("tailserve:", "vllm:")
+UNPREFIXED = frozenset({"process_resident_memory_bytes"})
+TIMELINE_POLL_S = 10.0
+# Records can be appended slightly out of time order (step and request records are stamped in
+# different processes); each poll re-reads this much of the past and drops duplicates.
+TIMELINE_OVERLAP_S = 2.0
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The samples we keep, keyed by name with labels (``tailserve:x{device="cpu"}``).
+
+    A line filter, not a full parser: it runs once a second and most of a /metrics page
+    (histogram buckets) is not wanted.
+    """
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace, space = line.find("{"), line.find(" ")
+        labelled = brace >= 0 and (space < 0 or brace < space)
+        name_end = brace if labelled else space
+        if name_end <= 0:
+            continue
+        name = line[:name_end]
+        if name not in UNPREFIXED and not any(
+            name.startswith(p) and name[len(p):] in GAUGES for p in PREFIXES
+        ):
+            continue
+        key_end = line.rfind("}") + 1 if labelled else name_end
+        fields = line[key_end:].split()
+        if not fields:
+            continue
+        try:
+            out[line[:key_end]] = float(fields[0])
+        except ValueError:
+            continue
+    return out
+
+
+def available_gauges(text: str) -> list[str]:
+    return sorted(parse_metrics(text))
+
+
+def timeline_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    return (record.get("kind"), record.get("t"), record.get("request_id"))
+
+
+class ObserverProcess:
+    """Start before the step (returns once the "before" sample is taken), ``stop()`` after."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], metrics: bool, timeline: bool,
+                 interval_s: float = 1.0) -> None:
+        self.args = (base_url, headers, metrics, timeline, interval_s)
+        self._conn: Connection | None = None
+        self._proc: Any = None
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with an event loop
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_observer_main, args=(child, *self.args), daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        # Wait for the "before" sample, so it really is before the first request.
+        if not parent.poll(60) or parent.recv_bytes() != b"ready":
+            self._kill()
+            raise RuntimeError("the metrics observer process did not start")
+
+    def stop(self) -> dict[str, Any]:
+        """The samples and timeline records; empty lists if the observer failed."""
+        assert self._conn is not None and self._proc is not None
+        try:
+            self._conn.send_bytes(b"stop")
+            if self._conn.poll(120):
+                out: dict[str, Any] = json.loads(self._conn.recv_bytes())
+                return out
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._proc.join(10)
+            self._kill()
+        return {"metric_samples": [], "timeline": [], "errors": ["observer process died"]}
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+def _observer_main(conn: Connection, base_url: str, headers: dict[str, str], metrics: bool,
+                   timeline: bool, interval_s: float) -> None:
+    from tailserve.bench import BenchError
+    from tailserve.bench.client import SyncHTTP
+
+    http = SyncHTTP(base_url, headers, timeout_s=10.0)
+    samples: list[dict[str, Any]] = []
+    records: dict[tuple[Any, ...], dict[str, Any]] = {}
+    errors: list[str] = []
+    start = time.time()
+    since = start - TIMELINE_OVERLAP_S
+
+    def sample(phase: str) -> None:
+        t = time.time()
+        try:
+            status, raw = http.request("GET", "/metrics")
+        except BenchError as exc:
+            samples.append({"t": t, "phase": phase, "error": str(exc)})
+            return
+        if status != 200:
+            samples.append({"t": t, "phase": phase, "error": f"HTTP {status}"})
+            return
+        samples.append({"t": t, "phase": phase, "values": parse_metrics(raw.decode())})
+
+    def poll_timeline() -> None:
+        nonlocal since
+        try:
+            status, body = http.get_json(f"/debug/timeline?since={since}")
+        except BenchError as exc:
+            errors.append(f"timeline: {exc}")
+            return
+        if status != 200 or not isinstance(body, dict):
+            errors.append(f"timeline: HTTP {status}")
+            return
+        got = body.get("records") or []
+        for r in got:
+            if isinstance(r, dict):
+                records[timeline_key(r)] = r
+        if got:
+            since = max(since, float(got[-1].get("t", since)) - TIMELINE_OVERLAP_S)
+
+    if metrics:
+        sample("before")
+    conn.send_bytes(b"ready")
+    next_sample = time.monotonic() + interval_s
+    next_poll = time.monotonic() + TIMELINE_POLL_S
+    while True:
+        wait = max(0.0, min(next_sample, next_poll) - time.monotonic())
+        if conn.poll(wait):
+            conn.recv_bytes()
+            break
+        now = time.monotonic()
+        if metrics and now >= next_sample:
+            sample("during")
+            next_sample += interval_s
+            if next_sample < now:  # a slow scrape: skip the missed ticks, don't burst
+                next_sample = now + interval_s
+        if timeline and now >= next_poll:
+            poll_timeline()
+            next_poll = now + TIMELINE_POLL_S
+    if metrics:
+        sample("after")
+    if timeline:
+        poll_timeline()
+    ordered = sorted(records.values(), key=lambda r: float(r.get("t", 0.0)))
+    out = {"metric_samples": samples, "errors": errors}
+    if timeline:
+        out["timeline"] = [r for r in ordered if float(r.get("t", 0.0)) >= start - 1.0]
+    conn.send_bytes(json.dumps(out).encode())
+    http.close()

@@ -1,0 +1,253 @@
+"""What the terminal shows: the live progress bar, a step's tables, the sweep summary, and
+the latency-vs-rate plot (in the terminal, and as a self-contained SVG beside the result)."""
+
+from __future__ import annotations
+
+import math
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tailserve.bench.metrics import p_word
+
+
+class Progress:
+    """completed / in flight / failed. Updates only set counters; rich's own thread redraws
+    four times a second, so the request path pays a lock, not a render."""
+
+    def __init__(self, console: Console, total: int, name: str, enabled: bool) -> None:
+        self.console, self.total, self.name, self.enabled = console, total, name, enabled
+        self.inflight = self.done = self.failed = 0
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            from rich import progress as rp
+
+            self._bar = rp.Progress(
+                rp.TextColumn(f"[bold]{self.name}[/]"), rp.BarColumn(),
+                rp.MofNCompleteColumn(),
+                rp.TextColumn("in flight {task.fields[inflight]}"),
+                rp.TextColumn("[red]failed {task.fields[failed]}[/]"),
+                rp.TimeElapsedColumn(), console=self.console, refresh_per_second=4,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("", total=self.total, inflight=0, failed=0)
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._bar is not None:
+            self._update()
+            self._bar.stop()
+
+    def sent(self) -> None:
+        self.inflight += 1
+        if self._bar is not None:
+            self._update()
+
+    def finished(self, ok: bool) -> None:
+        self.inflight -= 1
+        self.done += 1
+        self.failed += not ok
+        if self._bar is not None:
+            self._update()
+
+    def _update(self) -> None:
+        self._bar.update(self._task, completed=self.done, inflight=self.inflight,
+                         failed=self.failed)
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def print_step(console: Console, r: dict[str, Any], percentiles: list[float]) -> None:
+    ts = r["tailserve"]
+    t = Table(title=f"step {ts['step']['index']}: {ts['step']['name']}", show_header=False,
+              title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    rows = [
+        ("Successful requests", r["completed"]), ("Failed requests", r["failed"]),
+        ("Request rate configured (req/s)", r["request_rate"]),
+        ("Burstiness", r["burstiness"]), ("Max concurrency configured", r["max_concurrency"]),
+        ("Max concurrency reached", r["max_concurrent_requests"]),
+        ("Duration (s)", r["duration"]), ("Total input tokens", r["total_input_tokens"]),
+        ("Total generated tokens", r["total_output_tokens"]),
+        ("Request throughput (req/s)", r["request_throughput"]),
+        ("Request goodput (req/s)", r["request_goodput"]),
+        ("Output token throughput (tok/s)", r["output_throughput"]),
+        ("Total token throughput (tok/s)", r["total_token_throughput"]),
+        ("Send lag P99 / max (ms)",
+         f"{ts['send_lag_ms'].get('p99', 0.0):.2f} / {ts['send_lag_ms']['max']:.2f}"),
+    ]
+    for name, value in rows:
+        t.add_row(name, _fmt(value))
+    console.print(t)
+
+    lat = Table(title="latency (ms)", title_justify="left")
+    cols = ["mean", "median", "std", *(f"p{p_word(p)}" for p in percentiles)]
+    lat.add_column("")
+    for c in cols:
+        lat.add_column(c.upper() if c[0] == "p" else c, justify="right")
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        lat.add_row(m.upper(), *(_fmt(r[f"{c}_{m}_ms"]) for c in cols))
+    console.print(lat)
+
+    failures = ts["failures"]
+    if r["failed"]:
+        f = Table(title="failures", title_justify="left")
+        f.add_column("type")
+        f.add_column("count", justify="right")
+        f.add_column("example")
+        for typ, n in sorted(failures["by_type"].items(), key=lambda kv: -kv[1]):
+            f.add_row(typ, str(n), failures["examples"].get(typ, "")[:100])
+        console.print(f)
+        console.print("by HTTP status: " + ", ".join(
+            f"{k}: {v}" for k, v in sorted(failures["by_status"].items())))
+    server = ts.get("server")
+    if server:
+        console.print(_server_line(server))
+    for w in ts["warnings"]:
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+def _server_line(server: dict[str, Any]) -> str:
+    """Peaks of the server's gauges over the step, from the /metrics samples."""
+    peaks: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for s in server.get("metric_samples", []):
+        for k, v in (s.get("values") or {}).items():
+            name = k.split(":", 1)[-1]
+            peaks[name] = max(peaks.get(name, v), v)
+            first.setdefault(name, v)
+            last[name] = v
+    parts = []
+    for name, label in (("num_requests_running", "running"),
+                        ("num_requests_waiting", "waiting")):
+        if name in peaks:
+            parts.append(f"peak {label} {peaks[name]:g}")
+    for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):
+        if name in peaks:
+            parts.append(f"peak KV usage {100 * peaks[name]:.1f}%")
+    if "num_preemptions_total" in last:
+        delta = last["num_preemptions_total"] - first["num_preemptions_total"]
+        parts.append(f"preemptions {delta:g}")
+    if "process_resident_memory_bytes" in peaks:
+        parts.append(f"peak API RSS {peaks['process_resident_memory_bytes'] / 2**20:.0f} MiB")
+    timeline = server.get("timeline")
+    if timeline is not None:
+        kinds = [rec.get("kind") for rec in timeline]
+        parts.append(f"timeline {kinds.count('step')} steps, {kinds.count('request')} requests")
+    n = len(server.get("metric_samples", []))
+    return f"server: {n} /metrics samples; " + ", ".join(parts)
+
+
+def _tail_key(percentiles: list[float]) -> str:
+    return "p99" if 99.0 in percentiles else f"p{p_word(max(percentiles))}"
+
+
+def print_sweep(console: Console, steps: list[dict[str, Any]], percentiles: list[float]) -> None:
+    tail = _tail_key(percentiles)
+    t = Table(title="summary", title_justify="left")
+    for c in ("step", "rate", "req/s", "out tok/s", "TTFT P50", f"TTFT {tail.upper()}",
+              f"TPOT {tail.upper()}", f"E2EL {tail.upper()}", "failed", "goodput"):
+        t.add_column(c, justify="left" if c == "step" else "right")
+    for s in steps:
+        t.add_row(s["tailserve"]["step"]["name"], _fmt(s["request_rate"]),
+                  _fmt(s["request_throughput"]), _fmt(s["output_throughput"], 1),
+                  _fmt(s["median_ttft_ms"], 1), _fmt(s[f"{tail}_ttft_ms"], 1),
+                  _fmt(s[f"{tail}_tpot_ms"], 1), _fmt(s[f"{tail}_e2el_ms"], 1),
+                  str(s["failed"]), _fmt(s["request_goodput"]))
+    console.print(t)
+    xs, series = plot_series(steps, tail)
+    console.print(ascii_plot(xs, series), highlight=False, markup=False)
+
+
+def plot_series(steps: list[dict[str, Any]],
+                tail: str = "p99") -> tuple[list[float], dict[str, list[float]]]:
+    """x: achieved request throughput; y: TTFT P50 / tail and E2EL tail (ms), by x."""
+    order = sorted(steps, key=lambda s: s["request_throughput"])
+    xs = [float(s["request_throughput"]) for s in order]
+    keys = {"TTFT P50": "median_ttft_ms", f"TTFT {tail.upper()}": f"{tail}_ttft_ms",
+            f"E2EL {tail.upper()}": f"{tail}_e2el_ms"}
+    return xs, {name: [float(s[k]) for s in order] for name, k in keys.items()}
+
+
+def _log_scale(series: dict[str, list[float]]) -> tuple[float, float]:
+    ys = [y for v in series.values() for y in v if y > 0]
+    lo, hi = (min(ys), max(ys)) if ys else (1.0, 10.0)
+    return math.log10(lo), math.log10(hi) if hi > lo else math.log10(lo) + 1
+
+
+def ascii_plot(xs: list[float], series: dict[str, list[float]], width: int = 60,
+               height: int = 14) -> str:
+    """Latency (log scale) against achieved req/s, one marker per series."""
+    lo, hi = _log_scale(series)
+    x0, x1 = min(xs), max(xs)
+    grid = [[" "] * width for _ in range(height)]
+    marks = "ox*+"
+    for mark, ys in zip(marks, series.values(), strict=False):
+        for x, y in zip(xs, ys, strict=True):
+            if y <= 0:
+                continue
+            col = round((x - x0) / ((x1 - x0) or 1.0) * (width - 1))
+            row = height - 1 - round((math.log10(y) - lo) / (hi - lo) * (height - 1))
+            grid[max(0, min(height - 1, row))][col] = mark
+    label_w = 9
+    lines = ["latency (ms, log) vs achieved request rate (req/s)"]
+    for i, cells in enumerate(grid):
+        v = 10 ** (hi - (hi - lo) * i / (height - 1))
+        label = f"{v:>{label_w}.4g}" if i in (0, height // 2, height - 1) else " " * label_w
+        lines.append(f"{label} |{''.join(cells)}")
+    lines.append(" " * label_w + " +" + "-" * width)
+    lines.append(" " * (label_w + 2) + f"{x0:<{width // 2}.4g}{x1:>{width - width // 2}.4g}")
+    lines.append("   " + "   ".join(f"{m} {name}" for m, name in zip(marks, series, strict=False)))
+    return "\n".join(lines)
+
+
+def write_svg_plot(path: str, steps: list[dict[str, Any]], tail: str = "p99") -> None:
+    """A self-contained SVG of ``plot_series`` (no plotting library needed)."""
+    xs, series = plot_series(steps, tail)
+    w, h, ml, mr, mt, mb = 720, 420, 70, 20, 30, 50
+    lo, hi = _log_scale(series)
+    x0, x1 = min(xs), max(xs)
+
+    def px(x: float) -> float:
+        return ml + (x - x0) / ((x1 - x0) or 1.0) * (w - ml - mr)
+
+    def py(y: float) -> float:
+        return h - mb - (math.log10(max(y, 1e-9)) - lo) / (hi - lo) * (h - mt - mb)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{ml}" y="18">latency (ms, log scale) vs achieved request rate</text>',
+           f'<line x1="{ml}" y1="{h - mb}" x2="{w - mr}" y2="{h - mb}" stroke="black"/>',
+           f'<line x1="{ml}" y1="{mt}" x2="{ml}" y2="{h - mb}" stroke="black"/>']
+    for i in range(5):
+        x = x0 + (x1 - x0) * i / 4
+        y = 10 ** (lo + (hi - lo) * i / 4)
+        out.append(f'<text x="{px(x):.1f}" y="{h - mb + 16}" text-anchor="middle">{x:.3g}</text>')
+        out.append(f'<text x="{ml - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.3g}</text>')
+    out.append(f'<text x="{(w + ml) / 2}" y="{h - 12}" text-anchor="middle">req/s</text>')
+    colors = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+    for k, (name, ys) in enumerate(series.items()):
+        c = colors[k % len(colors)]
+        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True))
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{pts}"/>')
+        for x, y in zip(xs, ys, strict=True):
+            out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>')
+        out.append(f'<text x="{w - mr - 130}" y="{mt + 16 * (k + 1)}" fill="{c}">{name}</text>')
+    out.append("</svg>")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(out) + "\n")

@@ -1,0 +1,417 @@
+"""Open-loop load: the arrival schedule, one step, stepped rates and the sweep, the result.
+
+A step sends N requests at times drawn *before* it starts from a gamma renewal process
+(``arrival_times``), each in its own task, so a slow server cannot slow the arrivals: there
+is no coordinated omission. With ``--max-concurrency`` a request whose time has come waits
+for a free slot; either way the lag between its scheduled and actual send is recorded.
+
+Steps: one (``--request-rate``), one per rate (``--request-rates 1,2,4``), or ``--sweep``:
+a synchronous step (one request at a time) and a throughput step (all at once) measure the
+two ends, then ``--sweep-steps`` rates evenly between them are run. Each step has its own
+result; several steps end with a summary table and a latency-vs-rate plot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from time import perf_counter
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from tailserve.bench import BenchError
+from tailserve.bench.client import (
+    BACKEND_NAMES,
+    ENDPOINT_PATHS,
+    RequestResult,
+    ServerInfo,
+    StreamClient,
+    SyncHTTP,
+    build_payload,
+    normalize_base_url,
+    preflight,
+)
+from tailserve.bench.datasets import BenchRequest, DatasetOptions, load_dataset
+from tailserve.bench.metrics import client_summary, compute_metrics
+from tailserve.bench.observe import ObserverProcess
+from tailserve.bench.report import Progress, print_step, print_sweep, write_svg_plot
+from tailserve.bench.tokens import TokenCounter, make_counter
+
+SYNTHETIC = ("random", "mixed", "prefix")
+INF = float("inf")
+
+
+def arrival_times(n: int, rate: float, burstiness: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Scheduled send times (seconds after the step starts) of ``n`` requests.
+
+    The gaps are gamma distributed with mean 1/rate and shape ``burstiness``: 1 is a Poisson
+    process, below 1 burstier, above 1 more regular (gap CV = 1/sqrt(burstiness)); vLLM's
+    parametrisation. The first request goes at 0. Unlike vLLM the schedule is not rescaled
+    to end at exactly N/rate: rescaling would make every run's mean rate exact by fiat.
+    """
+    if not rate > 0:
+        raise BenchError(f"--request-rate must be > 0 (or inf), got {rate}")
+    if not burstiness > 0:
+        raise BenchError(f"--burstiness must be > 0, got {burstiness}")
+    if rate == INF:
+        return np.zeros(n)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(0, n - 1))
+    return np.concatenate([np.zeros(min(n, 1)), np.cumsum(gaps)])
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    model: str | None = None
+    endpoint: str = "completions"
+    api_key: str | None = None
+    dataset: DatasetOptions = field(default_factory=DatasetOptions)
+    request_rate: float = INF
+    request_rates: list[float] | None = None
+    sweep: bool = False
+    sweep_steps: int = 4
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    goodput: dict[str, float] = field(default_factory=dict)
+    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0, 99.9])
+    warmup: int = 0
+    seed: int = 0
+    save_result: str | None = None
+    save_detailed: bool = False
+    label: str | None = None
+    timeout_s: float | None = 600.0
+    tokenizer: str | None = None
+    ignore_eos: bool | None = None  # None: on for the synthetic datasets, off for files
+    extra_body: dict[str, Any] | None = None
+    progress: bool = True
+    observe: bool = True
+    metrics_interval_s: float = 1.0
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    name: str
+    rate: float
+    max_concurrency: int | None
+
+
+def run_bench(cfg: BenchConfig, console: Any = None) -> list[dict[str, Any]]:
+    """Pre-flight, then every step; returns the step results (also printed and saved)."""
+    from rich.console import Console
+
+    console = console or Console()
+    if cfg.endpoint not in ENDPOINT_PATHS:
+        raise BenchError(f"--endpoint must be completions or chat, got {cfg.endpoint!r}")
+    if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
+        raise BenchError(f"--max-concurrency must be >= 1, got {cfg.max_concurrency}")
+    if cfg.sweep and cfg.request_rates:
+        raise BenchError("--sweep and --request-rates are two ways to choose rates: pick one")
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    base = normalize_base_url(cfg.base_url)
+    http = SyncHTTP(base, headers)
+    info = preflight(http, cfg.model, cfg.api_key)
+    counter = make_counter(cfg.tokenizer, http, info.model, info.has_tokenize)
+    console.print(f"[bold]tailserve bench[/] → {base} model [bold]{info.model}[/] "
+                  f"({cfg.endpoint}); lengths from {counter.source}")
+    try:
+        import uvloop
+
+        return uvloop.run(_bench(cfg, info, counter, headers, console, "uvloop"))
+    except ImportError:
+        return asyncio.run(_bench(cfg, info, counter, headers, console, "asyncio"))
+    finally:
+        http.close()
+
+
+async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
+                 headers: dict[str, str], console: Any, loop_name: str) -> list[dict[str, Any]]:
+    ignore_eos = cfg.ignore_eos if cfg.ignore_eos is not None else cfg.dataset.name in SYNTHETIC
+    # No pool limit: --max-concurrency is enforced by a semaphore, so a capped run and an
+    # uncapped one use the same connection behaviour (kept alive, reused).
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        client = StreamClient(session, info.base_url + ENDPOINT_PATHS[cfg.endpoint], headers,
+                              cfg.timeout_s)
+        ctx = _Ctx(cfg, info, counter, headers, client, console, ignore_eos, loop_name)
+        await ctx.test_request()
+        if cfg.warmup > 0:
+            await ctx.warmup()
+        if cfg.sweep:
+            plans = [StepPlan("synchronous", INF, 1),
+                     StepPlan("throughput", INF, cfg.max_concurrency)]
+        else:
+            rates = cfg.request_rates or [cfg.request_rate]
+            plans = [StepPlan(_rate_name(r), r, cfg.max_concurrency) for r in rates]
+        steps: list[dict[str, Any]] = []
+        for plan in plans:
+            steps.append(await ctx.step(len(steps), plan))
+        if cfg.sweep:
+            lo, hi = steps[0]["request_throughput"], steps[1]["request_throughput"]
+            if not hi > lo > 0:
+                console.print(f"[yellow]sweep: throughput {hi:.3g} req/s is not above the "
+                              f"synchronous rate {lo:.3g} req/s; no rates in between[/]")
+            else:
+                for k in range(1, cfg.sweep_steps + 1):
+                    r = lo + (hi - lo) * k / (cfg.sweep_steps + 1)
+                    steps.append(await ctx.step(len(steps), StepPlan(
+                        _rate_name(r), r, cfg.max_concurrency)))
+    if len(steps) > 1:
+        print_sweep(console, steps, cfg.percentiles)
+    _save(cfg, steps, console)
+    return steps
+
+
+def _rate_name(rate: float) -> str:
+    return "inf" if rate == INF else f"{rate:.4g} req/s"
+
+
+@dataclass
+class _Ctx:
+    cfg: BenchConfig
+    info: ServerInfo
+    counter: TokenCounter
+    headers: dict[str, str]
+    client: StreamClient
+    console: Any
+    ignore_eos: bool
+    loop_name: str
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    def payload(self, req: BenchRequest) -> bytes:
+        return build_payload(req, self.cfg.endpoint, self.info.model, self.ignore_eos,
+                             self.cfg.extra_body)
+
+    async def test_request(self) -> None:
+        """One tiny request through the real path: a wrong endpoint, model, key or an
+        unsupported parameter (ignore_eos on a server without it) fails here, with the
+        server's own message, instead of as N failures."""
+        res = RequestResult(-1, f"bench-{self.run_id}-test", 1, 2, 0.0)
+        await self.client.send(self.payload(BenchRequest("Hello", 1, 2)), res, perf_counter())
+        if not res.success:
+            hint = " (is it an OpenAI-compatible server?)" if res.status == 404 else ""
+            if self.ignore_eos and res.status == 400:
+                hint = " (if the server rejects ignore_eos, pass --no-ignore-eos)"
+            raise BenchError(f"the test request to {self.client.url} failed: "
+                             f"{res.error_type}: {res.error}{hint}")
+
+    async def warmup(self) -> None:
+        ds = load_dataset(self._dataset_opts(0, self.cfg.warmup), self.counter)
+        self.console.print(f"warming up with {self.cfg.warmup} requests (not measured)")
+        sem = asyncio.Semaphore(self.cfg.max_concurrency or len(ds.requests))
+
+        async def one(i: int, req: BenchRequest) -> None:
+            async with sem:
+                res = RequestResult(i, f"bench-{self.run_id}-warmup-{i}", 0, 0, 0.0)
+                await self.client.send(self.payload(req), res, perf_counter())
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(ds.requests)))
+
+    def _dataset_opts(self, step: int, n: int | None = None) -> DatasetOptions:
+        # Each step its own prompts (seed + step): the same prompts again would hit the
+        # server's prefix cache and make later steps look faster than they are.
+        return dataclasses.replace(self.cfg.dataset, seed=self.cfg.seed + step,
+                                   endpoint=self.cfg.endpoint,
+                                   num_prompts=n or self.cfg.dataset.num_prompts)
+
+    async def step(self, index: int, plan: StepPlan) -> dict[str, Any]:
+        cfg = self.cfg
+        t_prep = perf_counter()
+        ds = load_dataset(self._dataset_opts(index), self.counter)
+        warnings = list(ds.notes)
+        if not self.counter.exact:
+            warnings.append(f"prompt lengths are estimates ({self.counter.source})")
+        mml = self.info.max_model_len
+        too_long = sum(r.prompt_len + r.output_len > mml for r in ds.requests) if mml else 0
+        if too_long:
+            warnings.append(f"{too_long} requests need more than the server's max_model_len "
+                            f"{mml} tokens; expect them to fail")
+        payloads = [self.payload(r) for r in ds.requests]
+        rng = np.random.default_rng([cfg.seed, index, 1])
+        arrivals = arrival_times(len(payloads), plan.rate, cfg.burstiness, rng)
+        results = [
+            RequestResult(i, f"bench-{self.run_id}-{index}-{i}", r.prompt_len, r.output_len,
+                          float(arrivals[i]))
+            for i, r in enumerate(ds.requests)
+        ]
+        self.console.print(
+            f"step {index} [bold]{plan.name}[/]: {len(results)} {ds.name} requests, "
+            f"burstiness {cfg.burstiness:g}, max concurrency {plan.max_concurrency or '-'} "
+            f"(prepared in {perf_counter() - t_prep:.1f} s)")
+        observer = None
+        if cfg.observe and (self.info.metrics_names or self.info.has_timeline):
+            observer = ObserverProcess(self.info.base_url, self.headers,
+                                       bool(self.info.metrics_names), self.info.has_timeline,
+                                       cfg.metrics_interval_s)
+            observer.start()
+        load_before = os.getloadavg()
+        # Everything allocated so far is long-lived: keep the collector from walking it
+        # mid-run (a full collection is a pause inside the measured window).
+        gc.collect()
+        gc.freeze()
+        t0_wall, t0 = time.time(), perf_counter()
+        try:
+            with Progress(self.console, len(results), plan.name, cfg.progress) as progress:
+                await _open_loop(self.client, payloads, results, plan.max_concurrency, t0,
+                                 progress)
+            duration = perf_counter() - t0
+        finally:
+            gc.unfreeze()
+            server = observer.stop() if observer is not None else None
+        self._fill_output_tokens(results)
+        result = self._result(index, plan, ds.name, results, duration, t0_wall, server,
+                              warnings, load_before, ds)
+        print_step(self.console, result, cfg.percentiles)
+        return result
+
+    def _fill_output_tokens(self, results: list[RequestResult]) -> None:
+        """A server that sends no usage: count the text (exact tokenizer) or, failing that,
+        the content chunks; the source is recorded per request."""
+        for r in results:
+            if r.success and r.output_tokens is None:
+                if self.counter.exact:
+                    r.output_tokens = self.counter.count(r.text) if r.text else 0
+                    r.output_tokens_source = "tokenizer"
+                else:
+                    r.output_tokens = 1 + len(r.itl_s)
+                    r.output_tokens_source = "chunks"
+
+    def _result(self, index: int, plan: StepPlan, dataset: str,
+                results: list[RequestResult], duration: float, t0_wall: float,
+                server: dict[str, Any] | None, warnings: list[str],
+                load_before: tuple[float, float, float], ds: Any) -> dict[str, Any]:
+        cfg = self.cfg
+        metrics = compute_metrics(results, duration, cfg.percentiles, cfg.goodput or None)
+        summary = client_summary(results, cfg.percentiles)
+        lag99 = summary["send_lag_ms"].get("p99", 0.0)
+        if plan.max_concurrency is None and plan.rate != INF and lag99 > max(
+                5.0, 100.0 / plan.rate):
+            warnings.append(f"the client fell behind the schedule: P99 send lag {lag99:.1f} ms; "
+                            "the arrivals were not the process asked for")
+        result: dict[str, Any] = {
+            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "backend": BACKEND_NAMES[cfg.endpoint],
+            "label": cfg.label,
+            "model_id": self.info.model,
+            "tokenizer_id": self.counter.source,
+            "num_prompts": len(results),
+            "request_rate": "inf" if plan.rate == INF else plan.rate,
+            "burstiness": cfg.burstiness,
+            "max_concurrency": plan.max_concurrency,
+            **metrics,
+        }
+        if cfg.save_detailed:
+            result |= {
+                "input_lens": [r.prompt_len for r in results],
+                "output_lens": [r.output_tokens or 0 for r in results],
+                "ttfts": [r.ttft_s or 0.0 for r in results],
+                "itls": [r.itl_s for r in results],
+                "generated_texts": [r.text for r in results],
+                "errors": [r.error or "" for r in results],
+            }
+        ts: dict[str, Any] = {
+            "step": {"index": index, "name": plan.name, "run_id": self.run_id},
+            "base_url": self.info.base_url,
+            "endpoint": cfg.endpoint,
+            "goodput_slos_ms": cfg.goodput,
+            "percentiles": cfg.percentiles,
+            "dataset": {"name": dataset, "path": cfg.dataset.path, "skipped": ds.skipped,
+                        "filtered": ds.filtered, "seed": cfg.seed + index,
+                        "ignore_eos": self.ignore_eos,
+                        "options": dataclasses.asdict(self._dataset_opts(index))},
+            "tokenizer": {"source": self.counter.source, "exact": self.counter.exact},
+            # Request times are seconds after start_time (wall clock, the timeline's clock).
+            "start_time": t0_wall,
+            **summary,
+            "warnings": warnings,
+            "requests": [r.as_record(cfg.save_detailed) for r in results],
+            "environment": self._environment(load_before),
+        }
+        if server is not None:
+            ts["server"] = {"metric_names": self.info.metrics_names, **server}
+        result["tailserve"] = ts
+        return result
+
+    def _environment(self, load_before: tuple[float, float, float]) -> dict[str, Any]:
+        import tailserve
+
+        info = self.info
+        return {
+            "python": sys.version.split()[0], "platform": platform.platform(),
+            "tailserve": tailserve.__version__, "aiohttp": aiohttp.__version__,
+            "numpy": np.__version__, "event_loop": self.loop_name,
+            "cpu_count": os.cpu_count(), "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()), "argv": self.cfg.argv,
+            "server": {"version": info.version, "models": info.served_models,
+                       "max_model_len": info.max_model_len, "tokenize": info.has_tokenize,
+                       "timeline": info.has_timeline},
+        }
+
+
+async def _open_loop(client: StreamClient, payloads: list[bytes], results: list[RequestResult],
+                     max_concurrency: int | None, t0: float, progress: Progress) -> None:
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(i: int) -> None:
+        try:
+            await client.send(payloads[i], results[i], t0)
+        finally:
+            if sem is not None:
+                sem.release()
+            progress.finished(results[i].success)
+
+    tasks = []
+    for i, res in enumerate(results):
+        # A loop, not one sleep: the event loop's timers have millisecond resolution and can
+        # fire up to half a millisecond early; a request must never go before its time.
+        while (delay := t0 + res.scheduled_s - perf_counter()) > 0:
+            await asyncio.sleep(delay)
+        if sem is not None:
+            await sem.acquire()
+        progress.sent()
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+
+
+def _save(cfg: BenchConfig, steps: list[dict[str, Any]], console: Any) -> None:
+    """One step: PATH is its result. Several: each step in PATH's stem + ``-stepN``, and PATH
+    holds the summary (each step's scalar keys and its file) and the plot beside it."""
+    if not cfg.save_result:
+        return
+    path = cfg.save_result
+    if len(steps) == 1:
+        _write_json(path, steps[0])
+        console.print(f"result saved to {path}")
+        return
+    stem, ext = os.path.splitext(path)
+    rows = []
+    for i, step in enumerate(steps):
+        step_path = f"{stem}-step{i}{ext or '.json'}"
+        _write_json(step_path, step)
+        rows.append({k: v for k, v in step.items() if not isinstance(v, (dict, list))}
+                    | {"step": step["tailserve"]["step"]["name"], "result_file": step_path})
+    plot = f"{stem}-latency.svg"
+    write_svg_plot(plot, steps)
+    _write_json(path, {"date": steps[0]["date"], "model_id": steps[0]["model_id"],
+                       "label": cfg.label, "steps": rows, "plot": plot})
+    console.print(f"{len(steps)} step results saved next to {path} (summary), plot {plot}")
+
+
+def _write_json(path: str, obj: Any) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+    except OSError as exc:
+        raise BenchError(f"cannot write --save-result {path}: {exc}") from None
