@@ -215,7 +215,7 @@ def test_sharegpt_file_errors(tmp_path: Path) -> None:
         load("[{")
     with pytest.raises(BenchError, match="JSON list"):
         load('{"conversations": []}')
-    with pytest.raises(BenchError, match="no usable requests.*no_conversations"):
+    with pytest.raises(BenchError, match=r"no usable requests.*no_conversations"):
         load('[{"id": 1}, 5]')
 
 
