@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import signal
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -307,6 +309,39 @@ def test_other_server_has_no_tailserve_parts(tmp_path: Path) -> None:
     assert any("estimates" in w for w in ts["warnings"])
     assert {q["output_tokens_source"] for q in ts["requests"]} == {"chunks"}
     assert all(q["server_timing"] is None for q in ts["requests"])
+
+
+def test_ctrl_c_reports_what_was_sent(tmp_path: Path) -> None:
+    """Ctrl-C stops sending; the step still reports and saves the requests it sent, those in
+    flight as failed (cancelled); the exit status is 130."""
+    seen = 0
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        nonlocal seen
+        seen += 1
+        if seen == 8:  # the test request, then 7 of the run's: press Ctrl-C
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, os.kill, os.getpid(), signal.SIGINT)
+        # The test request and the run's first two finish at once; the rest hang.
+        return await sse([cmpl_chunk("a"), *([] if seen <= 3 else [1.5]),
+                          cmpl_chunk("b", "length"), DONE])(request)
+
+    path = tmp_path / "r.json"
+    with FakeServer({("GET", "/v1/models"): models,
+                     ("POST", "/v1/completions"): completions}) as srv:
+        rc = main(["bench", "--base-url", srv.url, "--num-prompts", "200", "--request-rate",
+                   "40", "--input-len", "4", "--no-progress", "--save-result", str(path)])
+    assert rc == 130
+    r = json.loads(path.read_text())
+    assert r["tailserve"]["interrupted"]
+    sent = r["num_prompts"]
+    assert 7 <= sent < 200 and len(r["tailserve"]["requests"]) == sent
+    assert (r["completed"], r["failed"]) == (2, sent - 2)
+    assert r["tailserve"]["failures"]["by_type"] == {"cancelled": sent - 2}
+    assert any("interrupted" in w for w in r["tailserve"]["warnings"])
 
 
 # ---------------------------------------------------------------- what the user sees

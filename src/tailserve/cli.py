@@ -171,7 +171,13 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         progress=not ns.no_progress, observe=not ns.no_observe,
         metrics_interval_s=ns.metrics_interval, argv=sys.argv,
     )
-    steps = run_bench(cfg)
+    try:
+        steps = run_bench(cfg)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step started
+        print("interrupted", file=sys.stderr)
+        return 130
+    if any(s["tailserve"]["interrupted"] for s in steps):
+        return 130
     return 0 if all(s["completed"] > 0 for s in steps) else 1
 
 
@@ -182,7 +188,8 @@ def _add_bench(sub: Any) -> None:
         "bench", help="open-loop load test of any OpenAI-compatible server",
         description="Send a precomputed open-loop load and report TTFT, TPOT, ITL, E2EL, "
         "throughput and goodput (vLLM's definitions), with the server's own view when it is "
-        "tailserve. Exit status: 0, 1 if a step completed no request, 2 on a usage error.",
+        "tailserve. Ctrl-C stops sending and still reports what was sent. Exit status: 0; 1 if "
+        "a step completed no request; 2 on a usage error; 130 when interrupted.",
     )
     t = b.add_argument_group("target")
     t.add_argument("--base-url", default="http://127.0.0.1:8000",

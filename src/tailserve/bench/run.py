@@ -156,9 +156,15 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
             rates = cfg.request_rates or [cfg.request_rate]
             plans = [StepPlan(_rate_name(r), r, cfg.max_concurrency) for r in rates]
         steps: list[dict[str, Any]] = []
-        for plan in plans:
+
+        async def run(plan: StepPlan) -> bool:
             steps.append(await ctx.step(len(steps), plan))
-        if cfg.sweep:
+            return not steps[-1]["tailserve"]["interrupted"]
+
+        for plan in plans:
+            if not await run(plan):
+                break
+        if cfg.sweep and len(steps) == 2 and not steps[-1]["tailserve"]["interrupted"]:
             lo, hi = steps[0]["request_throughput"], steps[1]["request_throughput"]
             if not hi > lo > 0:
                 console.print(f"[yellow]sweep: throughput {hi:.3g} req/s is not above the "
@@ -166,8 +172,8 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
             else:
                 for k in range(1, cfg.sweep_steps + 1):
                     r = lo + (hi - lo) * k / (cfg.sweep_steps + 1)
-                    steps.append(await ctx.step(len(steps), StepPlan(
-                        _rate_name(r), r, cfg.max_concurrency)))
+                    if not await run(StepPlan(_rate_name(r), r, cfg.max_concurrency)):
+                        break
     if len(steps) > 1:
         print_sweep(console, steps, cfg.percentiles)
     _save(cfg, steps, console)
@@ -262,17 +268,27 @@ class _Ctx:
         gc.collect()
         gc.freeze()
         t0_wall, t0 = time.time(), perf_counter()
+        interrupted = False
         try:
             with Progress(self.console, len(results), plan.name, cfg.progress) as progress:
                 await _open_loop(self.client, payloads, results, plan.max_concurrency, t0,
                                  progress)
-            duration = perf_counter() - t0
+        except asyncio.CancelledError:
+            interrupted = True  # Ctrl-C: report what was sent, then stop (see _bench)
         finally:
+            duration = perf_counter() - t0
             gc.unfreeze()
             server = observer.stop() if observer is not None else None
+        if interrupted:
+            sent = [r for r in results if r.send_s is not None]
+            warnings.append(f"interrupted after {duration:.1f} s: {len(sent)} of "
+                            f"{len(results)} requests sent; those in flight count as failed "
+                            "(cancelled)")
+            results = sent
         self._fill_output_tokens(results)
         result = self._result(index, plan, ds.name, results, duration, t0_wall, server,
                               warnings, load_before, ds)
+        result["tailserve"]["interrupted"] = interrupted
         print_step(self.console, result, cfg.percentiles)
         return result
 
@@ -367,22 +383,33 @@ async def _open_loop(client: StreamClient, payloads: list[bytes], results: list[
     async def one(i: int) -> None:
         try:
             await client.send(payloads[i], results[i], t0)
+        except asyncio.CancelledError:
+            results[i].error_type = "cancelled"
+            results[i].error = "the run was interrupted while this request was in flight"
+            raise
         finally:
             if sem is not None:
                 sem.release()
             progress.finished(results[i].success)
 
     tasks = []
-    for i, res in enumerate(results):
-        # A loop, not one sleep: the event loop's timers have millisecond resolution and can
-        # fire up to half a millisecond early; a request must never go before its time.
-        while (delay := t0 + res.scheduled_s - perf_counter()) > 0:
-            await asyncio.sleep(delay)
-        if sem is not None:
-            await sem.acquire()
-        progress.sent()
-        tasks.append(asyncio.create_task(one(i)))
-    await asyncio.gather(*tasks)
+    try:
+        for i, res in enumerate(results):
+            # A loop, not one sleep: the event loop's timers have millisecond resolution and
+            # can fire up to half a millisecond early; a request must never go before its time.
+            while (delay := t0 + res.scheduled_s - perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            if sem is not None:
+                await sem.acquire()
+            progress.sent()
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        # Ctrl-C: stop sending, cancel what is in flight, let the caller report what was sent.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _save(cfg: BenchConfig, steps: list[dict[str, Any]], console: Any) -> None:
