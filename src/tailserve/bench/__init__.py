@@ -2,11 +2,13 @@
 
     datasets.py  what to send (random, mixed, prefix, sharegpt, jsonl), lengths in tokens
     tokens.py    how long a text is in the target model's tokens (local, server, estimate)
-    client.py    one streamed request, timed chunk by chunk; the pre-flight checks
+    preflight.py the checks before any load: URL, key, model, what the server offers
+    client.py    one streamed request, timed chunk by chunk
     observe.py   the server's side: /metrics samples and /debug/timeline records
     metrics.py   the numbers, defined as vLLM's ``bench serve`` defines them
+    result.py    the result file: vLLM's keys plus a ``tailserve`` block
     report.py    the terminal tables and the latency-vs-rate plot
-    run.py       arrivals, the open loop, steps and sweeps, the result file
+    run.py       arrivals, the open loop, steps and sweeps
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class ObserverProcess:
 def _observer_main(conn: Connection, base_url: str, headers: dict[str, str], metrics: bool,
                    timeline: bool, interval_s: float) -> None:
     from tailserve.bench import BenchError
-    from tailserve.bench.client import SyncHTTP
+    from tailserve.bench.preflight import SyncHTTP
 
     http = SyncHTTP(base_url, headers, timeout_s=10.0)
     samples: list[dict[str, Any]] = []

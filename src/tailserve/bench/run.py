@@ -16,14 +16,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import json
 import os
-import platform
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
 from time import perf_counter
 from typing import Any
 
@@ -31,21 +27,18 @@ import aiohttp
 import numpy as np
 
 from tailserve.bench import BenchError
-from tailserve.bench.client import (
-    BACKEND_NAMES,
-    ENDPOINT_PATHS,
-    RequestResult,
-    ServerInfo,
-    StreamClient,
-    SyncHTTP,
-    build_payload,
-    normalize_base_url,
-    preflight,
-)
+from tailserve.bench.client import ENDPOINT_PATHS, RequestResult, StreamClient, build_payload
 from tailserve.bench.datasets import BenchRequest, DatasetOptions, load_dataset
-from tailserve.bench.metrics import client_summary, compute_metrics
 from tailserve.bench.observe import ObserverProcess
-from tailserve.bench.report import Progress, print_step, print_sweep, write_svg_plot
+from tailserve.bench.preflight import ServerInfo, SyncHTTP, normalize_base_url, preflight
+from tailserve.bench.report import Progress, print_step, print_sweep
+from tailserve.bench.result import (
+    StepData,
+    build_result,
+    check_writable,
+    environment,
+    save_results,
+)
 from tailserve.bench.tokens import TokenCounter, make_counter
 
 SYNTHETIC = ("random", "mixed", "prefix")
@@ -119,6 +112,8 @@ def run_bench(cfg: BenchConfig, console: Any = None) -> list[dict[str, Any]]:
         raise BenchError(f"--max-concurrency must be >= 1, got {cfg.max_concurrency}")
     if cfg.sweep and cfg.request_rates:
         raise BenchError("--sweep and --request-rates are two ways to choose rates: pick one")
+    if cfg.save_result:
+        check_writable(cfg.save_result)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     base = normalize_base_url(cfg.base_url)
     http = SyncHTTP(base, headers)
@@ -176,7 +171,8 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
                         break
     if len(steps) > 1:
         print_sweep(console, steps, cfg.percentiles)
-    _save(cfg, steps, console)
+    if cfg.save_result:
+        save_results(cfg.save_result, cfg.label, steps, console)
     return steps
 
 
@@ -286,9 +282,13 @@ class _Ctx:
                             "(cancelled)")
             results = sent
         self._fill_output_tokens(results)
-        result = self._result(index, plan, ds.name, results, duration, t0_wall, server,
-                              warnings, load_before, ds)
-        result["tailserve"]["interrupted"] = interrupted
+        result = build_result(cfg, self.info, self.counter, StepData(
+            index=index, name=plan.name, rate=plan.rate, max_concurrency=plan.max_concurrency,
+            dataset=ds, dataset_options=self._dataset_opts(index), ignore_eos=self.ignore_eos,
+            results=results, duration_s=duration, start_time=t0_wall, start_perf_counter=t0,
+            server=server, warnings=warnings, interrupted=interrupted, run_id=self.run_id,
+            environment=environment(cfg.argv, self.info, self.loop_name, load_before),
+        ))
         print_step(self.console, result, cfg.percentiles)
         return result
 
@@ -303,77 +303,6 @@ class _Ctx:
                 else:
                     r.output_tokens = 1 + len(r.itl_s)
                     r.output_tokens_source = "chunks"
-
-    def _result(self, index: int, plan: StepPlan, dataset: str,
-                results: list[RequestResult], duration: float, t0_wall: float,
-                server: dict[str, Any] | None, warnings: list[str],
-                load_before: tuple[float, float, float], ds: Any) -> dict[str, Any]:
-        cfg = self.cfg
-        metrics = compute_metrics(results, duration, cfg.percentiles, cfg.goodput or None)
-        summary = client_summary(results, cfg.percentiles)
-        lag99 = summary["send_lag_ms"].get("p99", 0.0)
-        if plan.max_concurrency is None and plan.rate != INF and lag99 > max(
-                5.0, 100.0 / plan.rate):
-            warnings.append(f"the client fell behind the schedule: P99 send lag {lag99:.1f} ms; "
-                            "the arrivals were not the process asked for")
-        result: dict[str, Any] = {
-            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-            "backend": BACKEND_NAMES[cfg.endpoint],
-            "label": cfg.label,
-            "model_id": self.info.model,
-            "tokenizer_id": self.counter.source,
-            "num_prompts": len(results),
-            "request_rate": "inf" if plan.rate == INF else plan.rate,
-            "burstiness": cfg.burstiness,
-            "max_concurrency": plan.max_concurrency,
-            **metrics,
-        }
-        if cfg.save_detailed:
-            result |= {
-                "input_lens": [r.prompt_len for r in results],
-                "output_lens": [r.output_tokens or 0 for r in results],
-                "ttfts": [r.ttft_s or 0.0 for r in results],
-                "itls": [r.itl_s for r in results],
-                "generated_texts": [r.text for r in results],
-                "errors": [r.error or "" for r in results],
-            }
-        ts: dict[str, Any] = {
-            "step": {"index": index, "name": plan.name, "run_id": self.run_id},
-            "base_url": self.info.base_url,
-            "endpoint": cfg.endpoint,
-            "goodput_slos_ms": cfg.goodput,
-            "percentiles": cfg.percentiles,
-            "dataset": {"name": dataset, "path": cfg.dataset.path, "skipped": ds.skipped,
-                        "filtered": ds.filtered, "seed": cfg.seed + index,
-                        "ignore_eos": self.ignore_eos,
-                        "options": dataclasses.asdict(self._dataset_opts(index))},
-            "tokenizer": {"source": self.counter.source, "exact": self.counter.exact},
-            # Request times are seconds after start_time (wall clock, the timeline's clock).
-            "start_time": t0_wall,
-            **summary,
-            "warnings": warnings,
-            "requests": [r.as_record(cfg.save_detailed) for r in results],
-            "environment": self._environment(load_before),
-        }
-        if server is not None:
-            ts["server"] = {"metric_names": self.info.metrics_names, **server}
-        result["tailserve"] = ts
-        return result
-
-    def _environment(self, load_before: tuple[float, float, float]) -> dict[str, Any]:
-        import tailserve
-
-        info = self.info
-        return {
-            "python": sys.version.split()[0], "platform": platform.platform(),
-            "tailserve": tailserve.__version__, "aiohttp": aiohttp.__version__,
-            "numpy": np.__version__, "event_loop": self.loop_name,
-            "cpu_count": os.cpu_count(), "load_average_before": list(load_before),
-            "load_average_after": list(os.getloadavg()), "argv": self.cfg.argv,
-            "server": {"version": info.version, "models": info.served_models,
-                       "max_model_len": info.max_model_len, "tokenize": info.has_tokenize,
-                       "timeline": info.has_timeline},
-        }
 
 
 async def _open_loop(client: StreamClient, payloads: list[bytes], results: list[RequestResult],
@@ -410,35 +339,3 @@ async def _open_loop(client: StreamClient, payloads: list[bytes], results: list[
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def _save(cfg: BenchConfig, steps: list[dict[str, Any]], console: Any) -> None:
-    """One step: PATH is its result. Several: each step in PATH's stem + ``-stepN``, and PATH
-    holds the summary (each step's scalar keys and its file) and the plot beside it."""
-    if not cfg.save_result:
-        return
-    path = cfg.save_result
-    if len(steps) == 1:
-        _write_json(path, steps[0])
-        console.print(f"result saved to {path}")
-        return
-    stem, ext = os.path.splitext(path)
-    rows = []
-    for i, step in enumerate(steps):
-        step_path = f"{stem}-step{i}{ext or '.json'}"
-        _write_json(step_path, step)
-        rows.append({k: v for k, v in step.items() if not isinstance(v, (dict, list))}
-                    | {"step": step["tailserve"]["step"]["name"], "result_file": step_path})
-    plot = f"{stem}-latency.svg"
-    write_svg_plot(plot, steps)
-    _write_json(path, {"date": steps[0]["date"], "model_id": steps[0]["model_id"],
-                       "label": cfg.label, "steps": rows, "plot": plot})
-    console.print(f"{len(steps)} step results saved next to {path} (summary), plot {plot}")
-
-
-def _write_json(path: str, obj: Any) -> None:
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1)
-    except OSError as exc:
-        raise BenchError(f"cannot write --save-result {path}: {exc}") from None

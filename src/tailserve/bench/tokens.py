@@ -18,7 +18,7 @@ import numpy as np
 from tailserve.bench import BenchError
 
 if TYPE_CHECKING:
-    from tailserve.bench.client import SyncHTTP
+    from tailserve.bench.preflight import SyncHTTP
 
 # Common English words: each is one token (with its leading space) in the BPE vocabularies of
 # the Llama family, so a prompt of n words is about n tokens and a length is hit in one or two
