@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tailserve.errors import InvalidRequestError
@@ -9,14 +10,18 @@ from tailserve.errors import InvalidRequestError
 # Top-N logprobs are computed with one topk over the vocabulary; the cap keeps that op bounded.
 MAX_LOGPROBS = 20
 MAX_N = 16
+# Temperatures below this sample greedily (as vLLM does): logits / 1e-40 overflow to inf and
+# the softmax turns to NaN, which would pick token 0 every step.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings; validated on construction (``InvalidRequestError``).
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1, as vLLM users write it) disables
-    top-k. ``seed`` makes the request's draws reproducible regardless of its batch mates.
+    ``temperature == 0`` (or below 1e-5) means greedy. ``top_k == 0`` (or -1, as vLLM users
+    write it) disables top-k. ``seed`` makes the request's draws reproducible regardless of its
+    batch mates.
     """
 
     n: int = 1
@@ -62,6 +67,11 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens",
             )
+        if not math.isfinite(self.temperature):  # NaN and inf pass a plain "< 0" check
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature}",
+                param="temperature",
+            )
         if self.temperature < 0:
             raise InvalidRequestError(
                 f"temperature must be >= 0, got {self.temperature}", param="temperature"
@@ -70,9 +80,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
-        if self.repetition_penalty <= 0:
+        if not 0 < self.repetition_penalty < math.inf:  # written so that NaN fails it too
             raise InvalidRequestError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
                 param="repetition_penalty",
             )
         for name in ("presence_penalty", "frequency_penalty"):
@@ -88,4 +98,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS

@@ -222,6 +222,9 @@ def _keep_threshold(
         # on the tail; an infinite bound makes them an exact no-op.
         bound = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=device)
         keep &= mass_before < bound.unsqueeze(1)  # mass_before only grows: still a prefix
+        # A top_p below float32's smallest denormal (e.g. 5e-324) rounds to a bound of 0 and
+        # would keep nothing (then gather at index -1 kills the step): the top token stays.
+        keep[:, 0] = True
         if num_candidates < vocab_size:
             resolved = top_k_on | ~top_p_on | (cumulative[:, -1] >= bound)
     last_kept = keep.sum(dim=-1, keepdim=True) - 1

@@ -11,6 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Integers cross to the engine as msgpack int64: a larger one (e.g. a seed of 2**64) must be a
+# 400 naming its field here, not an OverflowError (500) when the request is sent.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
 
 class _Base(BaseModel):
     # Unknown fields are ignored, as OpenAI's SDKs add new ones over time.
@@ -23,25 +27,25 @@ class StreamOptions(_Base):
 
 class _SamplingFields(_Base):
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
 
 PromptInput = Annotated[
@@ -52,11 +56,11 @@ PromptInput = Annotated[
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
     logit_bias: dict[str, float] | None = None
 
 
@@ -73,10 +77,10 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tailserve.engine.client import EngineDeadError
 from tailserve.engine.scheduler import check_request_lengths
 from tailserve.errors import InvalidRequestError, QueueFullError
-from tailserve.sampling_params import SamplingParams
+from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from tailserve.server.context import ServerContext
 from tailserve.server.errors import APIError, bad_request, engine_error, error_body
 from tailserve.server.generation import Choice, ClientGone, Delta, Generation
@@ -76,6 +76,12 @@ class OpenAIServing:
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens
         )
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            # Checked here so the error names the chat field (SamplingParams says "logprobs").
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs"
+            )
         logprobs = None
         if body.logprobs:
             logprobs = body.top_logprobs or 0
