@@ -147,6 +147,7 @@ def test_client_events_split_across_reads_and_crlf() -> None:
     ([DONE], "no_content"),
     ([cmpl_chunk("a")], "incomplete_stream"),
     ([b"data: {not json\n\n"], "bad_json"),
+    ([event({"choices": ["not an object"]}), DONE], "bad_response"),
 ])
 def test_client_stream_failures(script: list[bytes | float], error_type: str) -> None:
     res = send_to(sse(script))
@@ -244,7 +245,7 @@ def test_live_run_is_consistent(server: ServerProcess, tmp_path: Path) -> None:
 
     text = out.getvalue()
     assert "in flight" in text and "failed" in text  # the live progress bar
-    assert "TTFT" in text and "Successful requests" in text
+    assert "TTFT" in text and "Successful requests" in text and "lengths sent" in text
 
 
 def test_live_chat_steps_with_failures(server: ServerProcess, tmp_path: Path) -> None:
@@ -253,7 +254,7 @@ def test_live_chat_steps_with_failures(server: ServerProcess, tmp_path: Path) ->
     path = tmp_path / "steps.json"
     cfg = BenchConfig(
         base_url=server.url, api_key=KEY, endpoint="chat", request_rates=[20.0, float("inf")],
-        save_result=str(path), observe=False, progress=False,
+        save_result=str(path), observe=False, progress=False, warmup=2,
         dataset=DatasetOptions(name="mixed", num_prompts=8, mix="16:0.5,600:0.5",
                                output_len=4),
     )

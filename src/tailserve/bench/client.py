@@ -179,6 +179,11 @@ class StreamClient:
         except msgspec.DecodeError as exc:
             res.error_type = "bad_json"
             res.error = f"a streamed event is not JSON: {exc}"
+        except (AttributeError, TypeError, KeyError, IndexError) as exc:
+            # JSON of the wrong shape (say "choices": ["x"]): one failed request, not a run
+            # that dies with a traceback.
+            res.error_type = "bad_response"
+            res.error = f"a streamed event has an unexpected shape: {type(exc).__name__}: {exc}"
         finally:
             res.end_s = perf_counter() - t0
 

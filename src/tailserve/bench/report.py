@@ -102,6 +102,14 @@ def print_step(console: Console, r: dict[str, Any], percentiles: list[float]) ->
         lat.add_row(m.upper(), *(_fmt(r[f"{c}_{m}_ms"]) for c in cols))
     console.print(lat)
 
+    lengths = ts["lengths"]
+    tail = _tail_key(percentiles)
+    inp, out = lengths["input"], lengths["output_requested"]
+    console.print(
+        f"lengths sent (tokens): input mean {inp['mean']:.0f}, median {inp['median']:.0f}, "
+        f"{tail.upper()} {inp.get(tail, 0.0):.0f}, range {lengths['input_min']}–"
+        f"{lengths['input_max']}; output asked mean {out['mean']:.0f}, received mean "
+        f"{lengths['output_received']['mean']:.0f}")
     failures = ts["failures"]
     if r["failed"]:
         f = Table(title="failures", title_justify="left")

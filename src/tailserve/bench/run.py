@@ -210,16 +210,23 @@ class _Ctx:
                              f"{res.error_type}: {res.error}{hint}")
 
     async def warmup(self) -> None:
-        ds = load_dataset(self._dataset_opts(0, self.cfg.warmup), self.counter)
+        # Its own seed, far from every step's (seed + step): warm-up prompts must not be the
+        # first step's, or that step would start on a warm prefix cache.
+        opts = dataclasses.replace(self._dataset_opts(0, self.cfg.warmup),
+                                   seed=self.cfg.seed + 1_000_003)
+        ds = load_dataset(opts, self.counter)
         self.console.print(f"warming up with {self.cfg.warmup} requests (not measured)")
         sem = asyncio.Semaphore(self.cfg.max_concurrency or len(ds.requests))
 
-        async def one(i: int, req: BenchRequest) -> None:
+        async def one(i: int, req: BenchRequest) -> bool:
             async with sem:
                 res = RequestResult(i, f"bench-{self.run_id}-warmup-{i}", 0, 0, 0.0)
                 await self.client.send(self.payload(req), res, perf_counter())
+                return res.success
 
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(ds.requests)))
+        ok = await asyncio.gather(*(one(i, r) for i, r in enumerate(ds.requests)))
+        if not all(ok):
+            self.console.print(f"[yellow]warm-up: {ok.count(False)} of {len(ok)} failed[/]")
 
     def _dataset_opts(self, step: int, n: int | None = None) -> DatasetOptions:
         # Each step its own prompts (seed + step): the same prompts again would hit the
