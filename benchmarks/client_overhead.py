@@ -218,15 +218,17 @@ def main() -> int:
     out = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                        "cpu_count": os.cpu_count()},
            "chunks_per_response": args.chunks, "phases": phases}
-    print("| phase | req/s | chunks/s | TTFT P50 / P99 / max ms | client-added TTFT P50 / P99 "
-          "/ max ms | send lag P99 ms | load avg (1 min) before → after |")
-    print("|---|---|---|---|---|---|---|")
+    print("| phase | req/s | chunks/s | TTFT ms P50 / P99 / max | client-added TTFT ms P50 / "
+          "P99 / max | of which send path / receive path ms P99 | send lag ms P99 | "
+          "load avg (1 min) before → after |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in phases:
         t, a = p["ttft_ms"], p["client_added_ttft_ms"]
         print(f"| {p['phase']} ({p['completed']}/{p['requests']} ok) | "
               f"{p['requests_per_s']:,.0f} | {p['chunks_per_s']:,.0f} | "
               f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
               f"{a['p50']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | "
+              f"{p['send_path_ms']['p99']:.3f} / {p['receive_path_ms']['p99']:.3f} | "
               f"{p['send_lag_ms']['p99']:.2f} | "
               f"{p['load_average_before'][0]:.2f} → {p['load_average_after'][0]:.2f} |")
     if args.json:
