@@ -4,7 +4,8 @@ The bench client (the real code path: ``run_bench``, the same as the CLI) is poi
 minimal local SSE responder in its own process, which answers every completion at once:
 the first event is written the moment the request is parsed, the other ``--chunks`` events
 right after it. Whatever the client then reports is the client's (and the loopback's) own
-cost. Three phases:
+cost. First the floor: the same requests from a blocking socket with no event loop and no
+HTTP library (loopback, responder and process wake-ups only). Then three phases:
 
   1. throughput: ``--num-prompts`` requests at rate inf, ``--max-concurrency`` in flight.
      Targets: >= 500 requests/s and >= 20,000 chunks/s.
@@ -172,6 +173,48 @@ def run_phase(url: str, name: str, n: int, rate: float, max_concurrency: int | N
     }
 
 
+def baseline_phase(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
+    """The floor: the same requests at the same Poisson rate from a blocking socket, no event
+    loop and no HTTP library. What this measures is loopback, the responder and the operating
+    system waking processes up; whatever the bench measures above it is the bench's own."""
+    from tailserve.bench.run import arrival_times
+
+    body = json.dumps({"model": "responder", "prompt": " ".join(["word"] * 32),
+                       "max_tokens": 40, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               ).encode() + body
+    arrivals = arrival_times(n, rate, 1.0, np.random.default_rng(seed))
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as aiohttp does
+    ttft, added = [], []
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    for t in arrivals:
+        while (delay := t0 + t - time.perf_counter()) > 0:
+            time.sleep(delay)
+        sent = time.perf_counter()
+        sock.sendall(request)
+        buf = sock.recv(1 << 16)
+        first = time.perf_counter()
+        while not buf.endswith(b"0\r\n\r\n"):
+            buf += sock.recv(1 << 16)
+        stamps = json.loads(buf.split(b'"tailserve_timing": ', 1)[1].split(b"}", 1)[0] + b"}")
+        ttft.append(first - sent)
+        added.append(first - sent - (stamps["first_write"] - stamps["recv"]))
+    sock.close()
+
+    def ms(values: list[float]) -> dict[str, float]:
+        a = np.asarray(values) * 1000.0
+        return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
+                "max": float(a.max())}
+
+    return {"phase": f"floor: blocking socket @ {rate:g} req/s", "requests": n,
+            "ttft_ms": ms(ttft), "client_added_ttft_ms": ms(added),
+            "load_average_before": load_before, "load_average_after": os.getloadavg()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,6 +247,7 @@ def main() -> int:
                     raise RuntimeError("the responder did not start") from None
                 time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
+        floor = baseline_phase(port, args.latency_prompts, args.rate, 1)
         phases = [
             run_phase(url, "throughput", args.num_prompts, float("inf"), args.max_concurrency,
                       False, 0),
@@ -217,7 +261,7 @@ def main() -> int:
         proc.wait(10)
     out = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                        "cpu_count": os.cpu_count()},
-           "chunks_per_response": args.chunks, "phases": phases}
+           "chunks_per_response": args.chunks, "floor": floor, "phases": phases}
     print("| phase | req/s | chunks/s | TTFT ms P50 / P99 / max | client-added TTFT ms P50 / "
           "P99 / max | of which send path / receive path ms P99 | send lag ms P99 | "
           "load avg (1 min) before → after |")
@@ -231,6 +275,11 @@ def main() -> int:
               f"{p['send_path_ms']['p99']:.3f} / {p['receive_path_ms']['p99']:.3f} | "
               f"{p['send_lag_ms']['p99']:.2f} | "
               f"{p['load_average_before'][0]:.2f} → {p['load_average_after'][0]:.2f} |")
+    t, a = floor["ttft_ms"], floor["client_added_ttft_ms"]
+    print(f"| {floor['phase']} ({floor['requests']}) | | | "
+          f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
+          f"{a['p50']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | | | "
+          f"{floor['load_average_before'][0]:.2f} → {floor['load_average_after'][0]:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
