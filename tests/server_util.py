@@ -50,7 +50,10 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.wait_healthy = wait_healthy
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log = tempfile.NamedTemporaryFile(prefix="tailserve-test-", suffix=".log", delete=False)
+        # Closed in __exit__: the server's output outlives any one block of this class.
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="tailserve-test-", suffix=".log", delete=False
+        )
         self.engine_pids: list[int] = []
 
     def __enter__(self) -> ServerProcess:

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_util import ServerProcess, metric_value
 
+from server_util import ServerProcess, metric_value
 from tailserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
