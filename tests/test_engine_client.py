@@ -72,7 +72,7 @@ async def _drain(q: asyncio.Queue[StreamItem], n: int) -> dict[str, list[Any]]:
 def test_inproc_client_matches_offline_and_aborts(tiny_model_dir: str) -> None:
     from tailserve import LLM
 
-    args = EngineArgs(model=tiny_model_dir, kv_cache_memory=0.05, max_queue_len=4)
+    args = EngineArgs(model=tiny_model_dir, kv_cache_memory=0.05, max_num_seqs=2, max_queue_len=4)
     prompts = [[10, 11, 12, 13], [20, 21], [30, 31, 32]]
     llm = LLM(**{**args.__dict__})
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_inproc_client_matches_offline_and_aborts(tiny_model_dir: str) -> None:
             client.add_request(AddRequest("dup", [1], long, 0.0))
             client.add_request(AddRequest("dup", [1], long, 0.0))
         client.abort(["dup"])
-        # max_queue_len 4: a burst larger than the queue is refused by the engine.
+        # 2 running + 4 waiting: a burst larger than that is refused by the engine.
         q4: asyncio.Queue[StreamItem] = asyncio.Queue()
         for i in range(8):
             client.add_request(AddRequest(f"b{i}", [5, 6], long, 0.0), q4)

@@ -216,10 +216,18 @@ def test_a_request_that_could_never_fit_the_pool_is_rejected() -> None:
 
 
 def test_queue_bound() -> None:
-    s = make(max_queue_len=1)
+    # Free running slots are not queue: one slot and a queue of one hold two requests.
+    s = make(max_queue_len=1, max_num_seqs=1)
     s.add_request(req("a", 3))
-    with pytest.raises(QueueFullError, match="1 of 1"):
-        s.add_request(req("b", 3))
+    s.add_request(req("b", 3))
+    with pytest.raises(QueueFullError, match="1 of 1 waiting"):
+        s.add_request(req("c", 3))
+    # max_queue_len 0: no queue, but max_num_seqs still run at once.
+    s = make(max_queue_len=0, max_num_seqs=2)
+    s.add_request(req("a", 3))
+    s.add_request(req("b", 3))
+    with pytest.raises(QueueFullError, match="0 of 0 waiting"):
+        s.add_request(req("c", 3))
 
 
 def test_prefix_cache_hit_skips_computation() -> None:

@@ -139,10 +139,19 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
-        if self.config.max_queue_len is not None and len(self.waiting) >= self.config.max_queue_len:
-            raise QueueFullError(
-                f"the waiting queue is full ({len(self.waiting)} of {self.config.max_queue_len})"
-            )
+        limit = self.config.max_queue_len
+        if limit is not None:
+            # Waiting requests that free max_num_seqs slots will start at the next step are not
+            # queued: a burst that lands between two steps must not be refused while slots are
+            # free (and max_queue_len 0 must still run max_num_seqs at once). The engine's
+            # bound is max_num_seqs + max_queue_len in all, the same as the API's admission.
+            free_slots = max(0, self.config.max_num_seqs - len(self.running))
+            queued = len(self.waiting) - free_slots
+            if queued >= limit:
+                raise QueueFullError(
+                    f"the waiting queue is full ({queued} of {limit} waiting, "
+                    f"{len(self.running)} of {self.config.max_num_seqs} running)"
+                )
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.push(req)

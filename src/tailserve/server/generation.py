@@ -88,6 +88,7 @@ class Generation:
         self.processor = OutputProcessor(tokenizer)
         self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.choices: dict[str, Choice] = {}
+        self._disconnect_checked = time.monotonic()
         # Streaming holds back the last characters that could begin a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
@@ -167,12 +168,20 @@ class Generation:
         if is_disconnected is None:
             return await self.queue.get()
         while True:
+            # Check on a clock, not only when the queue is quiet: a busy engine sends an
+            # output every step, and a hung-up client must still be noticed within the poll.
+            now = time.monotonic()
+            if now - self._disconnect_checked >= DISCONNECT_POLL_S:
+                self._disconnect_checked = now
+                if await is_disconnected():
+                    self.abort()
+                    raise ClientGone()
+            if not self.queue.empty():
+                return self.queue.get_nowait()
             try:
                 return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await is_disconnected():
-                    self.abort()
-                    raise ClientGone() from None
+                continue
 
     def _apply(self, choice: Choice, t: float, eo: EngineOutput) -> None:
         if eo.new_token_ids:

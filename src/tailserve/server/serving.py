@@ -197,7 +197,7 @@ class OpenAIServing:
 
     def _map(self, exc: BaseException) -> BaseException:
         if isinstance(exc, QueueFullError):
-            self.ctx.metrics.on_rejected("queue_full")
+            # Counted in requests_rejected_total by the app's APIError handler (429).
             return self.ctx.queue_full_error(str(exc))
         if isinstance(exc, InvalidRequestError):
             return bad_request(exc.message, exc.param)

@@ -1,0 +1,503 @@
+"""Live-server lifecycle tests: abort storm, client disconnect, overload (429), SIGTERM drain
+(503, finish_reason "abort", exit 0), a killed server's engine, and an engine fault (500
+engine_error, /health 503, non-zero exit). Real ``tailserve serve`` processes, real HTTP on
+loopback; no mocks.
+
+The tiny random model's tokens are random, so every request sets ``ignore_eos`` and its
+length is ``max_tokens``. A second tiny model with an 8192-token context makes requests that
+cannot finish by themselves within the windows these tests look at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from server_util import ServerProcess, metric_value
+
+LONG_CONTEXT = 8192
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_models import build_tiny_llama
+
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("tiny-long") / "llama", max_position_embeddings=LONG_CONTEXT
+    )
+
+
+# ---------------------------------------------------------------------------- helpers
+def completion(
+    max_tokens: int, stream: bool = False, prompt: str = "Hello there"
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+    }
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@dataclass
+class StreamResult:
+    status: int
+    events: list[Any] = field(default_factory=list)  # decoded JSON payloads, in order
+    done: bool = False  # saw "data: [DONE]"
+    cancelled: bool = False  # the client closed the stream on purpose
+    body: bytes = b""  # a non-200 answer's body
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [
+            c["finish_reason"] for e in self.events for c in e.get("choices", ())
+            if c.get("finish_reason")
+        ]
+
+    @property
+    def usage(self) -> dict[str, int] | None:
+        last = [e["usage"] for e in self.events if e.get("usage")]
+        return last[-1] if last else None
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [e["error"] for e in self.events if "error" in e]
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    cancel_after: int | None = None,
+    first_chunk: asyncio.Event | None = None,
+) -> StreamResult:
+    """POST a streamed completion and read its SSE events; with ``cancel_after``, close the
+    connection after that many events (leaving the ``async with`` closes it mid-response)."""
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        res = StreamResult(resp.status_code)
+        if resp.status_code != 200:
+            res.body = await resp.aread()
+            return res
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                res.done = True
+                continue
+            res.events.append(json.loads(data))
+            if first_chunk is not None:
+                first_chunk.set()
+            if cancel_after is not None and len(res.events) >= cancel_after:
+                res.cancelled = True
+                break
+    return res
+
+
+async def poll_metrics(
+    client: httpx.AsyncClient, url: str, ready: Callable[[str], bool], timeout: float
+) -> str:
+    """Poll /metrics until ``ready(text)``; return the last text either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = (await client.get(url + "/metrics")).text
+        if ready(text) or time.monotonic() > deadline:
+            return text
+        await asyncio.sleep(0.05)
+
+
+def engine_idle(text: str) -> bool:
+    free = metric_value(text, "tailserve:kv_cache_free_blocks")
+    total = metric_value(text, "tailserve:kv_cache_total_blocks")
+    return (
+        metric_value(text, "tailserve:num_requests_running") == 0
+        and metric_value(text, "tailserve:num_requests_waiting") == 0
+        and total is not None and total > 0 and free == total
+    )
+
+
+def idle_summary(text: str) -> dict[str, float | None]:
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_free_blocks",
+             "kv_cache_total_blocks")
+    return {n: metric_value(text, "tailserve:" + n) for n in names}
+
+
+def assert_openai_error(body: Any, type_: str, code: str | None = None) -> None:
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == type_, err
+    assert isinstance(err["message"], str) and err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+_TRACE_TEXT = re.compile(r"Traceback|File \"|\.py\b|line \d+|0x[0-9a-fA-F]{6,}")
+
+
+def assert_no_trace_text(text: str) -> None:
+    found = _TRACE_TEXT.search(text)
+    assert found is None, f"traceback-like text {found.group(0)!r} in {text!r}"
+
+
+def engine_process(srv: ServerProcess) -> psutil.Process:
+    """The engine child (spawned by multiprocessing), not its resource tracker."""
+    assert srv.proc is not None
+    for child in psutil.Process(srv.proc.pid).children(recursive=True):
+        cmd = " ".join(child.cmdline())
+        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+            return child
+    raise AssertionError("no engine process under the server")
+
+
+def assert_no_engine_left(srv: ServerProcess, engine_pid: int) -> None:
+    """The server reaps its engine before it exits; its other helpers (multiprocessing's
+    resource tracker) follow their parent out within moments."""
+    assert not psutil.pid_exists(engine_pid), f"engine {engine_pid} outlived the server"
+    deadline = time.monotonic() + 5.0
+    while srv.leftover_engines() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = []
+    for pid in srv.leftover_engines():
+        with contextlib.suppress(psutil.Error):
+            left.append((pid, psutil.Process(pid).cmdline()))
+    assert left == [], left
+
+
+@contextlib.contextmanager
+def serving(
+    args: list[str], model: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """A server for one test; its output is printed (pytest shows it) when the test fails."""
+    with ServerProcess(args, model=model, env=env) as srv:
+        try:
+            yield srv
+        except BaseException:
+            print(srv.output())
+            raise
+
+
+# ---------------------------------------------------------------------------- one server
+@pytest.fixture(scope="module")
+def long_server(long_model_dir: str) -> Iterator[ServerProcess]:
+    with ServerProcess([], model=long_model_dir) as srv:
+        yield srv
+        # An idle server stops cleanly on SIGTERM too.
+        engine_pid = engine_process(srv).pid
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(timeout=30) == 0, srv.output()
+        assert_no_engine_left(srv, engine_pid)
+
+
+def test_abort_storm_frees_everything(long_server: ServerProcess) -> None:
+    """100 concurrent streams, half of them closed by the client at random points (some before
+    their first chunk, while still waiting for a slot): the other half complete in full, and
+    afterwards the engine holds no request and every KV block is free."""
+    url = long_server.url
+    rng = random.Random(1234)
+    n = 100
+    # (max_tokens, close after this many events | None, close after this many seconds | None)
+    plan: list[tuple[int, int | None, float | None]] = []
+    for i in range(n):
+        max_tokens = rng.randint(100, 250)
+        if i % 2 == 0:
+            plan.append((max_tokens, None, None))
+        elif i % 10 == 1:
+            plan.append((max_tokens, None, rng.uniform(0.0, 0.5)))
+        else:
+            plan.append((max_tokens, rng.randint(1, 40), None))
+
+    async def one(
+        client: httpx.AsyncClient, max_tokens: int, after_events: int | None,
+        after_s: float | None,
+    ) -> StreamResult | None:
+        call = stream_completion(
+            client, url, completion(max_tokens, stream=True), cancel_after=after_events
+        )
+        if after_s is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, after_s)  # cancelling closes the connection
+        except asyncio.TimeoutError:
+            return None
+
+    async def run() -> tuple[list[StreamResult | None], str]:
+        limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            results = await asyncio.gather(*[one(client, *p) for p in plan])
+            text = await poll_metrics(client, url, engine_idle, timeout=2.0)
+        return list(results), text
+
+    results, text = asyncio.run(run())
+    for (max_tokens, after_events, after_s), res in zip(plan, results, strict=True):
+        if after_s is not None:
+            continue  # closed at a random moment: nothing to check on the client side
+        assert res is not None and res.status == 200, res
+        if after_events is not None:
+            assert res.cancelled and not res.done
+            continue
+        assert res.done, res.events[-3:]
+        assert res.finish_reasons == ["length"], res.finish_reasons
+        assert res.usage is not None and res.usage["completion_tokens"] == max_tokens
+        assert res.events[-1]["tailserve_timing"]["output_tokens"] == max_tokens
+        assert res.errors == []
+    assert engine_idle(text), idle_summary(text)
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_non_streamed_disconnect_aborts_in_engine(long_server: ServerProcess) -> None:
+    """A non-streamed request whose client hangs up is aborted in the engine (blocks freed)
+    while it still has thousands of tokens to go."""
+    url = long_server.url
+    host, port = "127.0.0.1", long_server.port
+
+    def running(text: str) -> float | None:
+        return metric_value(text, "tailserve:num_requests_running")
+
+    async def run() -> tuple[str, float, str]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            before = await poll_metrics(client, url, engine_idle, timeout=5.0)
+            assert engine_idle(before), idle_summary(before)
+            # A raw socket, so "close the connection" means exactly that.
+            _, writer = await asyncio.open_connection(host, port)
+            payload = json.dumps(completion(LONG_CONTEXT - 64)).encode()
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+            )
+            await writer.drain()
+            busy = await poll_metrics(client, url, lambda t: running(t) == 1, timeout=10.0)
+            assert running(busy) == 1, idle_summary(busy)
+            writer.close()
+            await writer.wait_closed()
+            closed_at = time.monotonic()
+            after = await poll_metrics(client, url, engine_idle, timeout=3.0)
+            idle_after = time.monotonic() - closed_at
+            # And it stays stopped: no more tokens are generated for it.
+            await asyncio.sleep(0.3)
+            later = (await client.get(url + "/metrics")).text
+        return after, idle_after, later
+
+    after, idle_after, later = asyncio.run(run())
+    assert engine_idle(after), idle_summary(after)
+    assert idle_after < 1.0, f"the engine ran the request {idle_after:.2f} s past the hang-up"
+    generated = metric_value(later, "tailserve:generation_tokens_total")
+    assert generated == metric_value(after, "tailserve:generation_tokens_total")
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+# ---------------------------------------------------------------------------- overload
+def test_overload_sheds_with_429(tiny_model_dir: str) -> None:
+    """max_num_seqs 2 + max_queue_len 4: a burst of 50 gets 429s (Retry-After, OpenAI body)
+    before any admitted request finishes, and every admitted request completes in full."""
+    n, max_tokens = 50, 128
+    with serving(["--max-num-seqs", "2", "--max-queue-len", "4"], tiny_model_dir) as srv:
+        url = srv.url
+
+        async def one(client: httpx.AsyncClient, i: int) -> tuple[httpx.Response, float]:
+            resp = await client.post(
+                url + "/v1/completions", json=completion(max_tokens, prompt=f"request {i}")
+            )
+            return resp, time.monotonic()
+
+        async def run() -> list[tuple[httpx.Response, float]]:
+            limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                return list(await asyncio.gather(*[one(client, i) for i in range(n)]))
+
+        results = asyncio.run(run())
+        text = httpx.get(url + "/metrics", timeout=5).text
+        health = httpx.get(url + "/health", timeout=5).status_code
+
+    rejected = [(r, t) for r, t in results if r.status_code == 429]
+    admitted = [(r, t) for r, t in results if r.status_code != 429]
+    assert all(r.status_code == 200 for r, _ in admitted), [
+        (r.status_code, r.text) for r, _ in admitted if r.status_code != 200
+    ]
+    # Capacity is 2 running + 4 waiting; the whole burst lands before any of it finishes.
+    assert len(admitted) == 6, [r.status_code for r, _ in results]
+    for r, _ in admitted:
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == max_tokens
+        assert body["choices"][0]["finish_reason"] == "length"
+    for r, _ in rejected:
+        assert r.headers.get("retry-after", "").isdigit(), dict(r.headers)
+        assert int(r.headers["retry-after"]) >= 1
+        assert_openai_error(r.json(), "rate_limit_error", "queue_full")
+        assert r.headers.get("x-request-id")
+    # Shedding is immediate: every 429 arrived before the first admitted request finished.
+    assert max(t for _, t in rejected) < min(t for _, t in admitted)
+    assert metric_value(
+        text, "tailserve:requests_rejected_total", {"reason": "queue_full"}
+    ) == len(rejected)
+    assert health == 200
+
+
+# ---------------------------------------------------------------------------- SIGTERM drain
+def test_sigterm_drain(long_model_dir: str) -> None:
+    """SIGTERM with --shutdown-timeout 3: new work gets 503 and /health 503 at once; in-flight
+    requests that end within the timeout finish normally ("length", every token); the ones
+    still running at the timeout end with finish_reason "abort" and [DONE]; the server exits
+    0 and leaves no engine behind. The engine gets its SIGTERM too, as from a supervisor that
+    signals the whole service (systemd's KillMode=control-group): the drain must survive it."""
+    timeout_s, short_tokens, long_tokens = 3.0, 32, LONG_CONTEXT - 64
+    with serving(["--shutdown-timeout", str(timeout_s)], long_model_dir) as srv:
+        url = srv.url
+        engine = engine_process(srv)
+        engine_pid = engine.pid
+
+        async def run() -> tuple[
+            list[StreamResult], list[float], httpx.Response, httpx.Response
+        ]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                lengths = [long_tokens, short_tokens, long_tokens, short_tokens]
+                started = [asyncio.Event() for _ in lengths]
+                ended: list[float] = [0.0] * len(lengths)
+
+                async def one(i: int) -> StreamResult:
+                    res = await stream_completion(
+                        client, url, completion(lengths[i], stream=True), first_chunk=started[i]
+                    )
+                    ended[i] = time.monotonic()
+                    return res
+
+                streams = [asyncio.create_task(one(i)) for i in range(len(lengths))]
+                await asyncio.wait_for(asyncio.gather(*[ev.wait() for ev in started]), 30)
+                srv.signal(signal.SIGTERM)
+                engine.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                await asyncio.sleep(0.2)
+                refused = await client.post(url + "/v1/completions", json=completion(8))
+                health = await client.get(url + "/health")
+                results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+                return list(results), [t - signalled for t in ended], refused, health
+
+        results, ended_after, refused, health = asyncio.run(run())
+        code = srv.wait(timeout=30)
+        log = srv.output()
+    print(log)  # shown when the test fails
+
+    assert refused.status_code == 503, refused.text
+    assert_openai_error(refused.json(), "service_unavailable", "draining")
+    assert health.status_code == 503, health.text
+    assert_openai_error(health.json(), "service_unavailable", "draining")
+    long, short = results[0::2], results[1::2]
+    for res in short:
+        assert res.status == 200 and res.done and res.errors == []
+        assert res.finish_reasons == ["length"], res.finish_reasons
+        assert res.usage is not None and res.usage["completion_tokens"] == short_tokens
+    assert max(ended_after[1::2]) < timeout_s  # they did not wait for the long ones
+    for res in long:
+        assert res.status == 200 and res.errors == []
+        assert res.finish_reasons == ["abort"], (res.finish_reasons, res.events[-2:])
+        assert res.done, res.events[-2:]
+        usage = res.usage
+        assert usage is not None and 0 < usage["completion_tokens"] < long_tokens
+        assert res.events[-1]["tailserve_timing"]["output_tokens"] == usage["completion_tokens"]
+    # The long streams ran until the shutdown timeout, not less.
+    assert min(ended_after[0::2]) >= timeout_s - 0.1, ended_after
+    assert code == 0
+    assert "Traceback" not in log
+    assert_no_engine_left(srv, engine_pid)
+
+
+def test_engine_does_not_outlive_a_killed_server(long_model_dir: str) -> None:
+    """SIGKILL gives the server no chance to stop its engine; a busy engine notices that its
+    parent is gone and exits by itself instead of running on as an orphan."""
+    with serving([], long_model_dir) as srv:
+        engine = engine_process(srv)
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                started = asyncio.Event()
+                stream = asyncio.create_task(stream_completion(
+                    client, srv.url, completion(LONG_CONTEXT - 64, stream=True),
+                    first_chunk=started,
+                ))
+                await asyncio.wait_for(started.wait(), 30)
+                srv.signal(signal.SIGKILL)
+                with contextlib.suppress(httpx.HTTPError):
+                    await asyncio.wait_for(stream, 30)
+
+        asyncio.run(run())
+        assert srv.wait(timeout=10) == -signal.SIGKILL
+        try:
+            engine.wait(timeout=10)  # not our child: psutil polls for it to be gone
+        except psutil.TimeoutExpired:
+            pytest.fail(f"the engine {engine.pid} kept running after its server was killed")
+
+
+# ---------------------------------------------------------------------------- engine fault
+def test_engine_fault_gives_500_then_unhealthy_and_exit(tiny_model_dir: str) -> None:
+    """The forward raises at step 5 (test hook). A non-streamed request in flight gets a 500
+    engine_error, a streamed one an error event; /health turns 503, new requests get 503, and
+    the server exits non-zero by itself with no engine left behind."""
+    env = {"TAILSERVE_TEST_FAIL_FORWARD_AT_STEP": "5"}
+    with serving([], tiny_model_dir, env) as srv:
+        url = srv.url
+        engine = engine_process(srv)
+        engine_pid = engine.pid
+
+        async def run() -> tuple[httpx.Response, StreamResult, list[int], httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                # Hold the engine still so both requests are in it before its first step.
+                engine.suspend()
+                try:
+                    plain = asyncio.create_task(
+                        client.post(url + "/v1/completions", json=completion(100))
+                    )
+                    streamed = asyncio.create_task(
+                        stream_completion(client, url, completion(100, stream=True))
+                    )
+                    await asyncio.sleep(0.5)  # both reach the engine's inbox
+                    assert not plain.done() and not streamed.done()
+                finally:
+                    engine.resume()
+                resp = await asyncio.wait_for(plain, 30)
+                stream = await asyncio.wait_for(streamed, 30)
+                statuses: list[int] = []
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline:
+                    statuses.append((await client.get(url + "/health")).status_code)
+                    if statuses[-1] == 503:
+                        break
+                    await asyncio.sleep(0.05)
+                refused = await client.post(url + "/v1/completions", json=completion(8))
+                return resp, stream, statuses, refused
+
+        resp, stream, statuses, refused = asyncio.run(run())
+        code = srv.wait(timeout=30)
+        log = srv.output()
+    print(log)  # shown when the test fails
+
+    assert resp.status_code == 500, resp.text
+    assert_openai_error(resp.json(), "engine_error")
+    assert_no_trace_text(resp.text)
+    assert stream.status == 200, stream.body
+    assert stream.events[0]["choices"], stream.events  # it was streaming before the fault
+    assert len(stream.errors) == 1 and stream.done, stream.events
+    assert stream.errors[0]["type"] == "engine_error"
+    assert_no_trace_text(json.dumps(stream.errors))
+    assert stream.finish_reasons == []  # it did not pretend to finish normally
+    assert statuses[-1] == 503, statuses
+    assert refused.status_code == 503, refused.text
+    assert_openai_error(refused.json(), "service_unavailable", "engine_dead")
+    assert code > 0  # an exit status, not death by a signal
+    assert_no_engine_left(srv, engine_pid)
+    # The operator's log names the cause: the engine's one traceback, none from the API side.
+    assert "injected forward failure" in log, log
+    assert log.count("Traceback") == 1 and "Exception in ASGI application" not in log, log
