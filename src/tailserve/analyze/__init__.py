@@ -1,0 +1,1 @@
+"""Analysis of bench results: diagnose (tail attribution), compare (A/B), plan (capacity)."""
