@@ -251,6 +251,47 @@ def _add_bench(sub: Any) -> None:
     b.set_defaults(func=_cmd_bench)
 
 
+def _cmd_diagnose(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tailserve.analyze.data import load_run
+    from tailserve.analyze.diagnose import diagnose, print_summary
+
+    d = diagnose(load_run(ns.result, ns.timeline), ns.percentile)
+    if ns.html:
+        from tailserve.analyze.report import write_html
+
+        write_html(d, ns.html)
+    if ns.json:
+        print(json.dumps(d.as_json(), indent=1))
+    else:
+        console = Console()
+        print_summary(d, console)
+        if ns.html:
+            console.print(f"report written to {ns.html}")
+    return 0
+
+
+def _add_diagnose(sub: Any) -> None:
+    d = sub.add_parser(
+        "diagnose", help="explain the tail latency of a bench result",
+        description="Split the tail (requests above --percentile) of TTFT, TPOT, ITL and E2EL "
+        "into causes (queueing, prefill_interference, own_prefill, preemption, "
+        "kv_cache_pressure, engine_stall, client_or_network, none), with evidence and advice, "
+        "and find the time windows where the P99 jumps.",
+    )
+    d.add_argument("result", metavar="RESULT.json", help="a tailserve bench --save-result file")
+    d.add_argument("--timeline", default=None, metavar="FILE",
+                   help="the server's timeline JSONL (tailserve serve --timeline), if the "
+                   "result does not carry it")
+    d.add_argument("--percentile", type=float, default=99.0,
+                   help="the tail: samples at or above this percentile (default: 99)")
+    d.add_argument("--html", default=None, metavar="FILE",
+                   help="also write a self-contained HTML report")
+    d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    d.set_defaults(func=_cmd_diagnose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tailserve",
@@ -276,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
     _add_serve(sub)
     _add_bench(sub)
+    _add_diagnose(sub)
     return parser
 
 

@@ -1,0 +1,144 @@
+"""Evidence (numbers, time windows) and one sentence of advice per cause.
+
+Evidence is what a person would check before believing the share: how many tail samples the
+cause touched and by how much, when, and the run-wide figure behind it (the fitted cost of a
+prefill token, the blocked steps, the worst stall). Advice names the knob, in the flags'
+own spelling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tailserve.analyze.attribution import CauseShare, MetricTail, time_ranges
+from tailserve.analyze.data import BLOCKED_KV, RunData
+from tailserve.analyze.samples import Samples
+from tailserve.analyze.stepmodel import StepModel
+
+
+def _ms(x: float) -> float:
+    return round(float(x) * 1e3, 3)
+
+
+def _rel(run: RunData, t: float) -> float:
+    return round(t - (run.start_time or 0.0), 2)
+
+
+def load_rates(run: RunData) -> tuple[float, float]:
+    """(offered, served) requests/s: sends over the send span, completions over the span
+    from first send to last completion."""
+    sends = sorted(q.send_t for q in run.requests if q.send_t is not None)
+    ends = [q.send_t + q.e2el_s for q in run.requests
+            if q.ok and q.send_t is not None and q.e2el_s is not None]
+    if len(sends) < 2 or not ends:
+        return 0.0, 0.0
+    offered = (len(sends) - 1) / max(sends[-1] - sends[0], 1e-9)
+    served = len(ends) / max(max(ends) - sends[0], 1e-9)
+    return offered, served
+
+
+def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
+            model: StepModel | None) -> None:
+    """Fill ``c.evidence`` and ``c.advice`` in place."""
+    hit = c.seconds > 0
+    tail_t = s.t[mt.tail]
+    ev: dict[str, Any] = {
+        "tail_samples_affected": int(hit.sum()),
+        "tail_samples": len(mt.tail),
+        "mean_ms_per_affected_sample": _ms(c.seconds[hit].mean()) if hit.any() else 0.0,
+        "windows_s": time_ranges(tail_t[hit], run.start_time or 0.0) if hit.any() else [],
+    }
+    steps = run.steps
+    if c.cause == "none":
+        ratio = mt.threshold_s / mt.p50_s if mt.p50_s > 0 else 1.0
+        ev = {"tail_over_median": round(ratio, 2)}
+        c.advice = (f"the P{mt.percentile:g} is {ratio:.2f}× the median: the tail is no "
+                    "worse than the typical request; nothing to fix here.")
+    elif c.cause == "queueing":
+        offered, served = load_rates(run)
+        over = (offered / served - 1.0) * 100.0 if served > 0 else 0.0
+        qv = [float((q.timing or {}).get("queue_s") or 0.0) for q in run.requests if q.timing]
+        if qv:
+            ev |= {"queue_p50_ms": _ms(np.median(qv)), "queue_max_ms": _ms(max(qv))}
+        ev |= {"offered_req_per_s": round(offered, 3), "served_req_per_s": round(served, 3)}
+        grow = None
+        if steps is not None and len(steps) and steps.waiting.max() > 0:
+            peak = int(np.argmax(steps.waiting))
+            ev |= {"max_waiting": int(steps.waiting[peak]),
+                   "max_waiting_at_s": _rel(run, steps.t[peak])}
+            grow = _rel(run, steps.t[int(np.argmax(steps.waiting > 0))])
+        start = f"from t={grow:g} s" if grow is not None else "during the run"
+        if over > 5:
+            c.advice = (f"the queue grows {start}: offered load ({offered:.3g} req/s) exceeds "
+                        f"capacity ({served:.3g} req/s) by {over:.0f}%; add capacity, or bound "
+                        "the queue (--max-queue-len) so excess load gets 429 instead of waiting.")
+        else:
+            c.advice = (f"requests wait for admission {start} in bursts: smooth the arrivals, "
+                        "add headroom, or raise --max-num-seqs if memory allows.")
+    elif c.cause == "prefill_interference":
+        if model is not None:
+            ev |= {"ms_per_1k_prefill_tokens": round(float(model.prefill_cost(1000.0)) * 1e3, 3),
+                   "step_model_r2": round(model.r2, 3)}
+        if steps is not None and len(steps):
+            big = int(np.argmax(steps.prefill))
+            ev |= {"steps_with_prefill": int((steps.prefill > 0).sum()),
+                   "largest_prefill_tokens": int(steps.prefill[big]),
+                   "largest_prefill_step_ms": _ms(steps.step_s[big]),
+                   "largest_prefill_at_s": _rel(run, steps.t[big])}
+        c.advice = ("long prompts stall running decodes: enable chunked prefill "
+                    "(--enable-chunked-prefill) and/or lower --long-prefill-token-threshold "
+                    "or --max-num-batched-tokens so a prompt is split across steps.")
+    elif c.cause == "own_prefill":
+        lens = np.array([run.requests[int(i)].prompt_len for i in s.req], dtype=float)
+        ev |= {"tail_prompt_tokens_median": float(np.median(lens[mt.tail])),
+               "all_prompt_tokens_median": float(np.median(lens))}
+        if model is not None:
+            ev["ms_per_1k_prefill_tokens"] = round(float(model.prefill_cost(1000.0)) * 1e3, 3)
+        c.advice = ("the tail requests have long prompts and pay for their own prefill: "
+                    "enable prefix caching for shared prefixes, shorten prompts, or set a TTFT "
+                    "SLO per prompt length rather than one for all.")
+    elif c.cause == "preemption":
+        pre = [q.timing for q in run.requests if q.timing and q.timing.get("num_preemptions")]
+        ev |= {"preempted_requests": len(pre),
+               "preemptions": int(sum(int(t.get("num_preemptions") or 0) for t in pre)),
+               "preempted_ms_total": _ms(sum(float(t.get("preempted_s") or 0.0) for t in pre))}
+        if steps is not None and len(steps) and steps.preemptions.any():
+            ev["preemption_windows_s"] = time_ranges(steps.t[steps.preemptions > 0],
+                                                     run.start_time or 0.0)
+        c.advice = ("requests are preempted and recomputed when KV blocks run out: raise "
+                    "--kv-cache-memory (or --gpu-memory-utilization), lower --max-num-seqs, or "
+                    "use --admission-policy reserve.")
+    elif c.cause == "kv_cache_pressure":
+        if steps is not None and len(steps):
+            kv = np.array([b == BLOCKED_KV for b in steps.blocked_by])
+            ev |= {"steps_blocked_by_kv_cache": int(kv.sum()),
+                   "share_of_steps": round(float(kv.mean()), 4),
+                   "min_free_blocks": int(steps.free_blocks.min()),
+                   "max_kv_usage": round(float(steps.kv_usage.max()), 4)}
+            if kv.any():
+                ev["blocked_windows_s"] = time_ranges(steps.t[kv], run.start_time or 0.0)
+        c.advice = ("admission waits for free KV blocks, not for a sequence slot: raise "
+                    "--kv-cache-memory or lower --max-num-seqs (or --watermark).")
+    elif c.cause == "engine_stall":
+        if steps is not None and model is not None and model.stall.any():
+            worst = int(np.argmax(model.stall))
+            ev |= {"stall_steps": int((model.stall > 0).sum()),
+                   "worst_stall_ms": _ms(model.stall[worst]),
+                   "worst_stall_at_s": _rel(run, steps.t[worst]),
+                   "worst_stall_batch": {"decode_seqs": int(steps.decode[worst]),
+                                         "prefill_tokens": int(steps.prefill[worst])},
+                   "residual_sigma_ms": _ms(model.sigma_s)}
+        c.advice = ("steps took far longer than their batch explains: look for GC pauses, "
+                    "CPU contention (other processes, too many threads) or allocator stalls "
+                    "at those times.")
+    elif c.cause == "client_or_network":
+        part = s.parts.get("client_or_network")
+        if part is not None:
+            good = part[~np.isnan(part)]
+            ev |= {"client_minus_server_p50_ms": _ms(np.median(good)),
+                   "client_minus_server_p99_ms": _ms(np.percentile(good, 99))}
+        c.advice = ("time the server does not see: check the client host's load (the bench's "
+                    "send lag), its event loop, and the network path; run the client nearer.")
+    c.evidence = ev

@@ -1,0 +1,240 @@
+"""A bench result (and optionally a timeline JSONL) read into one time axis.
+
+Every time here is wall clock (``time.time()`` seconds), the timeline's clock: the bench stores
+its requests as seconds after ``start_time`` (wall clock at the step's start), the server
+stamps steps and requests with wall clock, so both views line up without guessing an offset.
+The one offset left is the network and API delay between a step's end on the server and the
+chunk's arrival at the client (``delay_s``), measured as the median gap between the server's
+first-token time and the client's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Admission reasons as the scheduler writes them in step records.
+BLOCKED_KV = "kv_cache"
+BLOCKED_PREEMPTION = "preemption"
+
+
+class DiagnoseError(ValueError):
+    """An input the user can fix (not a result file, a summary of several steps, ...)."""
+
+
+@dataclass
+class Req:
+    """One request, client view and (when the server is tailserve) server view."""
+
+    request_id: str
+    ok: bool
+    error_type: str | None
+    prompt_len: int
+    output_tokens: int
+    send_t: float | None  # wall clock when the client sent it (None: unknown / vLLM file)
+    ttft_s: float | None
+    e2el_s: float | None
+    itl_s: list[float]
+    timing: dict[str, Any] | None = None  # the server's tailserve_timing
+    arrival_t: float | None = None  # server wall clock
+    first_token_t: float | None = None
+    finished_t: float | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2el_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass
+class Steps:
+    """Step records as arrays, sorted by ``t`` (the step's end)."""
+
+    t: np.ndarray
+    step_s: np.ndarray
+    prefill: np.ndarray  # prefill tokens in the step
+    decode: np.ndarray  # decode sequences in the step
+    running: np.ndarray
+    waiting: np.ndarray
+    free_blocks: np.ndarray
+    total_blocks: np.ndarray
+    preemptions: np.ndarray
+    blocked_by: list[str | None]
+    rss: np.ndarray  # engine resident memory, bytes (NaN where not recorded)
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    @property
+    def kv_usage(self) -> np.ndarray:
+        return np.where(self.total_blocks > 0,
+                        1.0 - self.free_blocks / np.maximum(self.total_blocks, 1), 0.0)
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]]) -> Steps:
+        records = sorted(records, key=lambda r: float(r["t"]))
+
+        def col(name: str) -> np.ndarray:
+            return np.array([float(r.get(name) or 0.0) for r in records], dtype=float)
+
+        rss = np.array([float((r.get("memory") or {}).get("rss_bytes", np.nan))
+                        for r in records], dtype=float)
+        return cls(t=col("t"), step_s=col("step_s"), prefill=col("num_prefill_tokens"),
+                   decode=col("num_decode_seqs"), running=col("num_running"),
+                   waiting=col("num_waiting"), free_blocks=col("free_blocks"),
+                   total_blocks=col("total_blocks"), preemptions=col("num_preemptions"),
+                   blocked_by=[r.get("admission_blocked_by") for r in records], rss=rss)
+
+
+@dataclass
+class RunData:
+    requests: list[Req]
+    steps: Steps | None  # None: no server timeline (another server, or not collected)
+    samples: list[dict[str, Any]]  # /metrics samples: {"t", "phase", "values"}
+    start_time: float | None
+    duration_s: float
+    source: str  # "tailserve" | "other server" | "vllm result"
+    has_timing: bool  # the server's per-request timing is present
+    delay_s: float = 0.0  # server step end -> client chunk arrival (median)
+    notes: list[str] = field(default_factory=list)
+
+
+def load_run(result_path: str, timeline_path: str | None = None) -> RunData:
+    try:
+        with open(result_path, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DiagnoseError(f"cannot read the result {result_path}: {exc}") from None
+    extra = read_timeline(timeline_path) if timeline_path else []
+    return run_from_result(result, extra)
+
+
+def read_timeline(path: str) -> list[dict[str, Any]]:
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a crash can leave the last line half written
+                if isinstance(rec, dict) and "t" in rec:
+                    out.append(rec)
+    except OSError as exc:
+        raise DiagnoseError(f"cannot read the timeline {path}: {exc}") from None
+    return out
+
+
+def run_from_result(result: dict[str, Any],
+                    extra_timeline: list[dict[str, Any]] | None = None) -> RunData:
+    if not isinstance(result, dict):
+        raise DiagnoseError("the result is not a JSON object")
+    if "steps" in result and "tailserve" not in result:
+        files = [s.get("result_file") for s in result["steps"] if isinstance(s, dict)]
+        raise DiagnoseError("this is the summary of a stepped run; diagnose one step's "
+                            f"result: {', '.join(str(f) for f in files)}")
+    ts = result.get("tailserve")
+    if not isinstance(ts, dict):
+        return _from_vllm(result)
+    start = float(ts["start_time"])
+    server = ts.get("server") or {}
+    records = list(server.get("timeline") or []) + list(extra_timeline or [])
+    reqs = [_req(q, start) for q in ts.get("requests") or []]
+    end = max([start + float(result.get("duration") or 0.0)]
+              + [q.send_t + q.e2el_s for q in reqs if q.send_t is not None and q.e2el_s])
+    # A shared timeline file holds other runs too: keep this run's span (and a little slack
+    # for requests still finishing).
+    lo, hi = start - 2.0, end + 5.0
+    records = [r for r in records if lo <= float(r.get("t", 0.0)) <= hi]
+    seen: set[tuple[Any, ...]] = set()
+    steps, by_id = [], {}
+    for r in records:
+        key = (r.get("kind"), r.get("t"), r.get("request_id"))
+        if key in seen:
+            continue
+        seen.add(key)
+        if r.get("kind") == "step":
+            steps.append(r)
+        elif r.get("kind") == "request" and r.get("request_id"):
+            by_id[str(r["request_id"])] = r
+    for q in reqs:
+        rec = by_id.get(q.request_id)
+        if rec is None:
+            continue
+        q.timing = q.timing or rec.get("timing")
+        q.arrival_t = rec.get("arrival_time")
+        q.first_token_t = rec.get("first_token_time")
+        q.finished_t = rec.get("finished_time") or rec.get("t")
+    has_timing = any(q.timing for q in reqs)
+    run = RunData(requests=reqs, steps=Steps.from_records(steps) if steps else None,
+                  samples=list(server.get("metric_samples") or []), start_time=start,
+                  duration_s=end - start, source="tailserve" if has_timing else "other server",
+                  has_timing=has_timing)
+    _fill_server_times(run)
+    return run
+
+
+def _req(q: dict[str, Any], start: float) -> Req:
+    send = q.get("send_s")
+    timing = q.get("server_timing")
+    return Req(request_id=str(q.get("request_id")), ok=q.get("error_type") is None,
+               error_type=q.get("error_type"), prompt_len=int(
+                   (timing or {}).get("prompt_tokens") or q.get("server_prompt_tokens")
+                   or q.get("prompt_len") or 0),
+               output_tokens=int(q.get("output_tokens") or 0),
+               send_t=None if send is None else start + float(send),
+               ttft_s=q.get("ttft_s"), e2el_s=q.get("e2el_s"),
+               itl_s=[float(x) for x in q.get("itl_s") or []], timing=timing)
+
+
+def _fill_server_times(run: RunData) -> None:
+    """Server wall times the timeline did not give, from the timing dict and the client's
+    send time; and the step-end -> chunk delay."""
+    delays = [q.send_t + q.ttft_s - q.first_token_t for q in run.requests
+              if q.send_t is not None and q.ttft_s is not None and q.first_token_t is not None]
+    run.delay_s = float(np.median(delays)) if delays else 0.0
+    for q in run.requests:
+        if q.timing is None or q.send_t is None:
+            continue
+        if q.arrival_t is None:
+            q.arrival_t = q.send_t  # the request leaves the client and lands within ~1 ms
+        ttft, e2e = q.timing.get("ttft_s"), q.timing.get("e2e_s")
+        if q.first_token_t is None and ttft is not None:
+            q.first_token_t = q.arrival_t + float(ttft)
+        if q.finished_t is None and e2e is not None:
+            q.finished_t = q.arrival_t + float(e2e)
+
+
+def _from_vllm(result: dict[str, Any]) -> RunData:
+    """vLLM's own ``--save-detailed`` file: per-request lists, no send times."""
+    ttfts = result.get("ttfts")
+    if not isinstance(ttfts, list):
+        raise DiagnoseError("the result has neither a tailserve block nor vLLM's per-request "
+                            "lists (save it with --save-detailed)")
+    n = len(ttfts)
+
+    def get(name: str, default: Any) -> list[Any]:
+        v = result.get(name)
+        return v if isinstance(v, list) and len(v) == n else [default] * n
+
+    ins, outs, itls, errs = get("input_lens", 0), get("output_lens", 0), get("itls", []), \
+        get("errors", "")
+    reqs = []
+    for i in range(n):
+        ok = not errs[i] and ttfts[i] > 0
+        e2el = (ttfts[i] + sum(itls[i])) if ok else None
+        reqs.append(Req(request_id=str(i), ok=ok, error_type=None if ok else "error",
+                        prompt_len=int(ins[i] or 0), output_tokens=int(outs[i] or 0),
+                        send_t=None, ttft_s=ttfts[i] if ok else None, e2el_s=e2el,
+                        itl_s=list(itls[i] or [])))
+    return RunData(requests=reqs, steps=None, samples=[], start_time=None,
+                   duration_s=float(result.get("duration") or 0.0), source="vllm result",
+                   has_timing=False,
+                   notes=["vLLM's result has no send times: no time windows"])
