@@ -1,13 +1,22 @@
 """From per-sample parts to per-cause shares of the tail, with evidence and advice.
 
-For the samples at or above the chosen percentile, each sample's *excess* is its value minus
-the median sample. Each cause's contribution to it is the cause's part minus that part's median
-over all samples (what the typical sample also pays is not the tail's fault), floored at zero.
-When the causes claim more than the excess (they overlap: a stall during a prefill step), they
-are scaled down to it; what they do not claim is reported as ``unexplained_share`` (for E2EL
-that is mostly longer outputs and bigger batches, which are load, not a fault).
+Two references, because a tail can be a few bad samples or the whole run:
 
-A metric whose tail is within ``NONE_FACTOR`` of its median has one cause, ``none``.
+- the *clean* latency: the median of (value − every cause's part), what a sample costs with
+  no cause at work (the service time);
+- the median sample.
+
+When the median is itself far above the clean latency (every request queues: overload,
+exhausted KV), the tail's excess is measured from the clean latency and every cause's part
+counts whole. Otherwise the excess is over the median, and each cause's contribution is its
+part minus that part's median over all samples (what the typical sample also pays, the
+network's millisecond or the prefill steps every decode shares, is not the tail's fault).
+Either way contributions are floored at zero; when they claim more than the excess (they
+overlap: a stall during a prefill step) they are scaled down to it; what they do not claim is
+``unexplained_share`` (for E2EL mostly longer outputs and bigger batches: load, not a fault).
+
+A metric whose tail is within ``NONE_FACTOR`` of its median, and whose median is within it of
+the clean latency, has one cause: ``none``.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import numpy as np
 
 from tailserve.analyze.samples import Samples
 
-NONE_FACTOR = 1.5
+# Twice the median: a request that arrives mid-step waits up to one step, so even an idle
+# server's TTFT spreads by a step; below that there is no tail to explain.
+NONE_FACTOR = 2.0
 NONE_MIN_S = 0.5e-3  # below this excess a tail is noise, whatever the ratio
 MIN_SHARE = 0.005
 
@@ -49,12 +60,16 @@ class MetricTail:
     causes: list[CauseShare]
     unexplained_share: float
     cannot_judge: list[str]
+    reference_s: float = 0.0  # what the excess is measured from
+    whole_run: bool = False  # True: the median itself is inflated; reference = clean latency
 
     def as_json(self) -> dict[str, Any]:
         return {"p50_ms": round(self.p50_s * 1e3, 3), "p99_ms": round(self.p99_s * 1e3, 3),
                 "percentile": self.percentile,
                 "threshold_ms": round(self.threshold_s * 1e3, 3), "num_samples": self.n,
                 "num_tail": len(self.tail),
+                "reference": "clean" if self.whole_run else "median",
+                "reference_ms": round(self.reference_s * 1e3, 3),
                 "causes": [c.as_json() for c in self.causes],
                 "unexplained_share": round(self.unexplained_share, 4),
                 "cannot_judge": self.cannot_judge}
@@ -71,15 +86,23 @@ def attribute(s: Samples, percentile: float, cannot_judge: list[str]) -> MetricT
     tail = np.flatnonzero(ok & (vals >= thr))
     mt = MetricTail(s.metric, int(ok.sum()), p50, p99, percentile, thr, tail, [], 0.0,
                     cannot_judge)
-    excess = np.maximum(vals[tail] - p50, 0.0)
-    if thr <= NONE_FACTOR * p50 or thr - p50 < NONE_MIN_S or excess.sum() <= 0:
+    parts = {c: np.nan_to_num(p) for c, p in s.parts.items()}
+    clean = vals - sum(parts.values(), np.zeros(len(vals)))
+    ref = float(np.clip(np.median(clean[ok]), 0.0, p50))
+    whole_run = p50 > NONE_FACTOR * ref + NONE_MIN_S
+    base = ref if whole_run else p50
+    mt.reference_s, mt.whole_run = base, whole_run
+    excess = np.maximum(vals[tail] - base, 0.0)
+    if not whole_run and (thr <= NONE_FACTOR * p50 or thr - p50 < NONE_MIN_S):
+        mt.causes = [CauseShare("none", 1.0, np.zeros(len(tail)))]
+        return mt
+    if excess.sum() <= 0:
         mt.causes = [CauseShare("none", 1.0, np.zeros(len(tail)))]
         return mt
     contrib: dict[str, np.ndarray] = {}
-    for cause, part in s.parts.items():
-        good = part[ok & ~np.isnan(part)]
-        base = float(np.median(good)) if len(good) else 0.0
-        contrib[cause] = np.nan_to_num(np.maximum(part[tail] - base, 0.0))
+    for cause, part in parts.items():
+        floor = 0.0 if whole_run else float(np.median(part[ok]))
+        contrib[cause] = np.maximum(part[tail] - floor, 0.0)
     total = sum(contrib.values(), np.zeros(len(tail)))
     scale = np.where(total > excess, excess / np.maximum(total, 1e-15), 1.0)
     denom = float(excess.sum())

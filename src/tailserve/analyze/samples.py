@@ -182,8 +182,10 @@ def client_samples(run: RunData) -> dict[str, Samples]:
         o = np.argsort(first)
         cum = np.concatenate([[0.0], np.cumsum(plen[o])])
         cum2 = np.concatenate([[0.0], np.cumsum(plen[o] ** 2 / 1000.0)])
-        i0 = np.searchsorted(first[o], ends - vals, side="right")
-        i1 = np.searchsorted(first[o], ends, side="left")
+        # A first token from the step that ended this gap arrives with the gap's own chunk,
+        # in either order: shift the window by the slack so it lands inside.
+        i0 = np.searchsorted(first[o], ends - vals + SLACK_S, side="right")
+        i1 = np.searchsorted(first[o], ends + SLACK_S, side="right")
         p1, p2 = cum[i1] - cum[i0], cum2[i1] - cum2[i0]
         c = _nonneg_lstsq(np.column_stack([np.ones_like(vals), p1, p2]), vals)
         interf = c[1] * p1 + c[2] * p2

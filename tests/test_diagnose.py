@@ -1,0 +1,267 @@
+"""tailserve diagnose: planted causes are named first, a clean run gets ``none``, the --json
+shape, the self-contained HTML report, another server's result, and one live end-to-end run
+(chunked prefill off, long prompts among short ones: the ITL tail is prefill interference)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from diagnose_sim import Sim, simulate, without_server
+
+from tailserve.analyze.data import DiagnoseError, run_from_result
+from tailserve.analyze.diagnose import Diagnosis, diagnose
+from tailserve.cli import main
+
+CAUSES = {"queueing", "prefill_interference", "own_prefill", "preemption", "kv_cache_pressure",
+          "engine_stall", "client_or_network", "none"}
+
+
+def _long_mix(i: int, rng: np.random.Generator) -> int:
+    return 2000 if rng.random() < 0.1 else 32
+
+
+SCENARIOS: dict[str, Sim] = {
+    # 10% of prompts are 2000 tokens (0.4 s of prefill) among 32-token ones: each long
+    # prefill step holds every running decode.
+    "interference": Sim(n=200, rate=8, prompt=_long_mix, per_prefill_s=0.0002, seed=1),
+    # Arrivals at 40/s, capacity about 4 sequences per 12 ms step x 24 tokens: ~14/s.
+    "queueing": Sim(n=200, rate=40, max_num_seqs=4, seed=2),
+    # For 3 s one running request per step is preempted and held for 0.3 s.
+    "preemption": Sim(n=300, rate=20, preempt=(5.0, 8.0, 0.3), seed=3),
+    # 2% of steps take 150 ms more at the same batch.
+    "stall": Sim(n=200, rate=10, stall=lambda k, t, rng: 0.15 if rng.random() < 0.02 else 0.0,
+                 seed=4),
+    # 12 KV blocks: 2 requests fit, though 16 sequences may run.
+    "kv": Sim(n=200, rate=40, total_blocks=12, seed=5),
+    "clean": Sim(n=200, rate=5, seed=6),
+}
+_cache: dict[str, dict[str, Any]] = {}
+
+
+def result_of(name: str) -> dict[str, Any]:
+    if name not in _cache:
+        _cache[name] = simulate(SCENARIOS[name])
+    return _cache[name]
+
+
+def top(d: Diagnosis, metric: str) -> str:
+    return d.tails[metric].causes[0].cause
+
+
+def shares(d: Diagnosis, metric: str) -> dict[str, float]:
+    return {c.cause: c.share for c in d.tails[metric].causes}
+
+
+# ---------------------------------------------------------------- planted causes
+def test_prefill_interference_first() -> None:
+    d = diagnose(run_from_result(result_of("interference")))
+    for m in ("itl", "tpot"):
+        assert top(d, m) == "prefill_interference", d.as_json()["tail"][m]
+        assert shares(d, m)["prefill_interference"] > 0.8
+    # The long prompts' own TTFT: their own prefill and the other long prompts' are named.
+    assert {"own_prefill", "prefill_interference"} <= set(shares(d, "ttft"))
+    itl = d.tails["itl"].causes[0]
+    assert "enable chunked prefill" in itl.advice
+    assert itl.evidence["largest_prefill_tokens"] >= 2000
+    assert itl.evidence["windows_s"]
+    # The step model recovers the planted cost: 0.2 ms per prefill token = 200 ms per 1k.
+    assert d.model is not None
+    assert d.model.describe()["ms_per_1k_prefill_tokens"] == pytest.approx(200, rel=0.15)
+
+
+def test_queueing_first_with_the_overload_in_the_advice() -> None:
+    d = diagnose(run_from_result(result_of("queueing")))
+    for m in ("ttft", "e2el"):
+        assert top(d, m) == "queueing" and shares(d, m)["queueing"] > 0.9
+    q = d.tails["ttft"].causes[0]
+    assert re.search(r"exceeds capacity \(.*\) by \d+%", q.advice), q.advice
+    assert q.evidence["offered_req_per_s"] > 2 * q.evidence["served_req_per_s"]
+    assert q.evidence["max_waiting"] > 50
+    # Decoding is not slowed by the queue: nothing to explain there.
+    assert top(d, "itl") == "none"
+
+
+def test_preemption_storm_first() -> None:
+    d = diagnose(run_from_result(result_of("preemption")))
+    for m in ("itl", "tpot", "e2el", "ttft"):
+        assert top(d, m) == "preemption", (m, shares(d, m))
+    ev = d.tails["e2el"].causes[0].evidence
+    assert ev["preemptions"] > 10
+    # The storm's window (5–8 s of the run) is where the preemptions are.
+    [[t0, t1], *_] = ev["preemption_windows_s"]
+    assert 4.5 <= t0 and t1 <= 8.5
+
+
+def test_engine_stall_at_constant_batch_first() -> None:
+    d = diagnose(run_from_result(result_of("stall")))
+    for m in ("itl", "tpot", "ttft"):
+        assert top(d, m) == "engine_stall", (m, shares(d, m))
+    ev = d.tails["itl"].causes[0].evidence
+    assert ev["worst_stall_ms"] == pytest.approx(150, abs=20)
+    assert d.model is not None
+    # About 2% of steps were planted; none of the ordinary ones is called a stall.
+    n_steps = len(d.run.steps) if d.run.steps is not None else 0
+    assert 0.01 * n_steps < ev["stall_steps"] < 0.04 * n_steps
+
+
+def test_kv_cache_pressure_first() -> None:
+    d = diagnose(run_from_result(result_of("kv")))
+    for m in ("ttft", "e2el"):
+        assert top(d, m) == "kv_cache_pressure", (m, shares(d, m))
+    ev = d.tails["ttft"].causes[0].evidence
+    assert ev["share_of_steps"] > 0.5 and ev["min_free_blocks"] < 4
+
+
+def test_clean_run_is_none() -> None:
+    d = diagnose(run_from_result(result_of("clean")))
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert [c.cause for c in d.tails[m].causes] == ["none"], (m, shares(d, m))
+    assert d.windows == [] and d.errors == {}
+
+
+# ---------------------------------------------------------------- interfaces
+def test_json_shape_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result_of("interference")))
+    assert main(["diagnose", str(path), "--json", "--percentile", "99"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"tail", "windows", "errors", "findings"}
+    assert set(out["tail"]) == {"ttft", "tpot", "itl", "e2el"}
+    for t in out["tail"].values():
+        assert t["p99_ms"] >= t["p50_ms"] > 0
+        causes = t["causes"]
+        assert causes and all(set(c) == {"cause", "share", "evidence", "advice"}
+                              for c in causes)
+        assert {c["cause"] for c in causes} <= CAUSES
+        sh = [c["share"] for c in causes]
+        assert sh == sorted(sh, reverse=True) and 0 < sum(sh) <= 1.0001
+        assert all(isinstance(c["evidence"], dict) and c["advice"] for c in causes)
+    assert isinstance(out["errors"], dict) and isinstance(out["windows"], list)
+    assert all(isinstance(f, str) for f in out["findings"])
+    assert any("prefill_interference" in f for f in out["findings"])
+    # Without --json: the readable summary names the same things.
+    assert main(["diagnose", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "ITL" in text and "prefill_interference" in text and "findings" in text
+
+
+def test_separate_timeline_file_gives_the_same_diagnosis(tmp_path: Path) -> None:
+    res = result_of("stall")
+    timeline = res["tailserve"]["server"]["timeline"]
+    bare = json.loads(json.dumps(res))
+    bare["tailserve"]["server"]["timeline"] = []
+    (tmp_path / "r.json").write_text(json.dumps(bare))
+    # A shared JSONL: another run's records an hour earlier, and a torn last line.
+    other = {**timeline[0], "t": timeline[0]["t"] - 3600, "step_s": 9.0}
+    lines = [json.dumps(other)] + [json.dumps(r) for r in timeline] + ['{"kind": "st']
+    (tmp_path / "tl.jsonl").write_text("\n".join(lines))
+    from tailserve.analyze.data import load_run
+
+    a = diagnose(run_from_result(res)).as_json()
+    b = diagnose(load_run(str(tmp_path / "r.json"), str(tmp_path / "tl.jsonl"))).as_json()
+    assert a["tail"] == b["tail"]
+
+
+def test_windows_name_what_changed() -> None:
+    # A burst of long prompts in the middle of an otherwise short-prompt run.
+    sim = Sim(n=300, rate=10, seed=7, per_prefill_s=0.0002,
+              prompt=lambda i, rng: 1500 if 120 <= i < 160 and i % 3 == 0 else 32)
+    d = diagnose(run_from_result(simulate(sim)))
+    assert d.windows, d.findings
+    w = d.windows[0]
+    burst_t = 12.0  # the 120th arrival at 10 req/s
+    assert w["start_s"] <= burst_t + 5 and w["end_s"] >= burst_t
+    assert "prompt tokens mean" in w["changed"]
+    assert w["changes"]["prompt_tokens_mean"]["window"] > 3 * w["changes"][
+        "prompt_tokens_mean"]["baseline"]
+    assert any(f.startswith("P99 jump at t=") for f in d.findings)
+
+
+def test_html_is_self_contained_with_the_plots(tmp_path: Path) -> None:
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result_of("interference")))
+    html_path = tmp_path / "report.html"
+    assert main(["diagnose", str(path), "--html", str(html_path), "--json"]) == 0
+    html = html_path.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)
+    assert "<script" not in html.lower()
+    # Findings come first, then one inline image per plot.
+    assert html.index("Findings") < html.index("<img")
+    for name in ("latency_over_time", "cdf", "ttft_vs_prompt", "queue_vs_kv", "step_vs_batch",
+                 "pressure_heatmap"):
+        assert re.search(rf"id='plot-{name}'[^>]*src='data:image/png;base64,[A-Za-z0-9+/=]{{200,}}",
+                         html), name
+
+
+def test_other_server_gets_only_client_side_causes(tmp_path: Path) -> None:
+    res = without_server(result_of("interference"))
+    d = diagnose(run_from_result(res))
+    assert d.run.source == "other server"
+    judged = {"queueing", "own_prefill", "prefill_interference", "none"}
+    for m, t in d.tails.items():
+        assert {c.cause for c in t.causes} <= judged, m
+        assert set(t.cannot_judge) == {"preemption", "kv_cache_pressure", "engine_stall",
+                                       "client_or_network"}
+    # Gaps that hold other requests' first tokens: interference, seen from the client alone.
+    assert top(d, "itl") == "prefill_interference"
+    assert d.findings[0].startswith("Cannot judge preemption, kv_cache_pressure, engine_stall, "
+                                    "client_or_network: the result has no server timing")
+    # The HTML still renders, saying which plots need the server.
+    from tailserve.analyze.report import render_html
+
+    assert "not available" in render_html(d)
+
+
+def test_vllm_result_and_bad_inputs(tmp_path: Path) -> None:
+    vllm = {"duration": 1.0, "ttfts": [0.01] * 20 + [0.5], "input_lens": [32] * 20 + [4000],
+            "output_lens": [4] * 21, "itls": [[0.01, 0.01, 0.01]] * 21, "errors": [""] * 21}
+    d = diagnose(run_from_result(vllm))
+    assert d.run.source == "vllm result" and top(d, "ttft") == "own_prefill"
+    with pytest.raises(DiagnoseError, match="stepped run"):
+        run_from_result({"steps": [{"result_file": "x-step0.json"}]})
+    with pytest.raises(DiagnoseError, match="save-detailed"):
+        run_from_result({"duration": 1.0})
+    with pytest.raises(ValueError, match="percentile"):
+        diagnose(run_from_result(vllm), percentile=100)
+    assert main(["diagnose", str(tmp_path / "missing.json")]) == 2
+
+
+# ---------------------------------------------------------------- live, end to end
+@pytest.fixture(scope="module")
+def heavy_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama widened to 512 and given a 4096 context, so a 1900-token prefill takes
+    a few hundred milliseconds on a CPU: far above a decode step and above scheduler noise."""
+    from tiny_models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("heavy") / "llama", hidden_size=512,
+                            intermediate_size=1024, max_position_embeddings=4096)
+
+
+def test_end_to_end_prefill_interference(heavy_model_dir: str, tmp_path: Path) -> None:
+    from rich.console import Console
+    from server_util import ServerProcess
+
+    from tailserve.analyze.data import load_run
+    from tailserve.bench.datasets import DatasetOptions
+    from tailserve.bench.run import BenchConfig, run_bench
+
+    t0 = time.monotonic()
+    path = tmp_path / "result.json"
+    args = ["--no-enable-chunked-prefill", "--max-model-len", "2048",
+            "--max-num-batched-tokens", "2048", "--max-num-seqs", "16", "--kv-cache-memory", "0.5"]
+    with ServerProcess(args, model=heavy_model_dir) as srv:
+        cfg = BenchConfig(base_url=srv.url, request_rate=3.0, seed=1, save_result=str(path),
+                          dataset=DatasetOptions(name="mixed", num_prompts=30,
+                                                 mix="32/32:0.85,1900/4:0.15"),
+                          metrics_interval_s=0.5, progress=False)
+        run_bench(cfg, Console(file=open("/dev/null", "w")))  # noqa: SIM115
+    d = diagnose(load_run(str(path)))
+    assert d.run.source == "tailserve" and d.run.steps is not None
+    assert top(d, "itl") == "prefill_interference", d.as_json()["tail"]["itl"]
+    assert time.monotonic() - t0 < 120
