@@ -292,6 +292,55 @@ def _add_diagnose(sub: Any) -> None:
     d.set_defaults(func=_cmd_diagnose)
 
 
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tailserve.analyze.compare import CompareOptions, compare_runs, load_run, render, to_json
+
+    opts = CompareOptions(
+        metrics=tuple(m.strip() for m in ns.metric.split(",") if m.strip()),
+        percentile=ns.percentile, confidence=ns.confidence, threshold_pct=ns.threshold,
+        num_resamples=ns.resamples, seed=ns.seed,
+    )
+    a = [load_run(p) for p in [ns.a, *(ns.replicate_a or [])]]
+    b = [load_run(p) for p in [ns.b, *(ns.replicate_b or [])]]
+    c = compare_runs(a, b, opts)
+    if ns.json:
+        print(json.dumps(to_json(c), indent=1))
+    else:
+        render(c, Console())
+    return 0 if c.passed else 1
+
+
+def _add_compare(sub: Any) -> None:
+    c = sub.add_parser(
+        "compare", help="A/B: is B's latency significantly worse than A's?",
+        description="For TTFT, TPOT, ITL and E2EL: P50 and the tail percentile of A and B, "
+        "B − A with a bootstrap confidence interval (requests resampled within a run, or whole "
+        "runs when both sides have replicates), a Mann-Whitney p-value and a verdict. Exit "
+        "status: 0 when B is not significantly worse than A beyond --threshold, 1 when it is, "
+        "2 on a usage error.",
+    )
+    c.add_argument("a", metavar="A.json", help="baseline: a tailserve bench --save-result file")
+    c.add_argument("b", metavar="B.json", help="candidate result file")
+    c.add_argument("--replicate-a", action="extend", nargs="+", metavar="FILE",
+                   help="more runs of A (with 2+ runs on both sides whole runs are resampled)")
+    c.add_argument("--replicate-b", action="extend", nargs="+", metavar="FILE",
+                   help="more runs of B")
+    c.add_argument("--metric", default="ttft,tpot,itl,e2el", help="(default: %(default)s)")
+    c.add_argument("--percentile", type=float, default=99.0,
+                   help="the tail percentile judged (default: 99)")
+    c.add_argument("--confidence", type=float, default=0.95, help="(default: 0.95)")
+    c.add_argument("--threshold", type=float, default=0.0, metavar="PCT",
+                   help="fail only when B's tail is worse by more than PCT percent, with the "
+                   "chosen confidence (default: 0)")
+    c.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default: "
+                   "2000)")
+    c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    c.set_defaults(func=_cmd_compare)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tailserve",
@@ -318,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_bench(sub)
     _add_diagnose(sub)
+    _add_compare(sub)
     return parser
 
 
