@@ -4,8 +4,8 @@ Every time here is wall clock (``time.time()`` seconds), the timeline's clock: t
 its requests as seconds after ``start_time`` (wall clock at the step's start), the server
 stamps steps and requests with wall clock, so both views line up without guessing an offset.
 The one offset left is the network and API delay between a step's end on the server and the
-chunk's arrival at the client (``delay_s``), measured as the median gap between the server's
-first-token time and the client's.
+chunk's arrival at the client (``delay_s``), measured as the least gap between the server's
+first-token time and the client's (it also absorbs a clock offset when they are two hosts).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 # Admission reasons as the scheduler writes them in step records.
 BLOCKED_KV = "kv_cache"
 BLOCKED_PREEMPTION = "preemption"
+FIRST_CHUNK_EXTRA_S = 0.005
 
 
 class DiagnoseError(ValueError):
@@ -99,7 +100,7 @@ class RunData:
     duration_s: float
     source: str  # "tailserve" | "other server" | "vllm result"
     has_timing: bool  # the server's per-request timing is present
-    delay_s: float = 0.0  # server step end -> client chunk arrival (median)
+    delay_s: float = 0.0  # server step end -> client chunk arrival (the least seen)
     notes: list[str] = field(default_factory=list)
 
 
@@ -199,7 +200,12 @@ def _fill_server_times(run: RunData) -> None:
     send time; and the step-end -> chunk delay."""
     delays = [q.send_t + q.ttft_s - q.first_token_t for q in run.requests
               if q.send_t is not None and q.ttft_s is not None and q.first_token_t is not None]
-    run.delay_s = float(np.median(delays)) if delays else 0.0
+    # The smallest, less FIRST_CHUNK_EXTRA_S, floored at 0: a chunk never reaches the client
+    # before its step ended, so the shift must stay below every chunk's delay or a quick chunk
+    # lands before its own step (a median shift does that under load). A first token's path
+    # is a little longer than a later chunk's; on one host the shift is then simply 0, and
+    # across hosts it absorbs most of a clock offset.
+    run.delay_s = max(0.0, float(np.min(delays)) - FIRST_CHUNK_EXTRA_S) if delays else 0.0
     for q in run.requests:
         if q.timing is None or q.send_t is None:
             continue
