@@ -341,6 +341,86 @@ def _add_compare(sub: Any) -> None:
     c.set_defaults(func=_cmd_compare)
 
 
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tailserve.analyze.plan import PlanInputs, load_config, make_plan, render_plan
+
+    inputs = PlanInputs(
+        model=ns.model, device_memory_gib=ns.device_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization, max_model_len=ns.max_model_len,
+        context=ns.context, dtype="bfloat16" if ns.dtype == "auto" else ns.dtype,
+        kv_dtype=ns.kv_dtype, block_size=ns.block_size,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        memory_bandwidth_gbs=ns.memory_bandwidth, batch=ns.batch,
+    )
+    if ns.sweep:
+        from tailserve.analyze.sweep import SweepOptions, print_sweep, run_sweep
+
+        rows = run_sweep(SweepOptions(
+            model=ns.model, grid=ns.sweep, serve_args=ns.serve_arg or [],
+            num_prompts=ns.sweep_num_prompts, input_len=ns.sweep_input_len,
+            output_len=ns.sweep_output_len, request_rate=ns.sweep_request_rate),
+            Console(stderr=True))
+        if ns.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            print_sweep(rows, Console())
+        return 0 if all(r.get("completed") for r in rows) else 1
+    cfg, path, file_bytes = load_config(ns.model)
+    plan = make_plan(cfg, inputs, path, file_bytes)
+    if ns.json:
+        print(json.dumps(plan.as_json(), indent=1))
+    else:
+        render_plan(plan, Console())
+    return 0
+
+
+def _add_plan(sub: Any) -> None:
+    from tailserve.analyze.plan import KV_DTYPES, WEIGHT_DTYPES
+
+    p = sub.add_parser(
+        "plan", help="size the KV cache and the decode roofline from a model's config",
+        description="From the model's config alone (no weights loaded): weight bytes, KV bytes "
+        "per token (GQA counted), the KV blocks that fit, max concurrent sequences, and the "
+        "decode roofline for 16-bit, int8 and int4 weights. --sweep instead launches a server "
+        "per combination of engine flags and benchmarks each.",
+    )
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model folder, config.json or .gguf (default: the bundled model)")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GiB",
+                   help="memory per device (default: 80)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction for weights + KV (default: 0.9)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the model's max_position_embeddings")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per sequence for concurrency and KV reads (default: "
+                   "--max-model-len)")
+    p.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default="auto",
+                   help="weights as served (auto: bfloat16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="KV cache (auto: --dtype, 16-bit for integer weights)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--memory-bandwidth", type=float, default=None, metavar="GB/s",
+                   help="per device (default: 3350, H100 SXM)")
+    p.add_argument("--batch", type=int, default=64,
+                   help="decode batch for the aggregate roofline (default: 64)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    s = p.add_argument_group("sweep")
+    s.add_argument("--sweep", nargs="+", default=None, metavar="FLAG=V1,V2",
+                   help="serve flags to sweep, e.g. block-size=8,16,32 max-num-seqs=64,128")
+    s.add_argument("--serve-arg", action="append", default=None, metavar="ARG",
+                   help="extra argument for every server, e.g. --serve-arg=--kv-cache-memory=1")
+    s.add_argument("--sweep-num-prompts", type=int, default=200)
+    s.add_argument("--sweep-input-len", type=int, default=512)
+    s.add_argument("--sweep-output-len", type=int, default=64)
+    s.add_argument("--sweep-request-rate", type=float, default=float("inf"),
+                   help="requests/s of the bench step (default: inf, all at once)")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tailserve",
@@ -368,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_diagnose(sub)
     _add_compare(sub)
+    _add_plan(sub)
     return parser
 
 

@@ -1,0 +1,284 @@
+"""``tailserve plan``: what a model needs and what a device gives it, from the config alone.
+
+    weight bytes        parameters (counted from the config's shapes) x bytes per weight
+    KV bytes per token  2 (K and V) x layers x num_key_value_heads x head_dim x bytes
+    KV blocks           (device memory x utilization - weights) / (block_size x KV bytes/token)
+    max concurrent seqs KV blocks // blocks one sequence of the context needs
+    decode roofline     a decode step reads every weight once and each sequence's KV once;
+                        at batch B: step time = (weights + B x context x KV/token) / bandwidth,
+                        per-sequence tokens/s = 1 / step time, aggregate = B / step time
+
+KV bytes count the *key-value* heads, not the attention heads: with grouped-query attention
+Llama-3-8B keeps 8 KV heads for 32 query heads, 128 KiB per token in bf16, where counting all
+heads would claim 512 KiB and a quarter of the real capacity.
+
+The blocks figure leaves out the activation peak of the largest forward pass, which the server
+measures at start-up (model/runner.py) and also takes from the budget, so a live server has a
+few percent fewer blocks. With tensor parallelism each device holds 1/T of the weights and of
+the KV heads (a KV head is replicated when T exceeds their count); communication is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tailserve.config import ModelConfig
+from tailserve.errors import ConfigError, ModelLoadError
+
+GIB = 1 << 30
+# Bytes per element. int4 counts 4 bits and no group scales (GGUF Q4_0 spends 4.5 bits).
+DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0,
+                                 "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+WEIGHT_DTYPES = tuple(DTYPE_BYTES)
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
+# The roofline's weight formats: 16-bit (fp16 and bf16 read the same bytes), int8, int4.
+ROOFLINE_WEIGHTS: dict[str, float] = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+# Without flags, an 80 GB A100/H100-class device and H100 SXM's HBM3 bandwidth: the most
+# common serving GPU. Both are printed as assumptions.
+DEFAULT_DEVICE_MEMORY_GIB = 80.0
+DEFAULT_BANDWIDTH_GBS = 3350.0
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    model: str | None = None  # folder, config.json or .gguf; None: the bundled default
+    device_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    context: int | None = None  # tokens per sequence for concurrency and KV reads; None: max
+    dtype: str = "bfloat16"
+    kv_dtype: str = "auto"
+    block_size: int = 16
+    tensor_parallel_size: int = 1
+    memory_bandwidth_gbs: float | None = None
+    batch: int = 64
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPE_BYTES)} (or auto), "
+                              f"got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, "
+                              f"got {self.kv_dtype!r}")
+        for name, value in (("--block-size", self.block_size), ("--batch", self.batch),
+                            ("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--max-model-len", self.max_model_len or 1),
+                            ("--context", self.context or 1)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
+        for name, v in (("--device-memory", self.device_memory_gib),
+                        ("--memory-bandwidth", self.memory_bandwidth_gbs)):
+            if v is not None and not v > 0:
+                raise ConfigError(f"{name} must be > 0, got {v}")
+
+
+@dataclass
+class Plan:
+    inputs: dict[str, Any]  # every input, resolved (defaults filled in)
+    model_config: dict[str, Any]
+    parameter_count: int
+    weight_bytes: int  # the whole model at --dtype
+    weight_bytes_per_device: int
+    file_weight_bytes: int | None  # a GGUF's quantized tensors, as stored
+    kv_bytes_per_token: int  # the whole model, all devices
+    kv_bytes_per_token_per_device: int
+    kv_cache_bytes_per_device: int
+    num_blocks: int
+    kv_tokens: int
+    max_concurrent_seqs: int
+    max_concurrent_seqs_by_context: dict[int, int]
+    decode_tokens_per_s: dict[str, dict[str, float]]
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["max_concurrent_seqs_by_context"] = {
+            str(k): v for k, v in self.max_concurrent_seqs_by_context.items()}
+        return out
+
+
+def load_config(model: str | None) -> tuple[ModelConfig, str, int | None]:
+    """(config, the path read, a GGUF's stored tensor bytes). Reads no weights."""
+    from tailserve.model.loader import default_model_path
+
+    if model is None:
+        path = default_model_path()
+    else:
+        path = os.path.abspath(os.path.expanduser(model))
+        if os.path.isdir(path):
+            ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+            if os.path.isfile(os.path.join(path, "config.json")):
+                path = os.path.join(path, "config.json")
+            elif len(ggufs) == 1:
+                path = os.path.join(path, ggufs[0])
+            else:
+                raise ModelLoadError(f"{model}: no config.json and {len(ggufs)} .gguf files; "
+                                     "pass the config.json or one .gguf file")
+        elif not os.path.isfile(path):
+            raise ModelLoadError(f"model path {model!r} does not exist (resolved to {path})")
+    if path.endswith(".gguf"):
+        from tailserve.model.gguf import gguf_model_config, read_gguf
+
+        # Only the header is parsed; the map's pages of tensor data are never touched.
+        f = read_gguf(path)
+        return gguf_model_config(f), path, sum(t.nbytes for t in f.tensors.values())
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path} as a config.json: {exc}") from None
+    return ModelConfig.from_hf(cfg), path, None
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Every parameter of a Llama-family decoder (the shapes model/loader.py checks)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = (
+        h * q_dim + 2 * h * kv_dim + q_dim * h  # q, k, v, o projections
+        + 3 * h * inter  # gate, up, down
+        + 2 * h  # two RMSNorms
+        + ((q_dim + 2 * kv_dim) if cfg.attention_bias else 0)  # Qwen2's q/k/v biases
+    )
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return embeddings + cfg.num_hidden_layers * per_layer + h  # + the final norm
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype_bytes: float, kv_heads: int | None = None
+                       ) -> int:
+    """2 (K and V) x layers x KV heads x head_dim x bytes."""
+    heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
+    return int(2 * cfg.num_hidden_layers * heads * cfg.head_dim * kv_dtype_bytes)
+
+
+def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
+              file_weight_bytes: int | None = None) -> Plan:
+    inputs.validate()
+    notes: list[str] = []
+    tp = inputs.tensor_parallel_size
+    if cfg.num_attention_heads % tp:
+        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the "
+                          f"{cfg.num_attention_heads} attention heads")
+    mem_gib = inputs.device_memory_gib or DEFAULT_DEVICE_MEMORY_GIB
+    bw = inputs.memory_bandwidth_gbs or DEFAULT_BANDWIDTH_GBS
+    if inputs.device_memory_gib is None or inputs.memory_bandwidth_gbs is None:
+        notes.append(f"assumed device: {mem_gib:g} GiB, {bw:g} GB/s (an 80 GB H100 SXM); "
+                     "pass --device-memory and --memory-bandwidth for yours")
+    max_len = inputs.max_model_len or cfg.max_position_embeddings
+    context = min(inputs.context or max_len, max_len)
+    kv_dtype = inputs.kv_dtype
+    if kv_dtype == "auto":
+        # The cache holds activations: integer weight formats still keep a 16-bit cache.
+        kv_dtype = inputs.dtype if inputs.dtype in ("float32", "bfloat16", "float16") \
+            else "bfloat16"
+    w_bytes, kv_elem = DTYPE_BYTES[inputs.dtype], DTYPE_BYTES[kv_dtype]
+    params = parameter_count(cfg)
+    weight_bytes = int(params * w_bytes)
+    weight_dev = math.ceil(weight_bytes / tp)
+    kv_heads_dev = math.ceil(cfg.num_key_value_heads / tp)
+    if tp > cfg.num_key_value_heads:
+        notes.append(f"{tp} devices > {cfg.num_key_value_heads} KV heads: each device keeps "
+                     "one KV head, replicated")
+    kv_tok = kv_bytes_per_token(cfg, kv_elem)
+    kv_tok_dev = kv_bytes_per_token(cfg, kv_elem, kv_heads_dev)
+    budget = round(mem_gib * GIB * inputs.gpu_memory_utilization)  # bytes
+    kv_cache_dev = max(budget - weight_dev, 0)
+    block_bytes = inputs.block_size * kv_tok_dev
+    num_blocks = kv_cache_dev // block_bytes
+    if num_blocks == 0:
+        notes.append(f"the weights ({weight_dev / GIB:.2f} GiB per device) leave no room for "
+                     f"a KV cache in {mem_gib:g} GiB x {inputs.gpu_memory_utilization:g}")
+
+    def seqs_at(tokens: int) -> int:
+        return num_blocks // math.ceil(tokens / inputs.block_size)
+
+    contexts = sorted({c for c in (1024, 4096, 32768) if c < max_len} | {context, max_len})
+    max_seqs = seqs_at(context)
+    if inputs.batch > max_seqs:
+        notes.append(f"batch {inputs.batch} needs more KV than fits: at most {max_seqs} "
+                     f"sequences of {context} tokens; the roofline is what the bandwidth "
+                     "would allow")
+    decode = {}
+    for name, wb in ROOFLINE_WEIGHTS.items():
+        weights_read = params * wb / tp  # bytes per device per step
+        kv_read = context * kv_tok_dev  # one sequence's cache, per device
+
+        def step_s(batch: int, weights_read: float = weights_read, kv_read: int = kv_read
+                   ) -> float:
+            return (weights_read + batch * kv_read) / (bw * 1e9)
+
+        decode[name] = {"batch_1": 1.0 / step_s(1),
+                        "per_seq": 1.0 / step_s(inputs.batch),
+                        "aggregate": inputs.batch / step_s(inputs.batch)}
+    if file_weight_bytes is not None:
+        notes.append(f"the GGUF stores {file_weight_bytes / GIB:.2f} GiB of quantized "
+                     f"weights; tailserve dequantizes them to {inputs.dtype} when it loads")
+    resolved = {**asdict(inputs), "model": path or inputs.model, "device_memory_gib": mem_gib,
+                "memory_bandwidth_gbs": bw, "max_model_len": max_len, "context": context,
+                "kv_dtype": kv_dtype}
+    mc = {k: getattr(cfg, k) for k in (
+        "architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "hidden_size", "intermediate_size", "vocab_size", "tie_word_embeddings",
+        "attention_bias", "max_position_embeddings")}
+    return Plan(
+        inputs=resolved, model_config=mc, parameter_count=params, weight_bytes=weight_bytes,
+        weight_bytes_per_device=weight_dev, file_weight_bytes=file_weight_bytes,
+        kv_bytes_per_token=kv_tok, kv_bytes_per_token_per_device=kv_tok_dev,
+        kv_cache_bytes_per_device=kv_cache_dev, num_blocks=num_blocks,
+        kv_tokens=num_blocks * inputs.block_size, max_concurrent_seqs=max_seqs,
+        max_concurrent_seqs_by_context={c: seqs_at(c) for c in contexts},
+        decode_tokens_per_s=decode, notes=notes,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def render_plan(p: Plan, console: Any) -> None:
+    from rich.table import Table
+
+    i, mc = p.inputs, p.model_config
+    tp = i["tensor_parallel_size"]
+    dev = " per device" if tp > 1 else ""
+    t = Table(title=f"{os.path.basename(str(i['model']))}: {mc['architecture']}, "
+              f"{mc['num_hidden_layers']} layers, {mc['num_attention_heads']} heads / "
+              f"{mc['num_key_value_heads']} KV heads x {mc['head_dim']}",
+              show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    rows = [
+        ("parameters", f"{p.parameter_count:,}"),
+        (f"weights ({i['dtype']})", _gib(p.weight_bytes)
+         + (f" ({_gib(p.weight_bytes_per_device)}{dev})" if tp > 1 else "")),
+        (f"KV per token ({i['kv_dtype']})",
+         f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:,.1f} KiB)"),
+        (f"KV cache{dev}", f"{_gib(p.kv_cache_bytes_per_device)} of "
+         f"{i['device_memory_gib']:g} GiB x {i['gpu_memory_utilization']:g}"),
+        (f"KV blocks of {i['block_size']}", f"{p.num_blocks:,} ({p.kv_tokens:,} tokens)"),
+    ]
+    rows += [(f"max sequences at {c:,} tokens", f"{n:,}")
+             for c, n in p.max_concurrent_seqs_by_context.items()]
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
+    r = Table(title=f"decode roofline at {i['memory_bandwidth_gbs']:g} GB/s{dev}, context "
+              f"{i['context']:,} tokens", title_justify="left")
+    r.add_column("weights", style="bold")
+    for col in ("tok/s, batch 1", f"tok/s per seq, batch {i['batch']}",
+                f"tok/s total, batch {i['batch']}"):
+        r.add_column(col, justify="right")
+    for name, d in p.decode_tokens_per_s.items():
+        r.add_row("fp16/bf16" if name == "bf16" else name, f"{d['batch_1']:,.1f}",
+                  f"{d['per_seq']:,.1f}", f"{d['aggregate']:,.0f}")
+    console.print(r)
+    for n in p.notes:
+        console.print(f"[yellow]note:[/] {n}")

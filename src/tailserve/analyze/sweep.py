@@ -1,0 +1,215 @@
+"""``tailserve plan --sweep``: the tuning experiment, run rather than estimated.
+
+For every combination of the swept serve flags (``block-size=8,16 max-num-seqs=64,128`` is
+four), start ``tailserve serve`` on a free loopback port, wait for ``/health``, run one bench
+step against it (bench/run.py, the same code as ``tailserve bench``), stop the server, and
+keep one row: throughput, P99 TTFT and ITL, the KV pool and the memory the server reported.
+Combinations run one after another, each on a fresh server, so none inherits another's
+cache or allocator state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailserve.config import EngineArgs
+from tailserve.errors import ConfigError
+
+HEALTH_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    model: str | None
+    grid: list[str]  # ["block-size=8,16", "max-num-seqs=64,128"]
+    serve_args: list[str] = field(default_factory=list)  # passed to every server
+    num_prompts: int = 200
+    input_len: int = 512
+    output_len: int = 64
+    request_rate: float = float("inf")
+    seed: int = 0
+
+
+def parse_grid(grid: list[str]) -> list[dict[str, str]]:
+    """``["block-size=8,16", "max-num-seqs=4"]`` -> one dict of flag -> value per combination,
+    in the order given (the last flag varies fastest). Flags are EngineArgs fields."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    axes: list[tuple[str, list[str]]] = []
+    for item in grid:
+        flag, eq, values = item.partition("=")
+        key = flag.strip().lstrip("-").replace("_", "-")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not eq or not vals:
+            raise ConfigError(f"--sweep wants FLAG=V1,V2 (e.g. block-size=8,16); got {item!r}")
+        if key.replace("-", "_") not in names:
+            raise ConfigError(f"--sweep {key}: not a serve engine flag; one of "
+                              f"{', '.join(sorted(n.replace('_', '-') for n in names))}")
+        axes.append((key, vals))
+    return [dict(zip([k for k, _ in axes], combo, strict=True))
+            for combo in itertools.product(*(v for _, v in axes))]
+
+
+def combo_flags(combo: dict[str, str]) -> list[str]:
+    """Serve flags for one combination; booleans become ``--x`` / ``--no-x``."""
+    hints = typing.get_type_hints(EngineArgs)
+    flags: list[str] = []
+    for key, value in combo.items():
+        if hints[key.replace("-", "_")] is bool:
+            on = value.lower() in ("1", "true", "yes", "on")
+            flags.append(f"--{key}" if on else f"--no-{key}")
+        else:
+            flags += [f"--{key}", value]
+    return flags
+
+
+def run_sweep(opts: SweepOptions, console: Any = None) -> list[dict[str, Any]]:
+    """One row per combination (a failed server start is a row with its ``error``)."""
+    combos = parse_grid(opts.grid)
+    rows = []
+    for i, combo in enumerate(combos):
+        if console is not None:
+            console.print(f"[{i + 1}/{len(combos)}] serve {' '.join(combo_flags(combo))}")
+        rows.append({**combo, **_one(opts, combo)})
+    return rows
+
+
+def _one(opts: SweepOptions, combo: dict[str, str]) -> dict[str, Any]:
+    from rich.console import Console
+
+    from tailserve.bench import BenchError
+    from tailserve.bench.datasets import DatasetOptions
+    from tailserve.bench.run import BenchConfig, run_bench
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tailserve.cli", "serve",
+           *([opts.model] if opts.model else []), "--port", str(port),
+           "--log-level", "warning", *opts.serve_args, *combo_flags(combo)]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            error = _wait_healthy(proc, url)
+            if error is not None:
+                log.seek(0)
+                return {"error": f"{error}: {log.read()[-2000:].decode(errors='replace')}"}
+            cfg = BenchConfig(
+                base_url=url, dataset=DatasetOptions(
+                    name="random", num_prompts=opts.num_prompts, input_len=opts.input_len,
+                    output_len=opts.output_len),
+                request_rate=opts.request_rate, seed=opts.seed, progress=False,
+                metrics_interval_s=0.5,
+            )
+            try:
+                step = run_bench(cfg, Console(file=io.StringIO()))[0]
+            except BenchError as exc:
+                return {"error": str(exc)}
+            return _row(step)
+        finally:
+            _stop(proc)
+
+
+def _row(step: dict[str, Any]) -> dict[str, Any]:
+    samples = (step["tailserve"].get("server") or {}).get("metric_samples") or []
+
+    def peak(prefix: str) -> float | None:
+        vals = [v for s in samples for k, v in (s.get("values") or {}).items()
+                if k.startswith(prefix)]
+        return max(vals) if vals else None
+
+    return {
+        "completed": step["completed"], "failed": step["failed"],
+        "request_throughput": step["request_throughput"],
+        "output_throughput": step["output_throughput"],
+        "p99_ttft_ms": step["p99_ttft_ms"], "p99_itl_ms": step["p99_itl_ms"],
+        "kv_cache_total_blocks": peak("tailserve:kv_cache_total_blocks"),
+        "peak_kv_cache_usage_perc": peak("tailserve:kv_cache_usage_perc"),
+        "num_preemptions": peak("tailserve:num_preemptions_total"),
+        "peak_device_memory_bytes": peak("tailserve:device_memory_used_bytes"),
+        "peak_torch_reserved_bytes": peak("tailserve:torch_memory_reserved_bytes"),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> str | None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the server exited with status {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return None
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    return f"the server was not healthy after {HEALTH_TIMEOUT_S:.0f} s"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server drains and stops its engine), then SIGKILL to the whole session:
+    the engine is a grandchild and must not outlive a wedged server."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(STOP_TIMEOUT_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def print_sweep(rows: list[dict[str, Any]], console: Any) -> None:
+    from rich.table import Table
+
+    keys = [k for k in rows[0] if k not in _COLUMNS and k != "error"] if rows else []
+    t = Table(title="plan --sweep: one bench step per combination", title_justify="left")
+    for k in keys:
+        t.add_column(k, style="bold")
+    for _, title in _COLUMNS.items():
+        t.add_column(title, justify="right")
+    for r in rows:
+        if "error" in r:
+            console.print(f"[red]{' '.join(f'{k}={r[k]}' for k in keys)}: {r['error']}[/]")
+            continue
+        t.add_row(*(str(r[k]) for k in keys), *(_fmt(k, r.get(k)) for k in _COLUMNS))
+    console.print(t)
+
+
+_COLUMNS = {
+    "completed": "ok", "failed": "failed", "request_throughput": "req/s",
+    "output_throughput": "out tok/s", "p99_ttft_ms": "P99 TTFT ms", "p99_itl_ms": "P99 ITL ms",
+    "kv_cache_total_blocks": "KV blocks", "peak_kv_cache_usage_perc": "peak KV %",
+    "num_preemptions": "preempt", "peak_device_memory_bytes": "peak mem GiB",
+    "peak_torch_reserved_bytes": "torch reserved GiB",
+}
+
+
+def _fmt(key: str, v: Any) -> str:
+    if v is None:
+        return "-"
+    if key.endswith("_bytes"):
+        return f"{v / (1 << 30):.2f}"
+    if key == "peak_kv_cache_usage_perc":
+        return f"{100 * v:.1f}" if v <= 1 else f"{v:.1f}"
+    return f"{v:,.2f}" if isinstance(v, float) else f"{v:,}"
