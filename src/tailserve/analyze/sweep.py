@@ -210,6 +210,8 @@ def _fmt(key: str, v: Any) -> str:
         return "-"
     if key.endswith("_bytes"):
         return f"{v / (1 << 30):.2f}"
+    if key in ("kv_cache_total_blocks", "num_preemptions"):  # counts, sampled as floats
+        return f"{int(v):,}"
     if key == "peak_kv_cache_usage_perc":
         return f"{100 * v:.1f}" if v <= 1 else f"{v:.1f}"
     return f"{v:,.2f}" if isinstance(v, float) else f"{v:,}"
