@@ -5,6 +5,7 @@ shape, the self-contained HTML report, another server's result, and one live end
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -235,12 +236,12 @@ def test_vllm_result_and_bad_inputs(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- live, end to end
 @pytest.fixture(scope="module")
 def heavy_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Llama widened to 512 and given a 4096 context, so a 1900-token prefill takes
-    a few hundred milliseconds on a CPU: far above a decode step and above scheduler noise."""
+    """The tiny Llama widened to 256 and given a 4096 context, so a 1500-token prefill takes
+    150-300 ms on a CPU: far above a decode step (~10-20 ms) and above scheduler noise."""
     from tiny_models import build_tiny_llama
 
-    return build_tiny_llama(tmp_path_factory.mktemp("heavy") / "llama", hidden_size=512,
-                            intermediate_size=1024, max_position_embeddings=4096)
+    return build_tiny_llama(tmp_path_factory.mktemp("heavy") / "llama", hidden_size=256,
+                            intermediate_size=512, max_position_embeddings=4096)
 
 
 def test_end_to_end_prefill_interference(heavy_model_dir: str, tmp_path: Path) -> None:
@@ -253,15 +254,21 @@ def test_end_to_end_prefill_interference(heavy_model_dir: str, tmp_path: Path) -
 
     t0 = time.monotonic()
     path = tmp_path / "result.json"
+    # Chunked prefill off and a budget that fits a whole long prompt: each 1500-token prompt
+    # is one step that every running decode waits through.
     args = ["--no-enable-chunked-prefill", "--max-model-len", "2048",
             "--max-num-batched-tokens", "2048", "--max-num-seqs", "16", "--kv-cache-memory", "0.5"]
     with ServerProcess(args, model=heavy_model_dir) as srv:
-        cfg = BenchConfig(base_url=srv.url, request_rate=3.0, seed=1, save_result=str(path),
-                          dataset=DatasetOptions(name="mixed", num_prompts=30,
-                                                 mix="32/32:0.85,1900/4:0.15"),
+        cfg = BenchConfig(base_url=srv.url, request_rate=5.0, seed=1, save_result=str(path),
+                          dataset=DatasetOptions(name="mixed", num_prompts=16,
+                                                 mix="32/32:0.7,1500/4:0.3"),
                           metrics_interval_s=0.5, progress=False)
-        run_bench(cfg, Console(file=open("/dev/null", "w")))  # noqa: SIM115
+        with open(os.devnull, "w") as sink:
+            run_bench(cfg, Console(file=sink))
     d = diagnose(load_run(str(path)))
     assert d.run.source == "tailserve" and d.run.steps is not None
-    assert top(d, "itl") == "prefill_interference", d.as_json()["tail"]["itl"]
+    itl = d.as_json()["tail"]["itl"]
+    assert top(d, "itl") == "prefill_interference", itl
+    assert shares(d, "itl")["prefill_interference"] > 0.5, itl
+    assert itl["causes"][0]["evidence"]["largest_prefill_tokens"] >= 1500
     assert time.monotonic() - t0 < 120

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tailserve.analyze.data import Req, RunData
-from tailserve.analyze.stepmodel import StepModel, WindowSums, _nonneg_lstsq
+from tailserve.analyze.stepmodel import StepModel, WindowSums, nonneg_lstsq
 
 # Step records and the server's first-token/finish stamps come from different processes;
 # this much slack keeps a request's last step inside its window.
@@ -170,7 +170,7 @@ def client_samples(run: RunData) -> dict[str, Samples]:
                  - np.searchsorted(order, send, side="right")).astype(float)
         ahead = np.maximum(ahead, 0.0)
     x = np.column_stack([np.ones_like(plen), plen, plen * plen / 1000.0, ahead])
-    coef = _nonneg_lstsq(x, ttft) if len(qs) > x.shape[1] else np.zeros(4)
+    coef = nonneg_lstsq(x, ttft) if len(qs) > x.shape[1] else np.zeros(4)
     own = coef[1] * plen + coef[2] * plen * plen / 1000.0
     queue = coef[3] * ahead
     out = {"ttft": Samples("ttft", ttft, send, ri, {"own_prefill": own, "queueing": queue})}
@@ -187,7 +187,7 @@ def client_samples(run: RunData) -> dict[str, Samples]:
         i0 = np.searchsorted(first[o], ends - vals + SLACK_S, side="right")
         i1 = np.searchsorted(first[o], ends + SLACK_S, side="right")
         p1, p2 = cum[i1] - cum[i0], cum2[i1] - cum2[i0]
-        c = _nonneg_lstsq(np.column_stack([np.ones_like(vals), p1, p2]), vals)
+        c = nonneg_lstsq(np.column_stack([np.ones_like(vals), p1, p2]), vals)
         interf = c[1] * p1 + c[2] * p2
     out["itl"] = Samples("itl", vals, ends, req, {"prefill_interference": interf})
     per_req = np.bincount(pos, weights=interf, minlength=len(qs)) if len(vals) else \

@@ -53,19 +53,21 @@ def _design(steps: Steps) -> np.ndarray:
     return np.column_stack([np.ones_like(p), steps.decode, p, p * p / 1000.0])
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with the slopes kept >= 0 (a negative cost per token would charge
-    prefill with negative time): drop the most negative slope and refit until none is."""
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient kept >= 0 (a negative cost per token would charge
+    prefill with negative time, a negative base makes small steps look like stalls): drop
+    the most negative term and refit until none is."""
     active = [j for j in range(x.shape[1]) if np.any(x[:, j] != x[0, j]) or j == 0]
     coef = np.zeros(x.shape[1])
-    while True:
+    while active:
         sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        neg = [(v, j) for v, j in zip(sol, active, strict=True) if j != 0 and v < 0]
+        neg = [(v, j) for v, j in zip(sol, active, strict=True) if v < 0]
         if not neg:
             coef[:] = 0.0
             coef[active] = sol
             return coef
         active.remove(min(neg)[1])
+    return coef
 
 
 def fit_step_model(steps: Steps) -> StepModel:
@@ -75,7 +77,7 @@ def fit_step_model(steps: Steps) -> StepModel:
     sigma = 0.0
     # Fit, drop gross outliers (the stalls we are looking for must not bend the fit), refit.
     for _ in range(3):
-        coef = _nonneg_lstsq(x[keep], y[keep])
+        coef = nonneg_lstsq(x[keep], y[keep])
         resid = y - x @ coef
         sigma = 1.4826 * float(np.median(np.abs(resid[keep] - np.median(resid[keep]))))
         new_keep = resid <= max(STALL_SIGMAS * sigma, STALL_MIN_S)
@@ -86,7 +88,9 @@ def fit_step_model(steps: Steps) -> StepModel:
     resid = y - pred
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - float(np.sum(resid[keep] ** 2)) / ss_tot if ss_tot > 0 else 1.0
-    is_stall = (resid > STALL_SIGMAS * sigma) & (resid > STALL_REL * pred) & (resid > STALL_MIN_S)
+    typical = float(np.median(y))
+    is_stall = ((resid > STALL_SIGMAS * sigma) & (resid > STALL_REL * np.maximum(pred, typical))
+                & (resid > STALL_MIN_S))
     prefill = np.maximum(coef[2] * steps.prefill + coef[3] * steps.prefill ** 2 / 1000.0, 0.0)
     # A prefill step that is not a stall is slow because of its prefill: what it took beyond
     # the decode-only prediction is the prefill's, even where the token-count fit falls short
