@@ -184,6 +184,27 @@ def test_windows_name_what_changed() -> None:
     assert any(f.startswith("P99 jump at t=") for f in d.findings)
 
 
+def test_windows_of_another_server_use_its_metric_samples() -> None:
+    # A vLLM server: no timing, no timeline, but the bench sampled its /metrics gauges.
+    sim = Sim(n=300, rate=10, seed=7, per_prefill_s=0.0002,
+              prompt=lambda i, rng: 1500 if 120 <= i < 160 and i % 3 == 0 else 32)
+    res = simulate(sim)
+    steps = [r for r in res["tailserve"]["server"]["timeline"] if r["kind"] == "step"]
+    samples = []
+    for k, st in enumerate(steps[::20]):
+        samples.append({"t": st["t"], "phase": "during", "values": {
+            "vllm:num_requests_waiting": float(st["num_waiting"]),
+            "vllm:kv_cache_usage_perc": 1.0 - st["free_blocks"] / st["total_blocks"],
+            "vllm:num_preemptions_total": float(k // 10)}})
+    bare = without_server(res)
+    bare["tailserve"]["server"] = {"metric_samples": samples}
+    d = diagnose(run_from_result(bare))
+    assert d.run.steps is None and d.windows
+    ch = d.windows[0]["changes"]
+    assert ch["kv_usage"]["window"] is not None and ch["waiting"]["window"] is not None
+    assert ch["preemptions"]["baseline"] is not None
+
+
 def test_html_is_self_contained_with_the_plots(tmp_path: Path) -> None:
     path = tmp_path / "result.json"
     path.write_text(json.dumps(result_of("interference")))

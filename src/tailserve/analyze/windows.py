@@ -62,7 +62,9 @@ def _bin_stats(run: RunData, edges: np.ndarray) -> dict[str, np.ndarray]:
             st["prompt_tokens_mean"][i] = plen[m].mean()
             st["long_prompt_share"][i] = float((plen[m] >= long_cut).mean())
     steps = run.steps
-    if steps is not None and len(steps):
+    if (steps is None or not len(steps)) and run.samples:
+        _stats_from_samples(run.samples, edges, st)
+    elif steps is not None and len(steps):
         sb = np.digitize(steps.t, edges) - 1
         kv = steps.kv_usage
         for i in range(n):
@@ -75,6 +77,45 @@ def _bin_stats(run: RunData, edges: np.ndarray) -> dict[str, np.ndarray]:
                 if (~np.isnan(rss)).any():
                     st["rss_mb"][i] = np.nanmax(rss) / 2**20
     return st
+
+
+def _gauge(values: dict[str, float], *names: str) -> float | None:
+    for key, v in values.items():
+        base = key.split("{")[0].split(":")[-1]
+        if base in names:
+            return v
+    return None
+
+
+def _stats_from_samples(samples: list[dict[str, Any]], edges: np.ndarray,
+                        st: dict[str, np.ndarray]) -> None:
+    """No step timeline (another server, say vLLM): the /metrics samples the bench took, once
+    a second or so, still show KV usage, the waiting queue, preemptions and memory."""
+    rows = sorted((float(x["t"]), x["values"]) for x in samples if x.get("values"))
+    b = np.digitize([t for t, _ in rows], edges) - 1
+    prev_pre = None
+    acc: dict[str, list[list[float]]] = {k: [[] for _ in range(len(edges) - 1)]
+                                         for k in ("kv_usage", "waiting", "preemptions", "rss_mb")}
+    for (_, v), i in zip(rows, b, strict=True):
+        kv = _gauge(v, "kv_cache_usage_perc", "gpu_cache_usage_perc")
+        waiting = _gauge(v, "num_requests_waiting")
+        pre = _gauge(v, "num_preemptions_total")
+        rss = _gauge(v, "process_resident_memory_bytes")
+        if not 0 <= i < len(edges) - 1:
+            prev_pre = pre if pre is not None else prev_pre
+            continue
+        for key, x in (("kv_usage", kv), ("waiting", waiting),
+                       ("rss_mb", None if rss is None else rss / 2**20)):
+            if x is not None:
+                acc[key][i].append(x)
+        if pre is not None and prev_pre is not None:
+            acc["preemptions"][i].append(max(0.0, pre - prev_pre))  # a counter: the increase
+        prev_pre = pre if pre is not None else prev_pre
+    for key, per_bin in acc.items():
+        for j, xs in enumerate(per_bin):
+            if xs:
+                st[key][j] = (sum(xs) if key == "preemptions" else
+                              max(xs) if key == "rss_mb" else float(np.mean(xs)))
 
 
 def find_windows(run: RunData, samples: dict[str, Samples]) -> list[dict[str, Any]]:
