@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tailserve.analyze.attribution import CauseShare, MetricTail, time_ranges
+from tailserve.analyze.attribution import NONE_FACTOR, CauseShare, MetricTail, time_ranges
 from tailserve.analyze.data import BLOCKED_KV, RunData
 from tailserve.analyze.samples import Samples
 from tailserve.analyze.stepmodel import StepModel
@@ -54,8 +54,8 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
     if c.cause == "none":
         ratio = mt.threshold_s / mt.p50_s if mt.p50_s > 0 else 1.0
         ev = {"tail_over_median": round(ratio, 2)}
-        c.advice = (f"the P{mt.percentile:g} is {ratio:.2f}× the median: the tail is no "
-                    "worse than the typical request; nothing to fix here.")
+        c.advice = (f"the P{mt.percentile:g} is {ratio:.2f}× the median, within the "
+                    f"{NONE_FACTOR:g}× a healthy server shows: no tail to fix.")
     elif c.cause == "queueing":
         offered, served = load_rates(run)
         over = (offered / served - 1.0) * 100.0 if served > 0 else 0.0

@@ -111,7 +111,7 @@ def _findings(d: Diagnosis) -> list[str]:
         if top is None:
             out.append(f"{head}; the causes tailserve knows explain none of the tail.")
         elif top.cause == "none":
-            out.append(f"{head}: no tail problem ({top.advice})")
+            out.append(f"{head}: none — {top.advice}")
         else:
             rest = ", ".join(f"{c.cause} {c.share:.0%}" for c in t.causes[1:3])
             out.append(f"{head}: {top.share:.0%} of the tail is {top.cause}"
@@ -137,6 +137,10 @@ def print_summary(d: Diagnosis, console: Any) -> None:
                       f"decode seq + {m['ms_per_1k_prefill_tokens']:.2f} ms/1k prefill tokens "
                       f"(R² {m['r2']:.2f})")
     for metric, t in d.tails.items():
+        if [c.cause for c in t.causes] == ["none"]:
+            console.print(f"[bold]{NAMES[metric]}[/]  P50 {t.p50_s * 1e3:.2f} ms · P99 "
+                          f"{t.p99_s * 1e3:.2f} ms · none: {t.causes[0].advice}")
+            continue
         table = Table(title=f"{NAMES[metric]}  P50 {t.p50_s * 1e3:.2f} ms · P99 "
                       f"{t.p99_s * 1e3:.2f} ms · {len(t.tail)} tail samples",
                       title_justify="left", show_lines=False)
