@@ -170,6 +170,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         tokenizer=ns.tokenizer, ignore_eos=ns.ignore_eos, extra_body=extra,
         progress=not ns.no_progress, observe=not ns.no_observe,
         metrics_interval_s=ns.metrics_interval, argv=sys.argv,
+        base_url_b=ns.base_url_b, split=ns.split, users=ns.users,
     )
     try:
         steps = run_bench(cfg)
@@ -194,6 +195,14 @@ def _add_bench(sub: Any) -> None:
     t = b.add_argument_group("target")
     t.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server root, with or without /v1 (default: %(default)s)")
+    t.add_argument("--base-url-b", default=None,
+                   help="canary split: a second server; --split of the users go to it and one "
+                   "result per arm is saved (PATH-A.json, PATH-B.json) for tailserve compare")
+    t.add_argument("--split", type=float, default=0.1,
+                   help="share of users sent to --base-url-b (default: %(default)s)")
+    t.add_argument("--users", type=int, default=100,
+                   help="synthetic users, each sticking to one arm by the FNV-1a hash of its "
+                   "id (default: %(default)s)")
     t.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     t.add_argument("--model", default=None, help="model name (default: the server's first)")
     t.add_argument("--api-key", default=None,

@@ -92,6 +92,10 @@ class BenchConfig:
     observe: bool = True
     metrics_interval_s: float = 1.0
     argv: list[str] = field(default_factory=list)
+    # Canary split (bench/canary.py): a second server and the share of users sent to it.
+    base_url_b: str | None = None
+    split: float = 0.1
+    users: int = 100
 
 
 @dataclass(frozen=True)
@@ -112,27 +116,41 @@ def run_bench(cfg: BenchConfig, console: Any = None) -> list[dict[str, Any]]:
         raise BenchError(f"--max-concurrency must be >= 1, got {cfg.max_concurrency}")
     if cfg.sweep and cfg.request_rates:
         raise BenchError("--sweep and --request-rates are two ways to choose rates: pick one")
+    if cfg.base_url_b:
+        from tailserve.bench import canary
+
+        canary.validate(cfg)
     if cfg.save_result:
         check_writable(cfg.save_result)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     base = normalize_base_url(cfg.base_url)
     http = SyncHTTP(base, headers)
     info = preflight(http, cfg.model, cfg.api_key)
+    info_b = None
+    if cfg.base_url_b:
+        http_b = SyncHTTP(normalize_base_url(cfg.base_url_b), headers)
+        try:
+            info_b = preflight(http_b, cfg.model, cfg.api_key)
+        finally:
+            http_b.close()
     counter = make_counter(cfg.tokenizer, http, info.model, info.has_tokenize)
     console.print(f"[bold]tailserve bench[/] → {base} model [bold]{info.model}[/] "
                   f"({cfg.endpoint}); lengths from {counter.source}")
+    if info_b is not None:
+        console.print(f"canary arm B → {info_b.base_url} model [bold]{info_b.model}[/]")
     try:
         import uvloop
 
-        return uvloop.run(_bench(cfg, info, counter, headers, console, "uvloop"))
+        return uvloop.run(_bench(cfg, info, counter, headers, console, "uvloop", info_b))
     except ImportError:
-        return asyncio.run(_bench(cfg, info, counter, headers, console, "asyncio"))
+        return asyncio.run(_bench(cfg, info, counter, headers, console, "asyncio", info_b))
     finally:
         http.close()
 
 
 async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
-                 headers: dict[str, str], console: Any, loop_name: str) -> list[dict[str, Any]]:
+                 headers: dict[str, str], console: Any, loop_name: str,
+                 info_b: ServerInfo | None = None) -> list[dict[str, Any]]:
     ignore_eos = cfg.ignore_eos if cfg.ignore_eos is not None else cfg.dataset.name in SYNTHETIC
     # No pool limit: --max-concurrency is enforced by a semaphore, so a capped run and an
     # uncapped one use the same connection behaviour (kept alive, reused).
@@ -142,6 +160,8 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
                               cfg.timeout_s)
         ctx = _Ctx(cfg, info, counter, headers, client, console, ignore_eos, loop_name)
         await ctx.test_request()
+        if info_b is not None:
+            return await _canary(ctx, info_b, session)
         if cfg.warmup > 0:
             await ctx.warmup()
         if cfg.sweep:
@@ -174,6 +194,24 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
     if cfg.save_result:
         save_results(cfg.save_result, cfg.label, steps, console)
     return steps
+
+
+async def _canary(ctx: _Ctx, info_b: ServerInfo, session: aiohttp.ClientSession
+                  ) -> list[dict[str, Any]]:
+    from tailserve.bench.canary import canary_step, save_arms
+
+    cfg = ctx.cfg
+    client_b = StreamClient(session, info_b.base_url + ENDPOINT_PATHS[cfg.endpoint],
+                            ctx.headers, cfg.timeout_s)
+    ctx_b = dataclasses.replace(ctx, info=info_b, client=client_b, run_id=ctx.run_id)
+    await ctx_b.test_request()
+    for c in (ctx, ctx_b):
+        if cfg.warmup > 0:
+            await c.warmup()
+    arms = await canary_step({"A": ctx, "B": ctx_b}, ctx.console)
+    if cfg.save_result:
+        save_arms(cfg.save_result, arms, ctx.console)
+    return arms
 
 
 def _rate_name(rate: float) -> str:
@@ -274,8 +312,8 @@ class _Ctx:
         interrupted = False
         try:
             with Progress(self.console, len(results), plan.name, cfg.progress) as progress:
-                await _open_loop(self.client, payloads, results, plan.max_concurrency, t0,
-                                 progress)
+                await _open_loop([self.client] * len(payloads), payloads, results,
+                                 plan.max_concurrency, t0, progress)
         except asyncio.CancelledError:
             interrupted = True  # Ctrl-C: report what was sent, then stop (see _bench)
         finally:
@@ -312,13 +350,14 @@ class _Ctx:
                     r.output_tokens_source = "chunks"
 
 
-async def _open_loop(client: StreamClient, payloads: list[bytes], results: list[RequestResult],
+async def _open_loop(clients: list[StreamClient], payloads: list[bytes],
+                     results: list[RequestResult],
                      max_concurrency: int | None, t0: float, progress: Progress) -> None:
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(i: int) -> None:
         try:
-            await client.send(payloads[i], results[i], t0)
+            await clients[i].send(payloads[i], results[i], t0)  # per request: a canary's arm
         except asyncio.CancelledError:
             results[i].error_type = "cancelled"
             results[i].error = "the run was interrupted while this request was in flight"
