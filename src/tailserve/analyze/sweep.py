@@ -182,26 +182,30 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def print_sweep(rows: list[dict[str, Any]], console: Any) -> None:
     from rich.table import Table
 
+    ok = [r for r in rows if "error" not in r]
     keys = [k for k in rows[0] if k not in _COLUMNS and k != "error"] if rows else []
+    # Memory gauges a server does not have (no device, CPU torch) would be a column of dashes.
+    columns = {k: title for k, title in _COLUMNS.items()
+               if not k.endswith("_bytes") or any(r.get(k) for r in ok)}
     t = Table(title="plan --sweep: one bench step per combination", title_justify="left")
     for k in keys:
-        t.add_column(k, style="bold")
-    for _, title in _COLUMNS.items():
+        t.add_column(k, style="bold", no_wrap=True)
+    for title in columns.values():
         t.add_column(title, justify="right")
     for r in rows:
         if "error" in r:
             console.print(f"[red]{' '.join(f'{k}={r[k]}' for k in keys)}: {r['error']}[/]")
             continue
-        t.add_row(*(str(r[k]) for k in keys), *(_fmt(k, r.get(k)) for k in _COLUMNS))
+        t.add_row(*(str(r[k]) for k in keys), *(_fmt(k, r.get(k)) for k in columns))
     console.print(t)
 
 
 _COLUMNS = {
-    "completed": "ok", "failed": "failed", "request_throughput": "req/s",
-    "output_throughput": "out tok/s", "p99_ttft_ms": "P99 TTFT ms", "p99_itl_ms": "P99 ITL ms",
-    "kv_cache_total_blocks": "KV blocks", "peak_kv_cache_usage_perc": "peak KV %",
-    "num_preemptions": "preempt", "peak_device_memory_bytes": "peak mem GiB",
-    "peak_torch_reserved_bytes": "torch reserved GiB",
+    "completed": "ok", "failed": "fail", "request_throughput": "req/s",
+    "output_throughput": "tok/s", "p99_ttft_ms": "P99 TTFT ms", "p99_itl_ms": "P99 ITL ms",
+    "kv_cache_total_blocks": "KV blocks", "peak_kv_cache_usage_perc": "KV peak %",
+    "num_preemptions": "preempt", "peak_device_memory_bytes": "mem GiB",
+    "peak_torch_reserved_bytes": "torch GiB",
 }
 
 
