@@ -128,8 +128,13 @@ def test_clean_run_is_none() -> None:
 
 # ---------------------------------------------------------------- interfaces
 def test_json_shape_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    res = json.loads(json.dumps(result_of("interference")))
+    # Two requests that timed out: counted by type, left out of the latency figures.
+    for q in res["tailserve"]["requests"][:2]:
+        q |= {"error_type": "timeout", "error": "no complete response", "ttft_s": None,
+              "e2el_s": None, "itl_s": [], "server_timing": None}
     path = tmp_path / "result.json"
-    path.write_text(json.dumps(result_of("interference")))
+    path.write_text(json.dumps(res))
     assert main(["diagnose", str(path), "--json", "--percentile", "99"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"tail", "windows", "errors", "findings"}
@@ -143,7 +148,8 @@ def test_json_shape_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         sh = [c["share"] for c in causes]
         assert sh == sorted(sh, reverse=True) and 0 < sum(sh) <= 1.0001
         assert all(isinstance(c["evidence"], dict) and c["advice"] for c in causes)
-    assert isinstance(out["errors"], dict) and isinstance(out["windows"], list)
+    assert out["errors"] == {"timeout": 2} and isinstance(out["windows"], list)
+    assert any(f.startswith("2 of 200 requests failed (timeout ×2)") for f in out["findings"])
     assert all(isinstance(f, str) for f in out["findings"])
     assert any("prefill_interference" in f for f in out["findings"])
     # Without --json: the readable summary names the same things.

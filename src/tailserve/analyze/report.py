@@ -25,6 +25,7 @@ from tailserve.analyze.windows import bin_edges
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+MAX_DOTS = 20_000
 PLOTS = ("latency_over_time", "cdf", "ttft_vs_prompt", "queue_vs_kv", "step_vs_batch",
          "pressure_heatmap")
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
@@ -52,7 +53,10 @@ def _latency_over_time(d: Diagnosis, plt: Any) -> Figure | None:
     for ax, m in zip(axes[:, 0], metrics, strict=True):
         s = d.samples[m]
         x, y = _rel(d, s.t), s.values * 1e3
-        ax.scatter(x, y, s=3, alpha=0.25, color="#555")
+        # The bands use every sample; the dots at most MAX_DOTS of them (a long run has a
+        # million ITL gaps, which would take matplotlib minutes and show nothing more).
+        dots = np.random.default_rng(0).permutation(len(x))[:MAX_DOTS]
+        ax.scatter(x[dots], y[dots], s=3, alpha=0.25, color="#555")
         b = np.digitize(s.t, edges) - 1
         mids = (edges[:-1] + edges[1:]) / 2 - edges[0]
         bands = np.full((3, len(mids)), np.nan)
