@@ -9,6 +9,7 @@
     result.py    the result file: vLLM's keys plus a ``tailserve`` block
     report.py    the terminal tables and the latency-vs-rate plot
     run.py       arrivals, the open loop, steps and sweeps
+    canary.py    --base-url-b: users split between two servers in one run
 """
 
 from __future__ import annotations
