@@ -187,8 +187,9 @@ def compare_runs(a: list[RunSamples], b: list[RunSamples],
         notes.append("replicates on one side only: requests are resampled (pooled over that "
                      "side's runs); give at least two runs per side to resample whole runs")
     if unit == "runs" and min(len(a), len(b)) < 5:
-        notes.append(f"{len(a)} vs {len(b)} runs: a run bootstrap has few distinct "
-                     "resamples, so the interval is coarse; 5+ runs per side make it smoother")
+        notes.append(f"{len(a)} vs {len(b)} runs: a bootstrap over so few runs has few "
+                     "distinct resamples, so the interval is coarse and tends to be too narrow; "
+                     "5+ runs per side make it trustworthy")
     for side, runs in (("A", a), ("B", b)):
         done = sum(r.num_requests - r.num_failed for r in runs)
         failed = sum(r.num_failed for r in runs)
