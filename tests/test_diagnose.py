@@ -175,6 +175,17 @@ def test_separate_timeline_file_gives_the_same_diagnosis(tmp_path: Path) -> None
     assert a["tail"] == b["tail"]
 
 
+def test_a_hole_in_the_timeline_is_not_blamed_on_the_client() -> None:
+    res = json.loads(json.dumps(result_of("stall")))
+    tl = res["tailserve"]["server"]["timeline"]
+    t_mid = tl[len(tl) // 2]["t"]
+    # The server's ring dropped 3 s of step records.
+    res["tailserve"]["server"]["timeline"] = [
+        r for r in tl if r["kind"] != "step" or not t_mid <= r["t"] < t_mid + 3.0]
+    d = diagnose(run_from_result(res))
+    assert "client_or_network" not in shares(d, "itl")
+
+
 def test_windows_name_what_changed() -> None:
     # A burst of long prompts in the middle of an otherwise short-prompt run.
     sim = Sim(n=300, rate=10, seed=7, per_prefill_s=0.0002,

@@ -148,7 +148,10 @@ def _server_itl(run: RunData, qs: list[Req], ri: np.ndarray, preempted: np.ndarr
         "prefill_interference": ws("prefill_s", t0, t1) if ws is not None else zero,
         "engine_stall": ws("stall_s", t0, t1) if ws is not None else zero,
         "preemption": pre,
-        "client_or_network": np.maximum(0.0, vals - steps) if ws is not None else zero,
+        # A gap with no step ending inside it is a hole in the timeline (the server's ring
+        # dropped records), not a gap the client made: no part for it.
+        "client_or_network": np.where(steps > 0, np.maximum(0.0, vals - steps), 0.0)
+        if ws is not None else zero,
     })
 
 
