@@ -89,7 +89,8 @@ def _cdf(d: Diagnosis, plt: Any) -> Figure | None:
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("fraction of samples")
-    ax.legend()
+    if ax.lines[1:]:
+        ax.legend()
     return fig
 
 
