@@ -65,7 +65,9 @@ def test_prefill_interference_first() -> None:
     for m in ("itl", "tpot"):
         assert top(d, m) == "prefill_interference", d.as_json()["tail"][m]
         assert shares(d, m)["prefill_interference"] > 0.8
-    # The long prompts' own TTFT: their own prefill and the other long prompts' are named.
+    # TTFT: short prompts that arrive during a long prefill wait it out (head-of-line), long
+    # ones also pay for their own prefill.
+    assert top(d, "ttft") == "prefill_interference"
     assert {"own_prefill", "prefill_interference"} <= set(shares(d, "ttft"))
     itl = d.tails["itl"].causes[0]
     assert "enable chunked prefill" in itl.advice

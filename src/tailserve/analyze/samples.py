@@ -71,11 +71,15 @@ def server_samples(run: RunData, model: StepModel | None,
     waited = np.maximum(win("step_s", arr, sched), 1e-12)
     kv_frac = np.clip(win("kv_blocked_s", arr, sched) / waited, 0.0, 1.0)
     pre_frac = np.clip(win("preempt_blocked_s", arr, sched) / waited, 0.0, 1.0 - kv_frac)
+    # Head-of-line: a request that arrives while another's long prompt is being prefilled
+    # waits for that step to end although nothing holds it back; that wait is interference.
+    hol_frac = np.clip(win("prefill_unblocked_s", arr, sched) / waited, 0.0,
+                       1.0 - kv_frac - pre_frac)
     # Preempted time before the first token: what TTFT holds beyond queue and own prefill.
     pre_ttft = np.minimum(preempted, np.maximum(0.0, srv_ttft - queue - prefill))
     own = np.minimum(model.prefill_cost(own_tokens), prefill) if model is not None else prefill
     common = {
-        "queueing": queue * (1.0 - kv_frac - pre_frac),
+        "queueing": queue * (1.0 - kv_frac - pre_frac - hol_frac),
         "kv_cache_pressure": queue * kv_frac,
         "own_prefill": own,
     }
@@ -83,14 +87,16 @@ def server_samples(run: RunData, model: StepModel | None,
     out["ttft"] = Samples("ttft", ttft, send, ri, {
         **common,
         "preemption": queue * pre_frac + pre_ttft,
-        "prefill_interference": np.maximum(0.0, win("prefill_s", sched, first) - own),
+        "prefill_interference": queue * hol_frac
+        + np.maximum(0.0, win("prefill_s", sched, first) - own),
         "engine_stall": win("stall_s", arr, first),
         "client_or_network": ttft - srv_ttft,
     })
     out["e2el"] = Samples("e2el", e2el, send, ri, {
         **common,
         "preemption": queue * pre_frac + preempted,
-        "prefill_interference": np.maximum(0.0, win("prefill_s", sched, fin) - own),
+        "prefill_interference": queue * hol_frac
+        + np.maximum(0.0, win("prefill_s", sched, fin) - own),
         "engine_stall": win("stall_s", arr, fin),
         "client_or_network": e2el - srv_e2e,
     })

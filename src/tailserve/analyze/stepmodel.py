@@ -109,9 +109,14 @@ class WindowSums:
         self.t = steps.t
         kv = np.array([b == BLOCKED_KV for b in steps.blocked_by], dtype=float)
         pre = np.array([b == BLOCKED_PREEMPTION for b in steps.blocked_by], dtype=float)
+        free = np.array([b is None for b in steps.blocked_by], dtype=float)
+        prefill = model.prefill_part if model else np.zeros(len(steps))
         cols = {"step_s": steps.step_s, "kv_blocked_s": kv * steps.step_s,
                 "preempt_blocked_s": pre * steps.step_s,
-                "prefill_s": model.prefill_part if model else np.zeros(len(steps)),
+                "prefill_s": prefill,
+                # prefill time of steps that held nothing back: a request waiting through one
+                # waited for someone's prefill, not for a slot, blocks or the token budget
+                "prefill_unblocked_s": prefill * free,
                 "stall_s": model.stall if model else np.zeros(len(steps))}
         self._cum = {k: np.concatenate([[0.0], np.cumsum(v)]) for k, v in cols.items()}
 
