@@ -194,8 +194,8 @@ def test_prompt_plus_max_tokens_too_large(client: httpx.Client) -> None:
     ("/v1/chat/completions", _chat(max_completion_tokens=0)),
 ])
 def test_max_tokens_below_one(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
-    value = body.get("max_tokens", body.get("max_completion_tokens"))
-    assert_openai_error(client.post(path, json=body), 400, "max_tokens", (value,))
+    param = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
+    assert_openai_error(client.post(path, json=body), 400, param, (body[param],))
 
 
 @pytest.mark.parametrize(("path", "body", "param", "numbers"), [

@@ -76,6 +76,11 @@ class OpenAIServing:
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens
         )
+        if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+            raise bad_request(
+                f"max_completion_tokens must be at least 1, got {body.max_completion_tokens}",
+                param="max_completion_tokens",
+            )
         top = body.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             # Checked here so the error names the chat field (SamplingParams says "logprobs").
