@@ -133,6 +133,11 @@ class EngineArgs:
         default=None, metadata={"help": "waiting requests beyond which new ones are rejected"}
     )
     tensor_parallel_size: int = 1
+    memory_alert: float = field(
+        default=0.95,
+        metadata={"help": "warn (and count tailserve:memory_alerts_total) when device memory "
+                  "(host RAM on CPU) in use passes this fraction"},
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -163,6 +168,8 @@ class EngineArgs:
             )
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if not 0.0 < self.memory_alert <= 1.0:
+            raise ConfigError(f"memory_alert must be in (0, 1], got {self.memory_alert}")
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -24,7 +24,7 @@ from tailserve.engine.messages import (
     StepResult,
 )
 from tailserve.errors import QueueFullError
-from tailserve.obs.memory import sample_memory
+from tailserve.obs.memory import MemoryMonitor
 from tailserve.obs.records import EngineState
 from tailserve.request import Request, RequestStatus
 
@@ -46,6 +46,9 @@ class EngineLoop:
         self.device = str(core.runner.device)
         self.num_steps = 0
         self.last_emit = time.monotonic()
+        self.memory = MemoryMonitor(
+            self.device, int(core.runner.kv_cache_bytes), core.args.memory_alert
+        )
         fault = os.environ.get(FAULT_ENV)
         self._fail_at_step = int(fault) if fault else None
 
@@ -71,8 +74,9 @@ class EngineLoop:
             free_blocks=s.kv.num_free_blocks,
             total_blocks=s.kv.num_blocks,
             num_preemptions_total=s.num_preemptions_total,
-            memory=sample_memory(self.device),
+            memory=self.memory.sample(),
             device=self.device,
+            kv_band_used=s.kv.pool.band_used.copy(),
         )
 
     def _send(self, msg: EngineMessage) -> None:

@@ -47,10 +47,24 @@ class KVBlock:
     block_hash: BlockHash | None = None
 
 
+# Block ids are grouped into this many bands of consecutive ids; the pool counts the blocks in
+# use per band as they change (O(1) per block), for the dashboard's KV-usage heatmap.
+NUM_USAGE_BANDS = 32
+
+
+def usage_band_sizes(num_blocks: int, num_bands: int) -> list[int]:
+    """How many block ids fall in each band (block ``i`` is in band ``i * num_bands // n``)."""
+    n, nb = num_blocks, num_bands
+    return [-(-(b + 1) * n // nb) - -(-b * n // nb) for b in range(nb)]
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.num_bands = min(NUM_USAGE_BANDS, num_blocks)
+        # Blocks with ref_cnt > 0 per band of ids (see usage_band_sizes).
+        self.band_used = [0] * self.num_bands
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, KVBlock] = {}
@@ -73,6 +87,7 @@ class BlockPool:
                     del self._cached[block.block_hash.value]
                 block.block_hash = None
             block.ref_cnt = 1
+            self.band_used[block_id * self.num_bands // self.num_blocks] += 1
             out.append(block)
         return out
 
@@ -88,6 +103,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                self.band_used[block.block_id * self.num_bands // self.num_blocks] += 1
             block.ref_cnt += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
@@ -105,6 +121,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                self.band_used[block.block_id * self.num_bands // self.num_blocks] -= 1
 
     def free_block_ids(self) -> list[int]:
         """In eviction order; for tests and invariant checks."""

@@ -165,3 +165,9 @@ class KVCacheManager:
                 raise AssertionError(
                     f"block {block.block_id}: free={block.block_id in free} with {expected} refs"
                 )
+        pool = self.pool
+        bands = [0] * pool.num_bands
+        for block_id in refs:
+            bands[block_id * pool.num_bands // pool.num_blocks] += 1
+        if bands != pool.band_used:
+            raise AssertionError(f"band_used {pool.band_used} but tables hold {bands}")

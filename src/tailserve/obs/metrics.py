@@ -94,6 +94,28 @@ class ServerMetrics:
         self.torch_memory_reserved_bytes = gauge(
             "torch_memory_reserved_bytes", "Bytes reserved by the torch caching allocator."
         )
+        self.torch_memory_inactive_split_bytes = gauge(
+            "torch_memory_inactive_split_bytes",
+            "Reserved bytes in split blocks not in use (allocator fragmentation).",
+        )
+        self.device_memory_process_bytes = gauge(
+            "device_memory_process_bytes", "Device memory used by the engine process (NVML).",
+            ("device",),
+        )
+        self.kv_cache_memory_bytes = gauge(
+            "kv_cache_memory_bytes", "Bytes of the KV cache pool (allocated once at start-up)."
+        )
+        self.engine_resident_memory_bytes = gauge(
+            "engine_resident_memory_bytes", "Resident memory of the engine process."
+        )
+        self.host_memory_used_bytes = gauge(
+            "host_memory_used_bytes", "Host RAM in use, all processes (CPU engines)."
+        )
+        self.host_memory_total_bytes = gauge("host_memory_total_bytes", "Host RAM.")
+        self.memory_alerts = counter(
+            "memory_alerts_total", "Times memory in use rose above the --memory-alert fraction."
+        )
+        self._memory_alerts_seen = 0.0
 
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter(
@@ -232,6 +254,23 @@ class ServerMetrics:
             self.device_memory_used_bytes.labels(device=self._device).set(v)
         if (v := memory.get("device_total_bytes")) is not None:
             self.device_memory_total_bytes.labels(device=self._device).set(v)
+        if (v := memory.get("device_process_bytes")) is not None:
+            self.device_memory_process_bytes.labels(device=self._device).set(v)
+        gauges = (
+            ("torch_inactive_split_bytes", self.torch_memory_inactive_split_bytes),
+            ("kv_cache_bytes", self.kv_cache_memory_bytes),
+            ("rss_bytes", self.engine_resident_memory_bytes),
+            ("host_used_bytes", self.host_memory_used_bytes),
+            ("host_total_bytes", self.host_memory_total_bytes),
+        )
+        for key, g in gauges:
+            if (v := memory.get(key)) is not None:
+                g.set(v)
+        # The engine sends its running count; the counter takes the increase.
+        alerts = memory.get("memory_alerts_total")
+        if alerts is not None and alerts > self._memory_alerts_seen:
+            self.memory_alerts.inc(alerts - self._memory_alerts_seen)
+            self._memory_alerts_seen = alerts
 
     @staticmethod
     def _observe(hist: Histogram, timing: Mapping[str, object], key: str) -> None:

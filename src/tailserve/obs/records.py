@@ -19,10 +19,13 @@ class EngineState:
     free_blocks: int
     total_blocks: int
     num_preemptions_total: int
-    # Engine-process memory, bytes: rss_bytes always; torch_allocated_bytes,
-    # torch_reserved_bytes, device_used_bytes, device_total_bytes where a device has them.
+    # Engine-process memory, bytes (keys: ``obs.memory``'s docstring): rss_bytes always;
+    # torch_*, device_* where a device has them; host_* on CPU; memory_alerts_total a count.
     memory: dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
+    # KV blocks in use per band of consecutive block ids (``kv.block_pool.usage_band_sizes``
+    # gives the band sizes); the dashboard draws it as a heatmap.
+    kv_band_used: list[int] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
