@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup test lint serve bench clean
+.PHONY: setup setup-browser test lint serve bench clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,15 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
-test: setup lint
+# The dashboard test drives Debian's chromium through Playwright (a dev dependency); no
+# `playwright install` and no browser download. Without root or apt the test skips.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+setup-browser:
+	@test -x /usr/bin/chromium || ( $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium ) || \
+		echo "setup-browser: could not install chromium; the browser test will skip"
+
+test: setup lint setup-browser
 	$(BIN)/pytest -x --durations=10
 
 # Serves the bundled model on 127.0.0.1:8000 and prints the URL and a ready-to-paste curl.

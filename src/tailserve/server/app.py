@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tailserve
@@ -26,6 +26,7 @@ from tailserve.engine.client import EngineClient, EngineStartupError, MPEngineCl
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 from tailserve.server.context import ServerContext, ServerSettings, served_names
+from tailserve.server.dashboard import page_html
 from tailserve.server.errors import APIError, bad_request, error_body, error_response
 from tailserve.server.middleware import EdgeMiddleware
 from tailserve.server.protocol import (
@@ -147,6 +148,18 @@ def create_app(ctx: ServerContext) -> Any:
             raise bad_request(f"limit must be >= 1, got {limit}", "limit")
         return {"now": time.time(), "records": ctx.timeline.since(since, limit)}
 
+    # Not API operations (a page and an endless stream): kept out of /openapi.json.
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        return HTMLResponse(page_html(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/dashboard/events", include_in_schema=False)
+    async def dashboard_events() -> Response:
+        return StreamingResponse(
+            ctx.dashboard.events(), media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
     return EdgeMiddleware(
         app,
         api_key=ctx.settings.api_key,
@@ -230,6 +243,7 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     server = _Server(config, ctx)
 
     def request_exit() -> None:
+        ctx.dashboard.close()  # open dashboard streams would hold up the shutdown
         server.should_exit = True
 
     ctx.request_exit = request_exit

@@ -19,6 +19,7 @@ from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.records import RequestRecord
 from tailserve.obs.timeline import Timeline
 from tailserve.sampling_params import SamplingParams
+from tailserve.server.dashboard.feed import DashboardFeed
 from tailserve.server.errors import APIError, bad_request, unavailable
 from tailserve.server.protocol import ChatMessage
 
@@ -86,6 +87,8 @@ class ServerContext:
         # Set by the runner: asks the HTTP server to stop (after a drain or an engine death).
         self.request_exit: Callable[[], None] = lambda: None
         client.step_listeners.append(self._on_step)
+        self.dashboard = DashboardFeed(metrics, lambda: client.state)
+        client.step_listeners.append(self.dashboard.on_step)
         client.state_listeners.append(metrics.on_engine_state)
         client.death_listeners.append(self._on_engine_death)
 
@@ -160,6 +163,7 @@ class ServerContext:
                 rec.error_type = "engine_error"
             self.metrics.on_request_finished(rec)
             self.timeline.add_request(rec)
+            self.dashboard.on_request(rec)
             if self.tracer is not None:
                 self._trace(rec, traceparent, path, params)
 

@@ -6,6 +6,8 @@
    ``Authorization: Bearer KEY`` (constant-time compare). The check uses the path the router
    will route on (``scope["path"]``), so no Host header, query or encoding trick reaches a
    protected route without the key: anything not exactly an exempt path is protected.
+   ``/dashboard`` and ``/dashboard/*`` alone also take ``?key=KEY``: a browser cannot put a
+   header on a link or on an ``EventSource``.
 4. Body size: a ``Content-Length`` over ``max_request_bytes`` -> 413 before reading; a chunked
    body is counted as it arrives and cut off with 413 at the limit.
 """
@@ -18,6 +20,7 @@ import re
 import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 from tailserve.server.errors import error_body
 
@@ -26,6 +29,7 @@ Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+DASHBOARD_PATH = "/dashboard"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -82,6 +86,9 @@ class EdgeMiddleware:
             return
         if self.api_key is not None and scope["path"] not in AUTH_EXEMPT_PATHS:
             given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            path = scope["path"]
+            if not given and (path == DASHBOARD_PATH or path.startswith(DASHBOARD_PATH + "/")):
+                given = _query_key(scope.get("query_string", b""))
             if not hmac.compare_digest(given, self.api_key):
                 self.on_reject("unauthorized")
                 await _error(send_with_id, 401, "a valid API key is required (Authorization: "
@@ -131,6 +138,12 @@ class EdgeMiddleware:
             self.on_reject("too_large")
             await _error(send_with_id, 413, f"the request body exceeds {limit} bytes",
                          "invalid_request_error", "request_too_large")
+
+
+def _query_key(query_string: bytes) -> bytes:
+    for value in parse_qs(query_string.decode("latin-1")).get("key", []):
+        return value.encode()
+    return b""
 
 
 async def _error(
