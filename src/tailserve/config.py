@@ -138,6 +138,18 @@ class EngineArgs:
         metadata={"help": "warn (and count tailserve:memory_alerts_total) when device memory "
                   "(host RAM on CPU) in use passes this fraction"},
     )
+    assert_steady_memory: bool = field(
+        default=False,
+        metadata={"help": "after warm-up, warn (and count tailserve:steady_memory_violations_"
+                  "total) when torch reserved (CUDA) or RSS + KV pool (CPU) grows with traffic"},
+    )
+    steady_memory_tolerance: float = field(
+        default=64.0, metadata={"help": "MiB of growth --assert-steady-memory allows"}
+    )
+    steady_memory_warmup: int = field(
+        default=32, metadata={"help": "finished requests before --assert-steady-memory's "
+                              "baseline is taken"}
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,6 +182,11 @@ class EngineArgs:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if not 0.0 < self.memory_alert <= 1.0:
             raise ConfigError(f"memory_alert must be in (0, 1], got {self.memory_alert}")
+        if self.steady_memory_tolerance < 0 or self.steady_memory_warmup < 0:
+            raise ConfigError(
+                "steady_memory_tolerance and steady_memory_warmup must be >= 0, got "
+                f"{self.steady_memory_tolerance} and {self.steady_memory_warmup}"
+            )
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -24,7 +24,7 @@ from tailserve.engine.messages import (
     StepResult,
 )
 from tailserve.errors import QueueFullError
-from tailserve.obs.memory import MemoryMonitor
+from tailserve.obs.memory import MemoryMonitor, SteadyMemoryCheck
 from tailserve.obs.records import EngineState
 from tailserve.request import Request, RequestStatus
 
@@ -49,6 +49,13 @@ class EngineLoop:
         self.memory = MemoryMonitor(
             self.device, int(core.runner.kv_cache_bytes), core.args.memory_alert
         )
+        args = core.args
+        self.steady = (
+            SteadyMemoryCheck(self.memory.is_cuda, args.steady_memory_tolerance * (1 << 20),
+                              args.steady_memory_warmup)
+            if args.assert_steady_memory else None
+        )
+        self.num_finished = 0
         fault = os.environ.get(FAULT_ENV)
         self._fail_at_step = int(fault) if fault else None
 
@@ -132,6 +139,9 @@ class EngineLoop:
         if outputs or stats is not None:
             state = self.state()
             if stats is not None:
+                self.num_finished += stats.num_finished
+                if self.steady is not None:
+                    self.steady.observe(state.memory, self.num_finished)
                 stats.memory = state.memory
             self._send(StepResult(outputs, stats, state, time.monotonic()))
 

@@ -245,3 +245,91 @@ def _process_name(pid: int) -> str:
         return str(psutil.Process(pid).name())
     except (psutil.Error, OSError):
         return "?"
+
+
+class SteadyMemoryCheck:
+    """``--assert-steady-memory``: after warm-up, memory must not grow with traffic.
+
+    Watched: torch's reserved bytes on CUDA (the caching allocator's footprint), the KV pool
+    plus the process RSS on CPU. The baseline is the peak seen until ``warmup_requests``
+    requests have finished (so warm-up should include the longest prompts); afterwards
+    ``growth`` is the watched value minus that baseline. Growth beyond ``tolerance_bytes``
+    logs a warning — with the largest live allocations and their Python frames on CUDA,
+    where torch records them — and counts a violation; the next warning waits for another
+    tolerance of growth.
+    """
+
+    def __init__(self, is_cuda: bool, tolerance_bytes: float, warmup_requests: int) -> None:
+        self.is_cuda = is_cuda
+        self.tolerance_bytes = tolerance_bytes
+        self.warmup_requests = warmup_requests
+        self.baseline: float | None = None
+        self.warmup_peak = 0.0
+        self.growth = 0.0
+        self.violations = 0
+        self._next_warning_at = tolerance_bytes
+
+    def watched(self, mem: dict[str, float]) -> float | None:
+        if self.is_cuda:
+            return mem.get("torch_reserved_bytes")
+        return mem.get("rss_bytes", 0.0) + mem.get("kv_cache_bytes", 0.0)
+
+    def observe(self, mem: dict[str, float], num_finished: int) -> None:
+        """Feed one sample (``MemoryMonitor.sample()``); adds the ``steady_*`` keys to it."""
+        value = self.watched(mem)
+        if value is None:
+            return
+        if self.baseline is None:
+            self.warmup_peak = max(self.warmup_peak, value)
+            if num_finished < self.warmup_requests:
+                return
+            self.baseline = self.warmup_peak
+            logger.info("steady memory: baseline %.1f MiB after %d requests (tolerance %.1f "
+                        "MiB)", self.baseline / (1 << 20), num_finished,
+                        self.tolerance_bytes / (1 << 20))
+            _start_cuda_history(self.is_cuda)
+        self.growth = max(self.growth, value - self.baseline)
+        if self.growth > self._next_warning_at:
+            self.violations += 1
+            self._next_warning_at = self.growth + self.tolerance_bytes
+            logger.warning(
+                "steady memory: %s grew %.1f MiB over the post-warm-up baseline %.1f MiB "
+                "(tolerance %.1f MiB); %s",
+                "torch reserved" if self.is_cuda else "RSS + KV pool",
+                self.growth / (1 << 20), self.baseline / (1 << 20),
+                self.tolerance_bytes / (1 << 20), _allocation_sites(self.is_cuda),
+            )
+        mem["steady_baseline_bytes"] = self.baseline
+        mem["steady_growth_bytes"] = self.growth
+        mem["steady_violations_total"] = float(self.violations)
+
+
+def _start_cuda_history(is_cuda: bool) -> None:
+    torch = _torch() if is_cuda else None
+    if torch is None:
+        return
+    try:  # records a stack per allocation from here on: the sites a warning can name
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+    except Exception as exc:
+        logger.info("steady memory: torch cannot record allocation sites (%s)", exc)
+
+
+def _allocation_sites(is_cuda: bool, n: int = 3) -> str:
+    torch = _torch() if is_cuda else None
+    if torch is None:
+        return "allocation sites: not known on CPU (torch records them for CUDA only)"
+    try:
+        blocks = [
+            b for seg in torch.cuda.memory._snapshot().get("segments", [])
+            for b in seg.get("blocks", []) if b.get("state") == "active_allocated"
+        ]
+        blocks.sort(key=lambda b: -int(b.get("size", 0)))
+        sites = []
+        for b in blocks[:n]:
+            frames = [f for f in b.get("frames", []) if f.get("filename", "").endswith(".py")]
+            where = (f"{frames[0]['filename']}:{frames[0]['line']} {frames[0]['name']}"
+                     if frames else "unknown site")
+            sites.append(f"{int(b['size']) / (1 << 20):.1f} MiB at {where}")
+        return "largest live allocations: " + ("; ".join(sites) or "none recorded")
+    except Exception as exc:
+        return f"allocation sites unavailable ({type(exc).__name__})"

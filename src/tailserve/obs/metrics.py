@@ -116,6 +116,15 @@ class ServerMetrics:
             "memory_alerts_total", "Times memory in use rose above the --memory-alert fraction."
         )
         self._memory_alerts_seen = 0.0
+        self.steady_memory_growth_bytes = gauge(
+            "steady_memory_growth_bytes",
+            "--assert-steady-memory: growth over the post-warm-up baseline.",
+        )
+        self.steady_memory_violations = counter(
+            "steady_memory_violations_total",
+            "--assert-steady-memory: warnings that memory grew beyond the tolerance.",
+        )
+        self._steady_violations_seen = 0.0
 
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter(
@@ -271,6 +280,12 @@ class ServerMetrics:
         if alerts is not None and alerts > self._memory_alerts_seen:
             self.memory_alerts.inc(alerts - self._memory_alerts_seen)
             self._memory_alerts_seen = alerts
+        if (v := memory.get("steady_growth_bytes")) is not None:
+            self.steady_memory_growth_bytes.set(v)
+        violations = memory.get("steady_violations_total")
+        if violations is not None and violations > self._steady_violations_seen:
+            self.steady_memory_violations.inc(violations - self._steady_violations_seen)
+            self._steady_violations_seen = violations
 
     @staticmethod
     def _observe(hist: Histogram, timing: Mapping[str, object], key: str) -> None:
