@@ -1,4 +1,5 @@
-"""GET /dashboard: the feed (unit), the key, the SSE stream, and the page in a real browser.
+"""GET /dashboard: the feed (unit), the key, the SSE stream, and the page in a real browser;
+and POST /debug/profile on the same live server (one server start for both).
 
 The browser is Debian's chromium driven by Playwright for Python (``make setup-browser``
 installs it; ``playwright install`` is never needed). Without a chromium that launches, the
@@ -118,9 +119,15 @@ def test_page_is_self_contained() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: str) -> Iterator[ServerProcess]:
-    with ServerProcess(["--max-num-seqs", "4", "--api-key", KEY], model=tiny_model_dir,
-                       env={"TAILSERVE_API_KEY": ""}) as srv:
+def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("profiles"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: str, profile_dir: str) -> Iterator[ServerProcess]:
+    args = ["--max-num-seqs", "4", "--api-key", KEY, "--enable-profiling",
+            "--profile-dir", profile_dir]
+    with ServerProcess(args, model=tiny_model_dir, env={"TAILSERVE_API_KEY": ""}) as srv:
         yield srv
 
 
@@ -239,6 +246,34 @@ def test_page_in_a_browser_follows_load(server: ServerProcess, browser: Any) -> 
     finally:
         page.close()
     assert problems == []
+
+
+def test_span_is_a_noop_outside_a_capture() -> None:
+    from tailserve.obs import profiling
+
+    assert profiling.span("forward") is profiling.span("sample")  # one shared null context
+
+
+def test_profile_capture_has_the_named_ranges(server: ServerProcess, profile_dir: str) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server.url + "/debug/profile"
+    assert httpx.post(url, params={"seconds": 1}, timeout=10).status_code == 401
+    assert httpx.post(url, params={"seconds": 0}, headers=headers, timeout=10).status_code == 400
+    with Load(server.url, n=2) as load:
+        r = httpx.post(url, params={"seconds": 1.5}, headers=headers, timeout=60)
+    assert not load.errors, load.errors[:1]
+    assert r.status_code == 200, r.text
+    path = r.json()["path"]
+    assert os.path.dirname(path) == profile_dir and path.endswith(".json")
+    with open(path) as f:
+        trace = json.load(f)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    for phase in ("schedule", "prepare_inputs", "forward", "sample", "update"):
+        assert phase in names, f"{phase} not in the trace"
+    # Idle: the capture still ends on time (the engine checks at every heartbeat).
+    t0 = time.monotonic()
+    r = httpx.post(url, params={"seconds": 0.5}, headers=headers, timeout=30)
+    assert r.status_code == 200 and time.monotonic() - t0 < 5
 
 
 def test_shutdown_ends_open_streams(server: ServerProcess) -> None:

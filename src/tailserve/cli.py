@@ -96,6 +96,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         timeline=ns.timeline, timeline_buffer=ns.timeline_buffer,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
         watchdog_timeout=ns.watchdog_timeout, log_level=ns.log_level,
+        enable_profiling=ns.enable_profiling, profile_dir=ns.profile_dir,
     )
     return run_server(engine_args_from(ns), settings)
 
@@ -124,6 +125,10 @@ def _add_serve(sub: Any) -> None:
                    help="OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces")
     g.add_argument("--watchdog-timeout", type=float, default=30.0,
                    help="/health turns 503 after this long without engine progress")
+    g.add_argument("--enable-profiling", action="store_true",
+                   help="allow POST /debug/profile?seconds=N (torch.profiler trace of the engine)")
+    g.add_argument("--profile-dir", default=None,
+                   help="where profile traces go (default: <tmp>/tailserve-profiles)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(srv)

@@ -39,9 +39,11 @@ from tailserve.engine.messages import (
     EngineInput,
     EngineMessage,
     Heartbeat,
+    ProfileDone,
     Ready,
     Rejected,
     Shutdown,
+    StartProfile,
     StartupFailed,
     StepResult,
     input_encoder,
@@ -79,6 +81,7 @@ class EngineClient:
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.state_listeners: list[Callable[[EngineState], None]] = []
         self.death_listeners: list[Callable[[str], None]] = []
+        self._profile: asyncio.Future[ProfileDone] | None = None
 
     # ------------------------------------------------------------------ interface
     async def start(self) -> Ready:
@@ -137,6 +140,23 @@ class EngineClient:
         if live and self.dead_reason is None:
             self._send(AbortRequests(live))
 
+    async def profile(self, seconds: float, path: str) -> str:
+        """Trace the engine for ``seconds``; returns the trace path (RuntimeError on failure)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self._profile is not None:
+            raise RuntimeError("a profile is already being captured")
+        self._profile = asyncio.get_running_loop().create_future()
+        try:
+            self._send(StartProfile(seconds, path))
+            # The engine checks its deadline after every step and idle heartbeat.
+            done = await asyncio.wait_for(self._profile, seconds + 60.0)
+        finally:
+            self._profile = None
+        if done.error is not None:
+            raise RuntimeError(done.error)
+        return done.path
+
     def healthy(self) -> bool:
         if self.dead_reason is not None or not self.engine_alive():
             return False
@@ -173,6 +193,9 @@ class EngineClient:
             self._die(msg.message)
         elif isinstance(msg, Ready):
             self.info = msg
+        elif (isinstance(msg, ProfileDone) and self._profile is not None
+              and not self._profile.done()):
+            self._profile.set_result(msg)
 
     def _set_state(self, state: EngineState) -> None:
         self.state = state

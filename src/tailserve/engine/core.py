@@ -11,6 +11,7 @@ from tailserve.engine.outputs import EngineOutput, SchedulerOutput, StepStats
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.model.runner import ModelRunner, resolve_device
+from tailserve.obs.profiling import span
 from tailserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -104,12 +105,14 @@ class EngineCore:
 
     def step(self) -> tuple[list[EngineOutput], StepStats | None]:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        with span("schedule"):
+            sched = self.scheduler.schedule()
         if not sched.scheduled:
             return [], None
         runner_out = self.runner.execute(sched)
         step_s = time.perf_counter() - t0
-        outputs = self.scheduler.update_from_output(sched, runner_out, step_s)
+        with span("update"):
+            outputs = self.scheduler.update_from_output(sched, runner_out, step_s)
         return outputs, self._stats(sched, step_s, outputs)
 
     def _stats(

@@ -18,13 +18,16 @@ from tailserve.engine.messages import (
     EngineInput,
     EngineMessage,
     Heartbeat,
+    ProfileDone,
     Ready,
     Rejected,
     Shutdown,
+    StartProfile,
     StepResult,
 )
 from tailserve.errors import QueueFullError
 from tailserve.obs.memory import MemoryMonitor, SteadyMemoryCheck
+from tailserve.obs.profiling import ProfileCapture
 from tailserve.obs.records import EngineState
 from tailserve.request import Request, RequestStatus
 
@@ -56,6 +59,7 @@ class EngineLoop:
             if args.assert_steady_memory else None
         )
         self.num_finished = 0
+        self.profile: ProfileCapture | None = None
         fault = os.environ.get(FAULT_ENV)
         self._fail_at_step = int(fault) if fault else None
 
@@ -113,6 +117,8 @@ class EngineLoop:
                     else RequestStatus.FINISHED_ABORTED
                 )
                 aborted.extend(self.core.abort_requests(msg.request_ids, status))
+            elif isinstance(msg, StartProfile):
+                self._start_profile(msg)
             elif isinstance(msg, Shutdown):
                 running = False
         if aborted:
@@ -144,7 +150,33 @@ class EngineLoop:
                     self.steady.observe(state.memory, self.num_finished)
                 stats.memory = state.memory
             self._send(StepResult(outputs, stats, state, time.monotonic()))
+        self.finish_profile_if_due()
 
     def heartbeat_if_due(self, interval_s: float) -> None:
         if time.monotonic() - self.last_emit >= interval_s:
             self._send(Heartbeat(self.state(), time.monotonic()))
+        self.finish_profile_if_due()
+
+    # ------------------------------------------------------------------ profiling
+    def _start_profile(self, msg: StartProfile) -> None:
+        if self.profile is not None:
+            self._send(ProfileDone(msg.path, "a profile is already being captured"))
+            return
+        try:
+            self.profile = ProfileCapture(msg.path, msg.seconds, self.device)
+        except Exception as exc:
+            logger.exception("could not start the profiler")
+            self._send(ProfileDone(msg.path, f"could not start the profiler "
+                                             f"({type(exc).__name__})"))
+
+    def finish_profile_if_due(self, force: bool = False) -> None:
+        """Checked after every step and heartbeat (at least every HEARTBEAT_S when idle)."""
+        if self.profile is None or not (force or self.profile.due()):
+            return
+        capture, self.profile = self.profile, None
+        try:
+            self._send(ProfileDone(capture.finish()))
+        except Exception as exc:
+            logger.exception("could not write the profile")
+            self._send(ProfileDone(capture.path, f"could not write the trace "
+                                                 f"({type(exc).__name__}: {exc})"))

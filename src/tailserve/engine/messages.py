@@ -3,8 +3,9 @@
 Token ids only cross the wire: tokenization, chat templates and detokenization stay in the
 API process. Each message is a tagged struct so one typed decoder reads a whole union.
 
-    API -> engine:  AddRequest | AbortRequests | Shutdown
+    API -> engine:  AddRequest | AbortRequests | Shutdown | StartProfile
     engine -> API:  Ready | StartupFailed | StepResult | Heartbeat | Rejected | EngineDead
+                    | ProfileDone
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
+
+
+class StartProfile(msgspec.Struct, tag="profile"):
+    """Trace the engine for ``seconds`` with torch.profiler; write a Chrome trace to ``path``."""
+
+    seconds: float
+    path: str
+
+
+class ProfileDone(msgspec.Struct, tag="profile_done"):
+    path: str
+    error: str | None = None
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -82,8 +95,10 @@ class EngineDead(msgspec.Struct, tag="dead"):
     request_ids: list[str]
 
 
-EngineInput = AddRequest | AbortRequests | Shutdown
-EngineMessage = Ready | StartupFailed | StepResult | Heartbeat | Rejected | EngineDead
+EngineInput = AddRequest | AbortRequests | Shutdown | StartProfile
+EngineMessage = (
+    Ready | StartupFailed | StepResult | Heartbeat | Rejected | EngineDead | ProfileDone
+)
 
 input_encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -19,6 +19,7 @@ from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.layers import add_gemv_layout
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
+from tailserve.obs.profiling import span
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -208,12 +209,14 @@ class ModelRunner:
             self._generators.pop(rid, None)
         if not sched.scheduled:
             return RunnerOutput(sampled_token_ids={})
-        batch = self._prepare(sched)
-        self.backend.begin_step(batch.meta)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not batch.sampling:
-            return RunnerOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        with span("prepare_inputs"):
+            batch = self._prepare(sched)
+            self.backend.begin_step(batch.meta)
+        with span("forward"):
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            if not batch.sampling:
+                return RunnerOutput(sampled_token_ids={})
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [
             SamplingRow(
                 params=s.sampling_params,
@@ -224,7 +227,8 @@ class ModelRunner:
             )
             for s in batch.sampling
         ]
-        result = self.sampler(logits, rows)
+        with span("sample"):
+            result = self.sampler(logits, rows)
         sampled = {s.request_id: t for s, t in zip(batch.sampling, result.token_ids, strict=True)}
         logprobs = {
             s.request_id: lp

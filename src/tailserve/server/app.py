@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+import tempfile
 import time
+import uuid
 from types import FrameType
 from typing import Any
 
@@ -147,6 +150,26 @@ def create_app(ctx: ServerContext) -> Any:
         if limit is not None and limit < 1:
             raise bad_request(f"limit must be >= 1, got {limit}", "limit")
         return {"now": time.time(), "records": ctx.timeline.since(since, limit)}
+
+    # A debug control, off unless --enable-profiling: kept out of /openapi.json.
+    @app.post("/debug/profile", include_in_schema=False)
+    async def profile(seconds: float = 5.0) -> dict[str, Any]:
+        if not ctx.settings.enable_profiling:
+            raise APIError(404, "profiling is off; start the server with --enable-profiling",
+                           "invalid_request_error", None, "profiling_disabled")
+        if not 0 < seconds <= 300:
+            raise bad_request(f"seconds must be in (0, 300], got {seconds}", "seconds")
+        directory = ctx.settings.profile_dir or os.path.join(
+            tempfile.gettempdir(), "tailserve-profiles"
+        )
+        name = f"tailserve-engine-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}.json"
+        path = os.path.abspath(os.path.join(directory, name))
+        try:
+            written = await ctx.client.profile(seconds, path)
+        except RuntimeError as exc:
+            raise APIError(409, str(exc), "invalid_request_error", None,
+                           "profile_failed") from None
+        return {"path": written, "seconds": seconds}
 
     # Not API operations (a page and an endless stream): kept out of /openapi.json.
     @app.get("/dashboard", include_in_schema=False)

@@ -43,6 +43,8 @@ class ServerSettings:
     watchdog_timeout: float = 30.0
     retry_after_s: int = 1
     log_level: str = "info"
+    enable_profiling: bool = False
+    profile_dir: str | None = None  # None: <tmp>/tailserve-profiles
 
 
 def served_names(model: str | None, source: str, override: str | None) -> list[str]:
