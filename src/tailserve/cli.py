@@ -1,5 +1,5 @@
-"""The ``tailserve`` command: ``generate``, ``serve`` and ``bench``; ``diagnose``, ``compare``
-and ``plan`` join as they land. Engine flags are generated from ``EngineArgs`` fields."""
+"""The ``tailserve`` command: ``serve``, ``generate``, ``bench``, ``diagnose``, ``compare`` and
+``plan``. Engine flags are generated from ``EngineArgs`` fields."""
 
 from __future__ import annotations
 
