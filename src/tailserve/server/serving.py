@@ -41,28 +41,18 @@ class OpenAIServing:
         prompts = self._completion_prompts(body.prompt)
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
         gen = self._start(http, prompts, params, arrival, body.priority)
-        rid = _response_id(http, "cmpl")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await self._stream(gen, http, rid, body, include_usage, self._completion_chunk)
-        await self._collect(gen, http)
         k = params.logprobs or 0
-        choices = []
-        for c in gen.ordered_choices():
-            choices.append({
-                "index": c.index,
+
+        def choice(c: Choice) -> dict[str, Any]:
+            return {
                 "text": c.out.text,
                 "logprobs": self._completion_logprobs(c.out.token_ids, c.out.logprobs, k)
                 if c.out.logprobs is not None else None,
-                "finish_reason": c.out.finish_reason,
-                "stop_reason": c.out.stop_reason,
-                **_choice_timing(gen, c),
-            })
-        return self._json(gen, {
-            "id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": self.ctx.model_name(body.model), "choices": choices,
-            "usage": gen.usage(), "tailserve_timing": gen.ordered_choices()[0].timing,
-        })
+            }
+
+        return await self._respond(
+            gen, http, body, "cmpl", "text_completion", self._completion_chunk, choice
+        )
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         arrival = time.monotonic()
@@ -94,25 +84,47 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         params = self._sampling_params(body, max_tokens, logprobs)
         gen = self._start(http, [(None, ids)], params, arrival, body.priority)
-        rid = _response_id(http, "chatcmpl")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await self._stream(gen, http, rid, body, include_usage, self._chat_chunk)
-        await self._collect(gen, http)
         k = params.logprobs or 0
-        choices = []
-        for c in gen.ordered_choices():
-            choices.append({
-                "index": c.index,
+
+        def choice(c: Choice) -> dict[str, Any]:
+            return {
                 "message": {"role": "assistant", "content": c.out.text},
                 "logprobs": {"content": self._chat_logprobs(c.out.token_ids, c.out.logprobs, k)}
                 if c.out.logprobs is not None else None,
+            }
+
+        return await self._respond(
+            gen, http, body, "chatcmpl", "chat.completion", self._chat_chunk, choice
+        )
+
+    async def _respond(
+        self,
+        gen: Generation,
+        http: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        id_prefix: str,
+        object_name: str,
+        make_chunk: Callable[[Generation, str, Any, list[Delta], set[int]], dict[str, Any]],
+        choice_body: Callable[[Choice], dict[str, Any]],
+    ) -> Response:
+        """Stream the generation, or wait for it and answer with one body."""
+        rid = _response_id(http, id_prefix)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._stream(gen, http, rid, body, include_usage, make_chunk)
+        await self._collect(gen, http)
+        choices = [
+            {
+                "index": c.index,
+                **choice_body(c),
                 "finish_reason": c.out.finish_reason,
                 "stop_reason": c.out.stop_reason,
                 **_choice_timing(gen, c),
-            })
-        return self._json(gen, {
-            "id": rid, "object": "chat.completion", "created": int(time.time()),
+            }
+            for c in gen.ordered_choices()
+        ]
+        return JSONResponse({
+            "id": rid, "object": object_name, "created": int(time.time()),
             "model": self.ctx.model_name(body.model), "choices": choices,
             "usage": gen.usage(), "tailserve_timing": gen.ordered_choices()[0].timing,
         })
@@ -266,9 +278,6 @@ class OpenAIServing:
             events(), media_type="text/event-stream",
             headers={"x-request-id": http.state.request_id, "cache-control": "no-cache"},
         )
-
-    def _json(self, gen: Generation, body: dict[str, Any]) -> Response:
-        return JSONResponse(body)
 
     # ---------------------------------------------------------------- chunk formats
     def _completion_chunk(
