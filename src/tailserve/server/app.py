@@ -99,7 +99,7 @@ def create_app(ctx: ServerContext) -> Any:
 
     @app.get("/health")
     async def health() -> Response:
-        if ctx.client.dead_reason is not None or not ctx.client.healthy():
+        if not ctx.client.healthy():  # dead, process gone, or no progress (watchdog)
             reason = ctx.client.dead_reason or "the engine loop is not making progress"
             return JSONResponse(
                 error_body(f"unhealthy: {reason}", "service_unavailable", None, "engine_dead"),

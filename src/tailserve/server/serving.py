@@ -203,9 +203,14 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- running it
     async def _collect(self, gen: Generation, http: Request) -> None:
+        while not gen.done:
+            await self._next_outputs(gen, http)
+
+    async def _next_outputs(self, gen: Generation, http: Request) -> list[Choice]:
+        """The next outputs while the HTTP status is still ours to choose: a rejection or a
+        dead engine becomes its API error, a vanished client a 499."""
         try:
-            while not gen.done:
-                await gen.next_outputs(http.is_disconnected)
+            return await gen.next_outputs(http.is_disconnected)
         except ClientGone:
             raise APIError(499, "client closed the request", "client_closed") from None
         except BaseException as exc:
@@ -232,13 +237,7 @@ class OpenAIServing:
         make_chunk: Callable[[Generation, str, Any, list[Delta], set[int]], dict[str, Any]],
     ) -> Response:
         # Wait for the first output before answering, so a rejection still gets its status.
-        try:
-            first = await gen.next_outputs(http.is_disconnected)
-        except ClientGone:
-            raise APIError(499, "client closed the request", "client_closed") from None
-        except BaseException as exc:
-            gen.abort()
-            raise self._map(exc) from None
+        first = await self._next_outputs(gen, http)
 
         async def events() -> AsyncIterator[str]:
             changed = first
