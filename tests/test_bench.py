@@ -9,6 +9,7 @@ import io
 import json
 import os
 import signal
+import ssl
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -33,11 +34,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class FakeServer:
     """An aiohttp server in its own thread and loop; routes are set per test."""
 
-    def __init__(self, routes: dict[tuple[str, str], Handler]) -> None:
+    def __init__(self, routes: dict[tuple[str, str], Handler],
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.routes = routes
+        self.ssl_context = ssl_context
         self.loop = asyncio.new_event_loop()
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -48,7 +51,8 @@ class FakeServer:
             app.router.add_route(method, path, handler)
         self.runner = web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port,
+                                                     ssl_context=self.ssl_context).start())
         self._started.set()
         self.loop.run_forever()
 

@@ -176,6 +176,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
         progress=not ns.no_progress, observe=not ns.no_observe,
         metrics_interval_s=ns.metrics_interval, argv=sys.argv,
         base_url_b=ns.base_url_b, split=ns.split, users=ns.users,
+        http_client=ns.http_client,
     )
     try:
         steps = run_bench(cfg)
@@ -212,6 +213,10 @@ def _add_bench(sub: Any) -> None:
     t.add_argument("--model", default=None, help="model name (default: the server's first)")
     t.add_argument("--api-key", default=None,
                    help="Bearer key (default: $OPENAI_API_KEY or $TAILSERVE_API_KEY)")
+    t.add_argument("--http-client", choices=["lean", "aiohttp"], default="lean",
+                   help="lean: a minimal HTTP/1.1 client for http:// (lowest client-added "
+                   "latency); aiohttp: always aiohttp. https:// always uses aiohttp "
+                   "(default: %(default)s)")
     t.add_argument("--timeout", type=float, default=600.0,
                    help="per-request limit in seconds; 0 for none (default: %(default)s)")
     t.add_argument("--extra-body", default=None, help="JSON merged into every request body")

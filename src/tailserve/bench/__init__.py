@@ -3,7 +3,8 @@
     datasets.py  what to send (random, mixed, prefix, sharegpt, jsonl), lengths in tokens
     tokens.py    how long a text is in the target model's tokens (local, server, estimate)
     preflight.py the checks before any load: URL, key, model, what the server offers
-    client.py    one streamed request, timed chunk by chunk
+    client.py    one streamed request, timed chunk by chunk (aiohttp; the SSE parser)
+    http11.py    the lean HTTP/1.1 client for http:// (default): prebuilt requests
     observe.py   the server's side: /metrics samples and /debug/timeline records
     metrics.py   the numbers, defined as vLLM's ``bench serve`` defines them
     result.py    the result file: vLLM's keys plus a ``tailserve`` block

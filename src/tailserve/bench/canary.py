@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tailserve.bench import BenchError
-from tailserve.bench.client import RequestResult, StreamClient
+from tailserve.bench.client import BenchClient, RequestResult
 from tailserve.bench.datasets import load_dataset
 from tailserve.bench.report import Progress, print_step
 from tailserve.bench.result import StepData, _write_json, build_result, environment
@@ -81,12 +81,13 @@ async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any
     users = np.random.default_rng([cfg.seed, 0, 2]).integers(0, cfg.users, size=n)
     arm_of_user = {u: user_arm(f"user-{u}", cfg.split) for u in range(cfg.users)}
     arms = [arm_of_user[int(u)] for u in users]
-    clients: list[StreamClient] = [ctxs[arm].client for arm in arms]
-    payloads = [ctxs[arm].payload(req) for arm, req in zip(arms, ds.requests, strict=True)]
+    clients: list[BenchClient] = [ctxs[arm].client for arm in arms]
     arrivals = arrival_times(n, cfg.request_rate, cfg.burstiness,
                              np.random.default_rng([cfg.seed, 0, 1]))
     results = [RequestResult(i, f"bench-{a.run_id}-{arms[i]}-{i}", r.prompt_len, r.output_len,
                              float(arrivals[i])) for i, r in enumerate(ds.requests)]
+    payloads = [ctxs[arm].client.prepare(ctxs[arm].payload(req), res)
+                for arm, req, res in zip(arms, ds.requests, results, strict=True)]
     console.print(f"canary step: {n} {ds.name} requests from {cfg.users} users, "
                   f"{arms.count('B')} to B ({cfg.split:.0%} of users by FNV-1a of the user id)")
     load_before = os.getloadavg()
@@ -114,7 +115,8 @@ async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any
             ignore_eos=ctx.ignore_eos, results=mine, duration_s=duration, start_time=t0_wall,
             start_perf_counter=t0, server=None, warnings=list(ds.notes),
             interrupted=interrupted, run_id=a.run_id,
-            environment=environment(cfg.argv, ctx.info, ctx.loop_name, load_before),
+            environment=environment(cfg.argv, ctx.info, ctx.loop_name, load_before,
+                                    ctx.client_name),
         ))
         result["label"] = f"{cfg.label or 'canary'} {arm}"
         result["tailserve"]["canary"] = {

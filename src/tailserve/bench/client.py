@@ -18,7 +18,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import msgspec
@@ -128,6 +128,21 @@ def describe_http_error(status: int, body: bytes, reason: str | None) -> tuple[s
 _DECODE = msgspec.json.Decoder().decode
 
 
+class BenchClient(Protocol):
+    """What the open loop needs from an HTTP client: ``prepare`` runs before the step's
+    clock starts (whatever can be built ahead is built there), ``send`` at the scheduled
+    time. Implementations: ``StreamClient`` (aiohttp; https and ``--http-client aiohttp``)
+    and ``http11.LeanStreamClient`` (plain http)."""
+
+    url: str
+
+    def prepare(self, body: bytes, res: RequestResult) -> bytes: ...
+
+    async def send(self, prepared: bytes, res: RequestResult, t0: float) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class StreamClient:
     """Sends one streamed request and fills its ``RequestResult`` (never raises for a
     failed request: a failure is a result, counted by HTTP status and error type)."""
@@ -144,6 +159,12 @@ class StreamClient:
         self.headers = {**headers, "Content-Type": "application/json"}
         self.timeout_s = timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    def prepare(self, body: bytes, res: RequestResult) -> bytes:
+        return body  # aiohttp builds the request itself, on the send path
+
+    async def close(self) -> None:
+        pass  # the session (shared, owned by the caller) holds the connections
 
     async def send(self, body: bytes, res: RequestResult, t0: float) -> None:
         headers = {**self.headers, "x-request-id": res.request_id}
@@ -190,62 +211,90 @@ class StreamClient:
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, res: RequestResult, st: float
     ) -> None:
-        buf = b""
-        last = now = st
-        pieces: list[str] = []
-        itl = res.itl_s
-        done = False
-        stream_error: dict[str, Any] | None = None
+        parser = SseParser(res, st)
         async for data in resp.content.iter_any():
-            now = perf_counter()
-            buf += data
-            if b"\n\n" not in buf:
-                if b"\r\n\r\n" not in buf:
+            parser.feed(data, perf_counter())
+        parser.finish()
+
+
+class SseParser:
+    """The response body of a streamed completion, fed read by read, into a
+    ``RequestResult``. Both HTTP clients (aiohttp here, the lean one in http11.py) feed it,
+    so TTFT, ITL, usage and ``tailserve_timing`` are extracted by one piece of code.
+
+    ``feed`` raises ``msgspec.DecodeError`` for an event that is not JSON and
+    AttributeError/TypeError/KeyError/IndexError for JSON of the wrong shape; the caller
+    classifies them (``bad_json`` / ``bad_response``)."""
+
+    __slots__ = ("buf", "done", "last", "now", "pieces", "res", "st", "stream_error")
+
+    def __init__(self, res: RequestResult, st: float) -> None:
+        self.res = res
+        self.st = st
+        self.buf = b""
+        self.last = self.now = st
+        self.pieces: list[str] = []
+        self.done = False
+        self.stream_error: Any = None
+
+    def feed(self, data: bytes, now: float) -> None:
+        """One network read; ``now`` is when it arrived (every event in it shares it)."""
+        self.now = now
+        buf = self.buf + data
+        if b"\n\n" not in buf:
+            if b"\r\n\r\n" not in buf:
+                self.buf = buf
+                return
+            buf = buf.replace(b"\r\n", b"\n")
+        events = buf.split(b"\n\n")
+        self.buf = events.pop()  # an incomplete event waits for the next read
+        res = self.res
+        for event in events:
+            for line in event.split(b"\n"):
+                # SSE: "data:" lines carry the payload; ":" comments (pings), "event:"
+                # and "id:" lines are not tokens.
+                if not line.startswith(b"data:"):
                     continue
-                buf = buf.replace(b"\r\n", b"\n")
-            events = buf.split(b"\n\n")
-            buf = events.pop()  # an incomplete event waits for the next read
-            for event in events:
-                for line in event.split(b"\n"):
-                    # SSE: "data:" lines carry the payload; ":" comments (pings), "event:"
-                    # and "id:" lines are not tokens.
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        continue
-                    obj = _DECODE(payload)
-                    if not isinstance(obj, dict):
-                        continue
-                    choices = obj.get("choices")
-                    if choices:
-                        c0 = choices[0]
-                        text = c0.get("text")
-                        if text is None:
-                            delta = c0.get("delta") or {}
-                            text = delta.get("content") or delta.get("reasoning_content")
-                        if text:
-                            if res.ttft_s is None:
-                                res.ttft_s = now - st
-                            else:
-                                itl.append(now - last)
-                            last = now
-                            pieces.append(text)
-                        if c0.get("finish_reason"):
-                            res.finish_reason = c0["finish_reason"]
-                    usage = obj.get("usage")
-                    if usage:
-                        res.output_tokens = usage.get("completion_tokens")
-                        res.server_prompt_tokens = usage.get("prompt_tokens")
-                        if res.output_tokens is not None:
-                            res.output_tokens_source = "usage"
-                    timing = obj.get("tailserve_timing")
-                    if timing:
-                        res.server_timing = timing
-                    if obj.get("error"):
-                        stream_error = obj["error"]
-        res.text = "".join(pieces)
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self.done = True
+                    continue
+                obj = _DECODE(payload)
+                if not isinstance(obj, dict):
+                    continue
+                choices = obj.get("choices")
+                if choices:
+                    c0 = choices[0]
+                    text = c0.get("text")
+                    if text is None:
+                        delta = c0.get("delta") or {}
+                        text = delta.get("content") or delta.get("reasoning_content")
+                    if text:
+                        if res.ttft_s is None:
+                            res.ttft_s = now - self.st
+                        else:
+                            res.itl_s.append(now - self.last)
+                        self.last = now
+                        self.pieces.append(text)
+                    if c0.get("finish_reason"):
+                        res.finish_reason = c0["finish_reason"]
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = usage.get("completion_tokens")
+                    res.server_prompt_tokens = usage.get("prompt_tokens")
+                    if res.output_tokens is not None:
+                        res.output_tokens_source = "usage"
+                timing = obj.get("tailserve_timing")
+                if timing:
+                    res.server_timing = timing
+                if obj.get("error"):
+                    self.stream_error = obj["error"]
+
+    def finish(self) -> None:
+        """The body ended cleanly: judge the stream as a whole."""
+        res = self.res
+        res.text = "".join(self.pieces)
+        stream_error = self.stream_error
         if stream_error is not None:
             detail = stream_error if isinstance(stream_error, dict) else {"message": stream_error}
             res.error_type = str(detail.get("type") or "stream_error")
@@ -253,8 +302,8 @@ class StreamClient:
         elif res.ttft_s is None:
             res.error_type = "no_content"
             res.error = "the stream ended without any generated text"
-        elif not done and res.finish_reason is None:
+        elif not self.done and res.finish_reason is None:
             res.error_type = "incomplete_stream"
             res.error = "the stream ended without a finish_reason or [DONE]"
         else:
-            res.e2el_s = now - st
+            res.e2el_s = self.now - self.st

@@ -27,8 +27,9 @@ import aiohttp
 import numpy as np
 
 from tailserve.bench import BenchError
-from tailserve.bench.client import ENDPOINT_PATHS, RequestResult, StreamClient, build_payload
+from tailserve.bench.client import ENDPOINT_PATHS, BenchClient, RequestResult, build_payload
 from tailserve.bench.datasets import BenchRequest, DatasetOptions, load_dataset
+from tailserve.bench.http11 import HTTP_CLIENTS, LeanStreamClient, make_client
 from tailserve.bench.observe import ObserverProcess
 from tailserve.bench.preflight import ServerInfo, SyncHTTP, normalize_base_url, preflight
 from tailserve.bench.report import Progress, print_step, print_sweep
@@ -91,6 +92,8 @@ class BenchConfig:
     progress: bool = True
     observe: bool = True
     metrics_interval_s: float = 1.0
+    # "lean": bench/http11.py for http:// URLs (aiohttp for https://); "aiohttp": always.
+    http_client: str = "lean"
     argv: list[str] = field(default_factory=list)
     # Canary split (bench/canary.py): a second server and the share of users sent to it.
     base_url_b: str | None = None
@@ -114,6 +117,9 @@ def run_bench(cfg: BenchConfig, console: Any = None) -> list[dict[str, Any]]:
         raise BenchError(f"--endpoint must be completions or chat, got {cfg.endpoint!r}")
     if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be >= 1, got {cfg.max_concurrency}")
+    if cfg.http_client not in HTTP_CLIENTS:
+        raise BenchError(f"--http-client must be one of {', '.join(HTTP_CLIENTS)}, got "
+                         f"{cfg.http_client!r}")
     if cfg.sweep and cfg.request_rates:
         raise BenchError("--sweep and --request-rates are two ways to choose rates: pick one")
     if cfg.base_url_b:
@@ -156,39 +162,50 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
     # uncapped one use the same connection behaviour (kept alive, reused).
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with aiohttp.ClientSession(connector=connector) as session:
-        client = StreamClient(session, info.base_url + ENDPOINT_PATHS[cfg.endpoint], headers,
-                              cfg.timeout_s)
-        ctx = _Ctx(cfg, info, counter, headers, client, console, ignore_eos, loop_name)
-        await ctx.test_request()
-        if info_b is not None:
-            return await _canary(ctx, info_b, session)
-        if cfg.warmup > 0:
-            await ctx.warmup()
-        if cfg.sweep:
-            plans = [StepPlan("synchronous", INF, 1),
-                     StepPlan("throughput", INF, cfg.max_concurrency)]
+        client = make_client(cfg.http_client, info.base_url + ENDPOINT_PATHS[cfg.endpoint],
+                             headers, cfg.timeout_s, session)
+        try:
+            return await _steps(cfg, info, counter, headers, console, loop_name, info_b,
+                                session, client, ignore_eos)
+        finally:
+            await client.close()
+
+
+async def _steps(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
+                 headers: dict[str, str], console: Any, loop_name: str,
+                 info_b: ServerInfo | None, session: aiohttp.ClientSession,
+                 client: BenchClient, ignore_eos: bool) -> list[dict[str, Any]]:
+    ctx = _Ctx(cfg, info, counter, headers, client, console, ignore_eos, loop_name)
+    await ctx.test_request()
+    if info_b is not None:
+        return await _canary(ctx, info_b, session)
+    if cfg.warmup > 0:
+        await ctx.warmup()
+    if cfg.sweep:
+        plans = [StepPlan("synchronous", INF, 1),
+                 StepPlan("throughput", INF, cfg.max_concurrency)]
+    else:
+        rates = cfg.request_rates or [cfg.request_rate]
+        plans = [StepPlan(_rate_name(r), r, cfg.max_concurrency) for r in rates]
+    steps: list[dict[str, Any]] = []
+
+    async def run(plan: StepPlan) -> bool:
+        steps.append(await ctx.step(len(steps), plan))
+        return not steps[-1]["tailserve"]["interrupted"]
+
+    for plan in plans:
+        if not await run(plan):
+            break
+    if cfg.sweep and len(steps) == 2 and not steps[-1]["tailserve"]["interrupted"]:
+        lo, hi = steps[0]["request_throughput"], steps[1]["request_throughput"]
+        if not hi > lo > 0:
+            console.print(f"[yellow]sweep: throughput {hi:.3g} req/s is not above the "
+                          f"synchronous rate {lo:.3g} req/s; no rates in between[/]")
         else:
-            rates = cfg.request_rates or [cfg.request_rate]
-            plans = [StepPlan(_rate_name(r), r, cfg.max_concurrency) for r in rates]
-        steps: list[dict[str, Any]] = []
-
-        async def run(plan: StepPlan) -> bool:
-            steps.append(await ctx.step(len(steps), plan))
-            return not steps[-1]["tailserve"]["interrupted"]
-
-        for plan in plans:
-            if not await run(plan):
-                break
-        if cfg.sweep and len(steps) == 2 and not steps[-1]["tailserve"]["interrupted"]:
-            lo, hi = steps[0]["request_throughput"], steps[1]["request_throughput"]
-            if not hi > lo > 0:
-                console.print(f"[yellow]sweep: throughput {hi:.3g} req/s is not above the "
-                              f"synchronous rate {lo:.3g} req/s; no rates in between[/]")
-            else:
-                for k in range(1, cfg.sweep_steps + 1):
-                    r = lo + (hi - lo) * k / (cfg.sweep_steps + 1)
-                    if not await run(StepPlan(_rate_name(r), r, cfg.max_concurrency)):
-                        break
+            for k in range(1, cfg.sweep_steps + 1):
+                r = lo + (hi - lo) * k / (cfg.sweep_steps + 1)
+                if not await run(StepPlan(_rate_name(r), r, cfg.max_concurrency)):
+                    break
     if len(steps) > 1:
         print_sweep(console, steps, cfg.percentiles)
     if cfg.save_result:
@@ -201,14 +218,17 @@ async def _canary(ctx: _Ctx, info_b: ServerInfo, session: aiohttp.ClientSession
     from tailserve.bench.canary import canary_step, save_arms
 
     cfg = ctx.cfg
-    client_b = StreamClient(session, info_b.base_url + ENDPOINT_PATHS[cfg.endpoint],
-                            ctx.headers, cfg.timeout_s)
-    ctx_b = dataclasses.replace(ctx, info=info_b, client=client_b, run_id=ctx.run_id)
-    await ctx_b.test_request()
-    for c in (ctx, ctx_b):
-        if cfg.warmup > 0:
-            await c.warmup()
-    arms = await canary_step({"A": ctx, "B": ctx_b}, ctx.console)
+    client_b = make_client(cfg.http_client, info_b.base_url + ENDPOINT_PATHS[cfg.endpoint],
+                           ctx.headers, cfg.timeout_s, session)
+    try:
+        ctx_b = dataclasses.replace(ctx, info=info_b, client=client_b, run_id=ctx.run_id)
+        await ctx_b.test_request()
+        for c in (ctx, ctx_b):
+            if cfg.warmup > 0:
+                await c.warmup()
+        arms = await canary_step({"A": ctx, "B": ctx_b}, ctx.console)
+    finally:
+        await client_b.close()
     if cfg.save_result:
         save_arms(cfg.save_result, arms, ctx.console)
     return arms
@@ -224,11 +244,15 @@ class _Ctx:
     info: ServerInfo
     counter: TokenCounter
     headers: dict[str, str]
-    client: StreamClient
+    client: BenchClient
     console: Any
     ignore_eos: bool
     loop_name: str
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    @property
+    def client_name(self) -> str:
+        return "lean" if isinstance(self.client, LeanStreamClient) else "aiohttp"
 
     def payload(self, req: BenchRequest) -> bytes:
         return build_payload(req, self.cfg.endpoint, self.info.model, self.ignore_eos,
@@ -239,7 +263,8 @@ class _Ctx:
         unsupported parameter (ignore_eos on a server without it) fails here, with the
         server's own message, instead of as N failures."""
         res = RequestResult(-1, f"bench-{self.run_id}-test", 1, 2, 0.0)
-        await self.client.send(self.payload(BenchRequest("Hello", 1, 2)), res, perf_counter())
+        body = self.client.prepare(self.payload(BenchRequest("Hello", 1, 2)), res)
+        await self.client.send(body, res, perf_counter())
         if not res.success:
             hint = " (is it an OpenAI-compatible server?)" if res.status == 404 else ""
             if self.ignore_eos and res.status == 400:
@@ -259,7 +284,8 @@ class _Ctx:
         async def one(i: int, req: BenchRequest) -> bool:
             async with sem:
                 res = RequestResult(i, f"bench-{self.run_id}-warmup-{i}", 0, 0, 0.0)
-                await self.client.send(self.payload(req), res, perf_counter())
+                await self.client.send(self.client.prepare(self.payload(req), res), res,
+                                       perf_counter())
                 return res.success
 
         ok = await asyncio.gather(*(one(i, r) for i, r in enumerate(ds.requests)))
@@ -285,14 +311,16 @@ class _Ctx:
         if too_long:
             warnings.append(f"{too_long} requests need more than the server's max_model_len "
                             f"{mml} tokens; expect them to fail")
-        payloads = [self.payload(r) for r in ds.requests]
         rng = np.random.default_rng([cfg.seed, index, 1])
-        arrivals = arrival_times(len(payloads), plan.rate, cfg.burstiness, rng)
+        arrivals = arrival_times(len(ds.requests), plan.rate, cfg.burstiness, rng)
         results = [
             RequestResult(i, f"bench-{self.run_id}-{index}-{i}", r.prompt_len, r.output_len,
                           float(arrivals[i]))
             for i, r in enumerate(ds.requests)
         ]
+        # Every request's bytes before the clock starts: the send path only writes them.
+        payloads = [self.client.prepare(self.payload(r), res)
+                    for r, res in zip(ds.requests, results, strict=True)]
         self.console.print(
             f"step {index} [bold]{plan.name}[/]: {len(results)} {ds.name} requests, "
             f"burstiness {cfg.burstiness:g}, max concurrency {plan.max_concurrency or '-'} "
@@ -332,7 +360,8 @@ class _Ctx:
             dataset=ds, dataset_options=self._dataset_opts(index), ignore_eos=self.ignore_eos,
             results=results, duration_s=duration, start_time=t0_wall, start_perf_counter=t0,
             server=server, warnings=warnings, interrupted=interrupted, run_id=self.run_id,
-            environment=environment(cfg.argv, self.info, self.loop_name, load_before),
+            environment=environment(cfg.argv, self.info, self.loop_name, load_before,
+                                    self.client_name),
         ))
         print_step(self.console, result, cfg.percentiles)
         return result
@@ -350,7 +379,7 @@ class _Ctx:
                     r.output_tokens_source = "chunks"
 
 
-async def _open_loop(clients: list[StreamClient], payloads: list[bytes],
+async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
                      results: list[RequestResult],
                      max_concurrency: int | None, t0: float, progress: Progress) -> None:
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
