@@ -125,7 +125,7 @@ def free_port() -> int:
 
 
 def run_phase(url: str, name: str, n: int, rate: float, max_concurrency: int | None,
-              progress: bool, seed: int) -> dict[str, Any]:
+              progress: bool, seed: int, http_client: str) -> dict[str, Any]:
     from rich.console import Console
 
     from tailserve.bench.datasets import DatasetOptions
@@ -137,6 +137,7 @@ def run_phase(url: str, name: str, n: int, rate: float, max_concurrency: int | N
         console = Console(file=io.StringIO(), width=120)
     cfg = BenchConfig(base_url=url, request_rate=rate, max_concurrency=max_concurrency,
                       seed=seed, progress=progress, observe=False, percentiles=[50, 99],
+                      http_client=http_client,
                       dataset=DatasetOptions(num_prompts=n, input_len=32, output_len=40))
     load_before = os.getloadavg()
     [r] = run_bench(cfg, console)
@@ -162,7 +163,8 @@ def run_phase(url: str, name: str, n: int, rate: float, max_concurrency: int | N
                 "max": float(a.max())}
 
     return {
-        "phase": name, "requests": n, "rate": rate, "max_concurrency": max_concurrency,
+        "phase": f"{name} [{http_client}]", "http_client": http_client, "requests": n,
+        "rate": rate, "max_concurrency": max_concurrency,
         "progress_bar": progress, "completed": r["completed"], "failed": r["failed"],
         "duration_s": r["duration"], "requests_per_s": r["request_throughput"],
         "chunks_per_s": chunks / r["duration"],
@@ -227,6 +229,9 @@ def main() -> int:
     ap.add_argument("--latency-prompts", type=int, default=1000, help="latency phase")
     ap.add_argument("--progress-prompts", type=int, default=500,
                     help="latency phase with the progress bar")
+    ap.add_argument("--http-clients", default="lean,aiohttp",
+                    help="the bench's HTTP clients to measure, side by side (default: "
+                    "%(default)s); the progress-bar phase uses the first")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     if args.responder:
@@ -247,23 +252,27 @@ def main() -> int:
                     raise RuntimeError("the responder did not start") from None
                 time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
-        floor = baseline_phase(port, args.latency_prompts, args.rate, 1)
-        phases = [
-            run_phase(url, "throughput", args.num_prompts, float("inf"), args.max_concurrency,
-                      False, 0),
-            run_phase(url, f"latency @ {args.rate:g} req/s", args.latency_prompts, args.rate,
-                      None, False, 1),
-            run_phase(url, f"latency @ {args.rate:g} req/s, progress bar",
-                      args.progress_prompts, args.rate, None, True, 2),
-        ]
+        clients = [c.strip() for c in args.http_clients.split(",") if c.strip()]
+        # The floor first and last: the machine is shared, and the two show how much the
+        # neighbours' load moved during the run.
+        floors = [baseline_phase(port, args.latency_prompts, args.rate, 1)]
+        phases = [run_phase(url, f"latency @ {args.rate:g} req/s", args.latency_prompts,
+                            args.rate, None, False, 1, c) for c in clients]
+        phases += [run_phase(url, "throughput", args.num_prompts, float("inf"),
+                             args.max_concurrency, False, 0, c) for c in clients]
+        phases.append(run_phase(url, f"latency @ {args.rate:g} req/s, progress bar",
+                                args.progress_prompts, args.rate, None, True, 2, clients[0]))
+        floors.append(baseline_phase(port, args.latency_prompts, args.rate, 1))
+        floors[0]["phase"] += " (first)"
+        floors[1]["phase"] += " (last)"
     finally:
         proc.terminate()
         proc.wait(10)
     out = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                        "cpu_count": os.cpu_count()},
-           "chunks_per_response": args.chunks, "floor": floor, "phases": phases}
+           "chunks_per_response": args.chunks, "floors": floors, "phases": phases}
     print("| phase | req/s | chunks/s | TTFT ms P50 / P99 / max | client-added TTFT ms P50 / "
-          "P99 / max | of which send path / receive path ms P99 | send lag ms P99 | "
+          "P99 / max | of which send path / receive path ms P50 · P99 | send lag ms P99 | "
           "load avg (1 min) before → after |")
     print("|---|---|---|---|---|---|---|---|")
     for p in phases:
@@ -272,14 +281,16 @@ def main() -> int:
               f"{p['requests_per_s']:,.0f} | {p['chunks_per_s']:,.0f} | "
               f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
               f"{a['p50']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | "
+              f"{p['send_path_ms']['p50']:.3f} / {p['receive_path_ms']['p50']:.3f} · "
               f"{p['send_path_ms']['p99']:.3f} / {p['receive_path_ms']['p99']:.3f} | "
               f"{p['send_lag_ms']['p99']:.2f} | "
               f"{p['load_average_before'][0]:.2f} → {p['load_average_after'][0]:.2f} |")
-    t, a = floor["ttft_ms"], floor["client_added_ttft_ms"]
-    print(f"| {floor['phase']} ({floor['requests']}) | | | "
-          f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
-          f"{a['p50']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | | | "
-          f"{floor['load_average_before'][0]:.2f} → {floor['load_average_after'][0]:.2f} |")
+    for floor in floors:
+        t, a = floor["ttft_ms"], floor["client_added_ttft_ms"]
+        print(f"| {floor['phase']} ({floor['requests']}) | | | "
+              f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
+              f"{a['p50']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | | | "
+              f"{floor['load_average_before'][0]:.2f} → {floor['load_average_after'][0]:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -123,14 +123,16 @@ class _Conn(asyncio.Protocol):
                 + (f" ({exc})" if exc else "")))
 
     # ---- one exchange
-    def start(self, res: RequestResult, st: float, fut: asyncio.Future[None]) -> None:
+    def start(self, res: RequestResult, fut: asyncio.Future[None]) -> SseParser:
+        """A new exchange; the caller stamps the parser's ``st`` just before the write."""
         self.fut, self.res = fut, res
-        self.sse = SseParser(res, st)
+        self.sse = sse = SseParser(res, 0.0)
         self.buf = b""
         self.head_done = False
         self.error_body = None
         self.in_trailers = False
         self.chunk_left = 0
+        return sse
 
     def _receive(self, data: bytes, now: float) -> None:
         if not self.head_done:
@@ -357,13 +359,14 @@ class LeanStreamClient:
         # The send stamp: right before the write on a pooled connection; before connecting
         # when there is none, because a user's request would pay for the connect too (as
         # with aiohttp and vLLM's client).
-        st = perf_counter()
-        res.send_s = st - t0
-        deadline = None if self.timeout_s is None else st + self.timeout_s
+        st = 0.0
         try:
             if conn is None:
+                st = perf_counter()
+                res.send_s = st - t0
                 try:
-                    conn = await self._connect(deadline)
+                    conn = await self._connect(
+                        None if self.timeout_s is None else st + self.timeout_s)
                 except TimeoutError:
                     raise  # an OSError too, but it is the --timeout's, reported as such
                 except ConnectionRefusedError as exc:
@@ -375,11 +378,15 @@ class LeanStreamClient:
                     res.error = f"Cannot connect to host {self.host}:{self.port} [{exc}]"
                     return
             assert conn.transport is not None
-            conn.start(res, st, fut)
-            if deadline is not None:
-                timer = loop.call_at(loop.time() + max(0.0, deadline - perf_counter()),
-                                     _expire, conn, fut)
+            sse = conn.start(res, fut)  # all set up before the stamp: only the write follows
+            if res.send_s is None:
+                st = perf_counter()
+                res.send_s = st - t0
+            sse.st = sse.last = sse.now = st
             conn.transport.write(prepared)
+            if self.timeout_s is not None:
+                timer = loop.call_at(loop.time() + max(0.0, st + self.timeout_s - perf_counter()),
+                                     _expire, conn, fut)
             await fut
         except TimeoutError:
             res.error_type = "timeout"

@@ -3,7 +3,9 @@ the latency-vs-rate plot (in the terminal, and as a self-contained SVG beside th
 
 from __future__ import annotations
 
+import asyncio
 import math
+from time import perf_counter
 from types import TracebackType
 from typing import Any
 
@@ -14,14 +16,26 @@ from tailserve.bench.metrics import p_word
 
 
 class Progress:
-    """completed / in flight / failed. Updates only set counters; rich's own thread redraws
-    four times a second, so the request path pays a lock, not a render."""
+    """completed / in flight / failed, drawn off the request path.
+
+    ``sent``/``finished`` only bump counters. A redraw (rich renders the line: ~2 ms of CPU
+    on a 2-core VM) never runs in rich's own refresh thread: that thread would hold the GIL
+    while a response arrives, and at 4 redraws/s about 1% of requests would pay up to 2-5
+    ms of TTFT (benchmarks/RESULTS.md). Instead the open loop calls ``idle()`` when nothing
+    is in flight and the next send is far enough away, and ``watch()`` (a task) redraws a
+    display that has gone ``STALE_S`` without one (rate inf, or requests always in flight).
+    """
+
+    INTERVAL_S = 0.25  # at most 4 redraws a second
+    STALE_S = 1.0
+    IDLE_GAP_S = 0.01  # a redraw fits well before a send this far away
 
     def __init__(self, console: Console, total: int, name: str, enabled: bool) -> None:
         self.console, self.total, self.name, self.enabled = console, total, name, enabled
         self.inflight = self.done = self.failed = 0
         self._bar: Any = None
         self._task: Any = None
+        self._drawn = 0.0
 
     def __enter__(self) -> Progress:
         if self.enabled:
@@ -32,33 +46,49 @@ class Progress:
                 rp.MofNCompleteColumn(),
                 rp.TextColumn("in flight {task.fields[inflight]}"),
                 rp.TextColumn("[red]failed {task.fields[failed]}[/]"),
-                rp.TimeElapsedColumn(), console=self.console, refresh_per_second=4,
+                rp.TimeElapsedColumn(), console=self.console, auto_refresh=False,
             )
             self._bar.start()
             self._task = self._bar.add_task("", total=self.total, inflight=0, failed=0)
+            self._draw()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._bar is not None:
-            self._update()
+            self._draw()
             self._bar.stop()
 
     def sent(self) -> None:
         self.inflight += 1
-        if self._bar is not None:
-            self._update()
 
     def finished(self, ok: bool) -> None:
         self.inflight -= 1
         self.done += 1
         self.failed += not ok
-        if self._bar is not None:
-            self._update()
 
-    def _update(self) -> None:
+    def idle(self, gap_s: float) -> None:
+        """The open loop has ``gap_s`` until its next send: redraw if nothing is in flight,
+        the gap is long enough and a redraw is due."""
+        if (self._bar is not None and self.inflight == 0 and gap_s >= self.IDLE_GAP_S
+                and perf_counter() - self._drawn >= self.INTERVAL_S):
+            self._draw()
+
+    async def watch(self) -> None:
+        """Runs beside the open loop: redraws when idle, or when the display is stale."""
+        if self._bar is None:
+            return
+        while True:
+            await asyncio.sleep(self.INTERVAL_S / 2)
+            age = perf_counter() - self._drawn
+            if age >= self.STALE_S or (self.inflight == 0 and age >= self.INTERVAL_S):
+                self._draw()
+
+    def _draw(self) -> None:
         self._bar.update(self._task, completed=self.done, inflight=self.inflight,
                          failed=self.failed)
+        self._bar.refresh()
+        self._drawn = perf_counter()
 
 
 def _fmt(v: Any, digits: int = 2) -> str:

@@ -397,8 +397,12 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
             progress.finished(results[i].success)
 
     tasks = []
+    watcher = asyncio.create_task(progress.watch())
     try:
         for i, res in enumerate(results):
+            delay = t0 + res.scheduled_s - perf_counter()
+            if delay > 0:
+                progress.idle(delay)  # a redraw, if due, while nothing is in flight
             # A loop, not one sleep: the event loop's timers have millisecond resolution and
             # can fire up to half a millisecond early; a request must never go before its time.
             while (delay := t0 + res.scheduled_s - perf_counter()) > 0:
@@ -414,3 +418,5 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+    finally:
+        watcher.cancel()
