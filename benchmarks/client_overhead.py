@@ -4,14 +4,21 @@ The bench client (the real code path: ``run_bench``, the same as the CLI) is poi
 minimal local SSE responder in its own process, which answers every completion at once:
 the first event is written the moment the request is parsed, the other ``--chunks`` events
 right after it. Whatever the client then reports is the client's (and the loopback's) own
-cost. First the floor: the same requests from a blocking socket with no event loop and no
-HTTP library (loopback, responder and process wake-ups only). Then three phases:
+cost. The floor: the same requests from a blocking socket with no event loop and no HTTP
+library (loopback, responder and process wake-ups only). Phases, for each of the bench's
+HTTP clients (``--http-clients``, default lean and aiohttp):
 
-  1. throughput: ``--num-prompts`` requests at rate inf, ``--max-concurrency`` in flight.
-     Targets: >= 500 requests/s and >= 20,000 chunks/s.
-  2. latency at ``--rate`` (50) requests/s, Poisson arrivals, no progress bar.
+  1. latency at ``--rate`` (50) requests/s, Poisson arrivals, no progress bar.
      Target: client-added TTFT <= 1 ms at P99.
-  3. the same with the live progress bar drawn (rich, to a terminal that is /dev/null).
+  2. the same with the live progress bar drawn (rich, to a terminal that is /dev/null),
+     first client only.
+  3. throughput: ``--num-prompts`` requests at rate inf, ``--max-concurrency`` in flight.
+     Targets: >= 500 requests/s and >= 20,000 chunks/s.
+
+On a shared machine the neighbours' load moves by the minute, so the latency phases and the
+floor run **interleaved** in ``--blocks`` blocks (floor, client A, client B, progress bar;
+again), each block with the same arrival schedule for all of them, and their samples are
+pooled: every variant sees the same load, and the floor is measured in the same run.
 
 Client-added TTFT per request = measured TTFT − (responder's first write − responder's
 receipt of the whole request). Both processes read CLOCK_MONOTONIC (``time.perf_counter`` on
@@ -124,8 +131,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_phase(url: str, name: str, n: int, rate: float, max_concurrency: int | None,
-              progress: bool, seed: int, http_client: str) -> dict[str, Any]:
+def bench_block(url: str, n: int, rate: float, max_concurrency: int | None, progress: bool,
+                seed: int, http_client: str) -> dict[str, Any]:
+    """One ``run_bench`` step; the raw per-request samples, for pooling across blocks."""
     from rich.console import Console
 
     from tailserve.bench.datasets import DatasetOptions
@@ -139,43 +147,28 @@ def run_phase(url: str, name: str, n: int, rate: float, max_concurrency: int | N
                       seed=seed, progress=progress, observe=False, percentiles=[50, 99],
                       http_client=http_client,
                       dataset=DatasetOptions(num_prompts=n, input_len=32, output_len=40))
-    load_before = os.getloadavg()
     [r] = run_bench(cfg, console)
     ts = r["tailserve"]
-    reqs = ts["requests"]
+    assert ts["environment"]["http_client"] == http_client
     t0 = ts["start_perf_counter"]
-    ttft, added, send_path, recv_path = [], [], [], []
-    for q in reqs:
+    out: dict[str, Any] = {"ttft": [], "added": [], "send_path": [], "receive_path": [],
+                           "lag": [], "chunks": 0, "completed": r["completed"],
+                           "failed": r["failed"], "duration": r["duration"]}
+    for q in ts["requests"]:
+        out["lag"].append(q["lag_s"])
         if q["error_type"] is not None:
             continue
         st = q["server_timing"]
         sent = t0 + q["send_s"]
-        first = sent + q["ttft_s"]
-        ttft.append(q["ttft_s"])
-        added.append(q["ttft_s"] - (st["first_write"] - st["recv"]))
-        send_path.append(st["recv"] - sent)
-        recv_path.append(first - st["first_write"])
-    chunks = sum(1 + len(q["itl_s"]) for q in reqs if q["error_type"] is None)
-
-    def ms(values: list[float]) -> dict[str, float]:
-        a = np.asarray(values) * 1000.0
-        return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
-                "max": float(a.max())}
-
-    return {
-        "phase": f"{name} [{http_client}]", "http_client": http_client, "requests": n,
-        "rate": rate, "max_concurrency": max_concurrency,
-        "progress_bar": progress, "completed": r["completed"], "failed": r["failed"],
-        "duration_s": r["duration"], "requests_per_s": r["request_throughput"],
-        "chunks_per_s": chunks / r["duration"],
-        "ttft_ms": ms(ttft), "client_added_ttft_ms": ms(added),
-        "send_path_ms": ms(send_path), "receive_path_ms": ms(recv_path),
-        "send_lag_ms": {"p99": ts["send_lag_ms"]["p99"], "max": ts["send_lag_ms"]["max"]},
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
-    }
+        out["ttft"].append(q["ttft_s"])
+        out["added"].append(q["ttft_s"] - (st["first_write"] - st["recv"]))
+        out["send_path"].append(st["recv"] - sent)
+        out["receive_path"].append(sent + q["ttft_s"] - st["first_write"])
+        out["chunks"] += 1 + len(q["itl_s"])
+    return out
 
 
-def baseline_phase(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
+def floor_block(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
     """The floor: the same requests at the same Poisson rate from a blocking socket, no event
     loop and no HTTP library. What this measures is loopback, the responder and the operating
     system waking processes up; whatever the bench measures above it is the bench's own."""
@@ -187,11 +180,11 @@ def baseline_phase(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                ).encode() + body
-    arrivals = arrival_times(n, rate, 1.0, np.random.default_rng(seed))
+    # The bench's own schedule for this seed (run.py draws it from (seed, step 0, 1)).
+    arrivals = arrival_times(n, rate, 1.0, np.random.default_rng([seed, 0, 1]))
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as aiohttp does
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as both bench clients do
     ttft, added = [], []
-    load_before = os.getloadavg()
     t0 = time.perf_counter()
     for t in arrivals:
         while (delay := t0 + t - time.perf_counter()) > 0:
@@ -206,15 +199,35 @@ def baseline_phase(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
         ttft.append(first - sent)
         added.append(first - sent - (stamps["first_write"] - stamps["recv"]))
     sock.close()
+    return {"ttft": ttft, "added": added}
 
-    def ms(values: list[float]) -> dict[str, float]:
-        a = np.asarray(values) * 1000.0
-        return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
-                "max": float(a.max())}
 
-    return {"phase": f"floor: blocking socket @ {rate:g} req/s", "requests": n,
-            "ttft_ms": ms(ttft), "client_added_ttft_ms": ms(added),
-            "load_average_before": load_before, "load_average_after": os.getloadavg()}
+def _ms(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values) * 1000.0
+    if a.size == 0:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def pooled(name: str, blocks: list[dict[str, Any]], requests: int,
+           load: tuple[tuple[float, ...], tuple[float, ...]]) -> dict[str, Any]:
+    """One phase's figures over all its blocks' samples."""
+    cat = {k: [v for b in blocks for v in b[k]] for k in blocks[0] if isinstance(blocks[0][k],
+                                                                                 list)}
+    out: dict[str, Any] = {"phase": name, "requests": requests, "blocks": len(blocks),
+                           "ttft_ms": _ms(cat["ttft"]), "client_added_ttft_ms": _ms(cat["added"]),
+                           "load_average_before": load[0], "load_average_after": load[1]}
+    if "completed" in blocks[0]:
+        duration = sum(b["duration"] for b in blocks)
+        out |= {"completed": sum(b["completed"] for b in blocks),
+                "failed": sum(b["failed"] for b in blocks), "duration_s": duration,
+                "requests_per_s": sum(b["completed"] for b in blocks) / duration,
+                "chunks_per_s": sum(b["chunks"] for b in blocks) / duration,
+                "send_path_ms": _ms(cat["send_path"]),
+                "receive_path_ms": _ms(cat["receive_path"]),
+                "send_lag_ms": _ms(cat["lag"])}
+    return out
 
 
 def main() -> int:
@@ -226,9 +239,12 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=5000, help="throughput phase")
     ap.add_argument("--max-concurrency", type=int, default=32, help="throughput phase")
     ap.add_argument("--rate", type=float, default=50.0, help="latency phases, requests/s")
-    ap.add_argument("--latency-prompts", type=int, default=1000, help="latency phase")
+    ap.add_argument("--latency-prompts", type=int, default=1000,
+                    help="latency phase and floor, per client, over all blocks")
     ap.add_argument("--progress-prompts", type=int, default=500,
-                    help="latency phase with the progress bar")
+                    help="latency phase with the progress bar, over all blocks")
+    ap.add_argument("--blocks", type=int, default=10,
+                    help="interleaved blocks of the latency phases and the floor")
     ap.add_argument("--http-clients", default="lean,aiohttp",
                     help="the bench's HTTP clients to measure, side by side (default: "
                     "%(default)s); the progress-bar phase uses the first")
@@ -241,6 +257,9 @@ def main() -> int:
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--responder", "--port", str(port),
                              "--chunks", str(args.chunks)])
+    clients = [c.strip() for c in args.http_clients.split(",") if c.strip()]
+    nb = max(1, args.blocks)
+    per, per_progress = args.latency_prompts // nb, args.progress_prompts // nb
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -252,45 +271,59 @@ def main() -> int:
                     raise RuntimeError("the responder did not start") from None
                 time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
-        clients = [c.strip() for c in args.http_clients.split(",") if c.strip()]
-        # The floor first and last: the machine is shared, and the two show how much the
-        # neighbours' load moved during the run.
-        floors = [baseline_phase(port, args.latency_prompts, args.rate, 1)]
-        phases = [run_phase(url, f"latency @ {args.rate:g} req/s", args.latency_prompts,
-                            args.rate, None, False, 1, c) for c in clients]
-        phases += [run_phase(url, "throughput", args.num_prompts, float("inf"),
-                             args.max_concurrency, False, 0, c) for c in clients]
-        phases.append(run_phase(url, f"latency @ {args.rate:g} req/s, progress bar",
-                                args.progress_prompts, args.rate, None, True, 2, clients[0]))
-        floors.append(baseline_phase(port, args.latency_prompts, args.rate, 1))
-        floors[0]["phase"] += " (first)"
-        floors[1]["phase"] += " (last)"
+        floor: list[dict[str, Any]] = []
+        latency: dict[str, list[dict[str, Any]]] = {c: [] for c in clients}
+        bar: list[dict[str, Any]] = []
+        load_before = os.getloadavg()
+        for b in range(nb):
+            seed = 100 + b  # one arrival schedule per block, the same for every variant
+            floor.append(floor_block(port, per, args.rate, seed))
+            for c in clients:
+                latency[c].append(bench_block(url, per, args.rate, None, False, seed, c))
+            if per_progress:
+                bar.append(bench_block(url, per_progress, args.rate, None, True, seed,
+                                       clients[0]))
+        load = (load_before, os.getloadavg())
+        rate = f"{args.rate:g} req/s"
+        phases = [pooled(f"latency @ {rate} [{c}]", latency[c], per * nb, load)
+                  for c in clients]
+        if bar:
+            phases.append(pooled(f"latency @ {rate}, progress bar [{clients[0]}]", bar,
+                                 per_progress * nb, load))
+        floor_phase = pooled(f"floor: blocking socket @ {rate}", floor, per * nb, load)
+        for c in clients:
+            before = os.getloadavg()
+            blk = bench_block(url, args.num_prompts, float("inf"), args.max_concurrency, False,
+                              0, c)
+            phases.append(pooled(f"throughput [{c}]", [blk], args.num_prompts,
+                                 (before, os.getloadavg())))
     finally:
         proc.terminate()
         proc.wait(10)
     out = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                        "cpu_count": os.cpu_count()},
-           "chunks_per_response": args.chunks, "floors": floors, "phases": phases}
+           "chunks_per_response": args.chunks, "blocks": nb, "floor": floor_phase,
+           "phases": phases}
     print("| phase | req/s | chunks/s | TTFT ms P50 / P99 / max | client-added TTFT ms P50 / "
-          "P99 / max | of which send path / receive path ms P50 · P99 | send lag ms P99 | "
+          "P90 / P99 / max | send path / receive path ms P50 · P99 | send lag ms P99 | "
           "load avg (1 min) before → after |")
     print("|---|---|---|---|---|---|---|---|")
-    for p in phases:
+    for p in [*phases, floor_phase]:
         t, a = p["ttft_ms"], p["client_added_ttft_ms"]
-        print(f"| {p['phase']} ({p['completed']}/{p['requests']} ok) | "
-              f"{p['requests_per_s']:,.0f} | {p['chunks_per_s']:,.0f} | "
-              f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
-              f"{a['p50']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | "
-              f"{p['send_path_ms']['p50']:.3f} / {p['receive_path_ms']['p50']:.3f} · "
-              f"{p['send_path_ms']['p99']:.3f} / {p['receive_path_ms']['p99']:.3f} | "
-              f"{p['send_lag_ms']['p99']:.2f} | "
-              f"{p['load_average_before'][0]:.2f} → {p['load_average_after'][0]:.2f} |")
-    for floor in floors:
-        t, a = floor["ttft_ms"], floor["client_added_ttft_ms"]
-        print(f"| {floor['phase']} ({floor['requests']}) | | | "
-              f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
-              f"{a['p50']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | | | "
-              f"{floor['load_average_before'][0]:.2f} → {floor['load_average_after'][0]:.2f} |")
+        ok = f"{p['completed']}/{p['requests']} ok" if "completed" in p else p["requests"]
+        row = (f"| {p['phase']} ({ok}) | "
+               + (f"{p['requests_per_s']:,.0f} | {p['chunks_per_s']:,.0f} | "
+                  if "completed" in p else "| | ")
+               + f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
+               f"{a['p50']:.3f} / {a['p90']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | ")
+        if "completed" in p:
+            row += (f"{p['send_path_ms']['p50']:.3f} / {p['receive_path_ms']['p50']:.3f} · "
+                    f"{p['send_path_ms']['p99']:.3f} / {p['receive_path_ms']['p99']:.3f} | "
+                    f"{p['send_lag_ms']['p99']:.2f} | ")
+        else:
+            row += "| | "
+        row += (f"{p['load_average_before'][0]:.2f} → {p['load_average_after'][0]:.2f} |")
+        print(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

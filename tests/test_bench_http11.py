@@ -194,10 +194,12 @@ def test_error_bodies_match_aiohttp() -> None:
         return web.Response(text="Internal Server Error", status=500)
 
     async def detail(request: web.Request) -> web.StreamResponse:
-        # FastAPI's shape, and a chunked error body
+        # FastAPI's shape, in a chunked error body that arrives in two reads (aiohttp's
+        # read(n) used to return only the first)
         resp = web.StreamResponse(status=422)
         await resp.prepare(request)
         await resp.write(b'{"detail": "bad')
+        await asyncio.sleep(0.02)
         await resp.write(b' field"}')
         await resp.write_eof()
         return resp

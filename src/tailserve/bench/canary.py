@@ -93,15 +93,18 @@ async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any
     load_before = os.getloadavg()
     gc.collect()
     gc.freeze()  # as in run.py: no full collection inside the measured window
-    t0_wall, t0 = time.time(), perf_counter()
     interrupted = False
     try:
         with Progress(console, n, "canary", cfg.progress) as progress:
-            await _open_loop(clients, payloads, results, cfg.max_concurrency, t0, progress)
+            t0_wall, t0 = time.time(), perf_counter()  # after the bar's first draw
+            try:
+                await _open_loop(clients, payloads, results, cfg.max_concurrency, t0,
+                                 progress)
+            finally:
+                duration = perf_counter() - t0
     except asyncio.CancelledError:
         interrupted = True
     finally:
-        duration = perf_counter() - t0
         gc.unfreeze()
     out = []
     for arm in ARMS:

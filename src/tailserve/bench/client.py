@@ -176,7 +176,14 @@ class StreamClient:
             ) as resp:
                 res.status = resp.status
                 if resp.status != 200:
-                    raw = await resp.content.read(_ERROR_BODY_LIMIT)
+                    # read(n) returns what has arrived so far, which for a body sent in
+                    # pieces is only its start: read up to the limit or the end.
+                    raw = b""
+                    while len(raw) < _ERROR_BODY_LIMIT:
+                        data = await resp.content.read(_ERROR_BODY_LIMIT - len(raw))
+                        if not data:
+                            break
+                        raw += data
                     res.error_type, res.error = describe_http_error(resp.status, raw, resp.reason)
                     return
                 await self._read_stream(resp, res, st)

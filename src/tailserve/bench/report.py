@@ -23,7 +23,8 @@ class Progress:
     while a response arrives, and at 4 redraws/s about 1% of requests would pay up to 2-5
     ms of TTFT (benchmarks/RESULTS.md). Instead the open loop calls ``idle()`` when nothing
     is in flight and the next send is far enough away, and ``watch()`` (a task) redraws a
-    display that has gone ``STALE_S`` without one (rate inf, or requests always in flight).
+    display that has gone ``STALE_S`` without one (rate inf, or requests always in flight):
+    a timer of its own would land on sends and responses at random.
     """
 
     INTERVAL_S = 0.25  # at most 4 redraws a second
@@ -75,13 +76,12 @@ class Progress:
             self._draw()
 
     async def watch(self) -> None:
-        """Runs beside the open loop: redraws when idle, or when the display is stale."""
+        """Runs beside the open loop: redraws a display that ``idle()`` left stale."""
         if self._bar is None:
             return
         while True:
-            await asyncio.sleep(self.INTERVAL_S / 2)
-            age = perf_counter() - self._drawn
-            if age >= self.STALE_S or (self.inflight == 0 and age >= self.INTERVAL_S):
+            await asyncio.sleep(self.STALE_S / 4)
+            if perf_counter() - self._drawn >= self.STALE_S:
                 self._draw()
 
     def _draw(self) -> None:

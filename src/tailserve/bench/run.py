@@ -336,16 +336,19 @@ class _Ctx:
         # mid-run (a full collection is a pause inside the measured window).
         gc.collect()
         gc.freeze()
-        t0_wall, t0 = time.time(), perf_counter()
         interrupted = False
         try:
             with Progress(self.console, len(results), plan.name, cfg.progress) as progress:
-                await _open_loop([self.client] * len(payloads), payloads, results,
-                                 plan.max_concurrency, t0, progress)
+                # The clock starts after the bar's first draw (a few ms of rendering).
+                t0_wall, t0 = time.time(), perf_counter()
+                try:
+                    await _open_loop([self.client] * len(payloads), payloads, results,
+                                     plan.max_concurrency, t0, progress)
+                finally:
+                    duration = perf_counter() - t0
         except asyncio.CancelledError:
             interrupted = True  # Ctrl-C: report what was sent, then stop (see _bench)
         finally:
-            duration = perf_counter() - t0
             gc.unfreeze()
             server = observer.stop() if observer is not None else None
         if interrupted:
