@@ -60,6 +60,19 @@ def test_tiny_models_match_transformers(
     assert ts_greedy(llm, prompts, 8) == hf_greedy(hf, prompts, 8)
 
 
+def test_torch_fallback_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the compiled CPU kernels (no compiler on the host) the pure-torch paths serve."""
+    monkeypatch.setenv("TAILSERVE_CPU_KERNELS", "0")
+    folder = build_tiny_llama(tmp_path / "m", max_position_embeddings=2048)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = prompts_for(hf.config.vocab_size, LENGTHS)
+    llm = LLM(folder, dtype="float32", num_kv_blocks=400, max_num_batched_tokens=256)
+    assert not llm.engine.runner.cpu_kernels
+    assert ts_greedy(llm, prompts, 8) == hf_greedy(hf, prompts, 8)
+
+
 def test_default_model_matches_transformers_greedy(default_llm: LLM, hf_default: Any) -> None:
     prompts = prompts_for(49152, LENGTHS)
     assert ts_greedy(default_llm, prompts, 6) == hf_greedy(hf_default, prompts, 6)

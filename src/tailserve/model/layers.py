@@ -1,63 +1,127 @@
-"""Small building blocks of a Llama-family decoder: RMSNorm and rotary embeddings."""
+"""Building blocks of a Llama-family decoder: linears, RMSNorm, SwiGLU, rotary embeddings."""
 
 from __future__ import annotations
 
 import math
+import typing
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Up to this many input rows a CPU linear runs the skinny kernel (weights read once for all
+# rows, at the memory's pace); above it oneDNN's blocked GEMM wins. Measured on a 2-core AVX2
+# CPU for the default model's shapes (benchmarks/RESULTS.md, "CPU kernels").
+SKINNY_MAX_ROWS = 8
+
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can also keep a ``[2, in/2, out]`` copy for one-row inputs.
+    """``nn.Linear`` with faster CPU paths, added by ``prepare_cpu_linears``.
 
-    A single-sequence decode step is bound by reading every weight once. On CPU, MKL's
-    matrix-vector product over the usual ``[out, in]`` weight runs on one core at about half the
-    machine's bandwidth. Splitting the reduction dimension in two and running both halves as one
-    ``bmm`` (then adding the two partial rows) keeps both cores streaming: measured on this
-    2-core AVX2 machine over 30 layers of 3072x576 weights, 36.8 ms (``F.linear``) -> 12.4 ms.
-    Batched inputs are faster on the usual layout, so the copy serves only one-row inputs. It
-    costs one more copy of the weights, so it is an opt-in transform (``add_gemv_layout``).
+    A decode step of a few sequences is bound by reading every weight once; MKL's sgemm reads
+    them at 3-4 GB/s on an AVX2 CPU at M <= 16, so few-row inputs go to the compiled
+    ``skinny_linear`` kernel (parallel over output rows, reads at 12-16 GB/s). Many-row inputs
+    (big decode batches, prefill chunks) go to oneDNN with the weight reordered once into its
+    blocked layout: 1.2-2x MKL's GFLOPS at M = 32-512 for these shapes. Without either (no
+    compiler, another dtype or device) it is plain ``F.linear``.
     """
 
-    weight_split: torch.Tensor | None = None  # [2, in / 2, out]
+    skinny: bool = False
+    packed: torch.Tensor | None = None  # oneDNN-blocked copy of ``weight``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_split is not None and x.shape[0] == 1:
-            half = self.weight_split.shape[1]
-            y = torch.bmm(x.view(2, 1, half), self.weight_split).sum(0)  # [1, out]
-            return y + self.bias if self.bias is not None else y
+        if self.skinny and x.shape[0] <= SKINNY_MAX_ROWS:
+            return torch.ops.tailserve.skinny_linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return super().forward(x)
 
 
-def add_gemv_layout(model: nn.Module) -> int:
-    """Give every ``Linear`` with an even input size its split copy; returns bytes added."""
+def prepare_cpu_kernels(model: nn.Module, use_kernels: bool) -> int:
+    """Switch a float32 CPU model's layers to the faster paths; returns the bytes added.
+
+    ``use_kernels`` (the compiled ``torch.ops.tailserve`` ops are built): few-row linears use
+    the skinny kernel, RMSNorm (with its residual add), SiLU-and-mul and rope run as one fused
+    op each. Independently of that, where oneDNN is built in, every ``Linear`` gets a copy of
+    its weight in oneDNN's blocked layout for many-row inputs: it doubles the weights' memory
+    (the skinny kernel reads the original), the price of both fast paths.
+    """
+    first = next(model.parameters())
+    if first.device.type != "cpu" or first.dtype != torch.float32:
+        return 0
     added = 0
+    mkldnn = torch.backends.mkldnn.is_available()
     for module in model.modules():
-        if isinstance(module, Linear) and module.in_features % 2 == 0:
-            w_t = module.weight.detach().t().contiguous()  # [in, out]
-            module.weight_split = w_t.view(2, module.in_features // 2, module.out_features)
-            added += w_t.numel() * w_t.element_size()
+        # Layers with a fused form say so with a ``use_kernel`` class attribute.
+        if hasattr(type(module), "use_kernel"):
+            module.use_kernel = use_kernels
+        if isinstance(module, Linear):
+            w = module.weight
+            module.skinny = use_kernels
+            if mkldnn:
+                # Batch hint 64: near the typical decode batch; the layout serves every M.
+                module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+                added += w.numel() * w.element_size()
     return added
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; with ``residual`` it first adds ``x`` into it (the fused form vLLM uses).
+
+    ``norm(x)`` returns the normalized ``x``; ``norm(x, residual)`` returns
+    ``(norm(x + residual), x + residual)``, the second being the new residual stream.
+    """
+
+    use_kernel: bool = False
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @typing.overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @typing.overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel:
+            if residual is None:
+                return torch.ops.tailserve.rms_norm(x, self.weight, self.eps)
+            # In place on both: x is this layer's fresh output, residual our own stream.
+            torch.ops.tailserve.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # One fused kernel; the step loop of a small model is dominated by op count.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in float32 as the reference does, then cast back: bf16 variance loses digits.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    """[tokens, 2 * I] -> [tokens, I]: SiLU of the first half times the second (SwiGLU)."""
+
+    use_kernel: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            return torch.ops.tailserve.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -105,8 +169,16 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope on x [num_tokens, num_heads, head_dim], computed in float32."""
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False
+) -> torch.Tensor:
+    """Rotate-half rope on x [num_tokens, num_heads, head_dim], computed in float32.
+
+    ``fused`` (float32 CPU with the kernels built): rotated in place by one op.
+    """
+    if fused:
+        torch.ops.tailserve.rope_(x, cos, sin)
+        return x
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]

@@ -10,15 +10,16 @@ from __future__ import annotations
 import typing
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tailserve.config import ModelConfig
 from tailserve.model.attention import AttentionBackend, AttentionMetadata
-from tailserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from tailserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope
 
 
 class LlamaAttention(nn.Module):
+    use_kernel: bool = False  # rope as one fused in-place op (prepare_cpu_kernels)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -44,7 +45,7 @@ class LlamaAttention(nn.Module):
         num_tokens = qkv.shape[0]
         # Rope on q and k together: [num_tokens, num_heads + num_kv_heads, head_dim]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = apply_rope(qk, *rope)
+        qk = apply_rope(qk, *rope, fused=self.use_kernel)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -58,10 +59,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,11 +74,26 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it).
+
+        The residual add is deferred into the next RMSNorm (fused with it on CPU), so the
+        hidden state after this layer is ``output + residual``.
+        """
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,9 +120,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        if residual is None:  # a model without layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the rows that sample reach here: the LM head is the widest matmul of the model.

@@ -15,8 +15,9 @@ import torch
 from tailserve.config import EngineArgs, ModelConfig
 from tailserve.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.errors import ConfigError
+from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
-from tailserve.model.layers import add_gemv_layout
+from tailserve.model.layers import prepare_cpu_kernels
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.obs.profiling import span
@@ -75,7 +76,9 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.backend = backend = get_attention_backend(self.device.type)
+        # Compiled CPU kernels (built once per machine); the torch paths remain without them.
+        self.cpu_kernels = self.device.type == "cpu" and cpu_ops_available()
+        self.backend = backend = get_attention_backend(self.device.type, self.cpu_kernels)
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
         model.load_weights(weights)
@@ -84,8 +87,7 @@ class ModelRunner:
             param.data = param.data.to(self.dtype)
         self.model = model.eval()
         if self.device.type == "cpu":
-            # Single-stream decode reads every weight once per token: give it the faster layout.
-            add_gemv_layout(self.model)
+            prepare_cpu_kernels(self.model, self.cpu_kernels)
         self.scale = 1.0 / math.sqrt(model_config.head_dim)
         self.num_kv_blocks = self._determine_num_blocks(args)
         self.kv_cache = torch.empty(0)

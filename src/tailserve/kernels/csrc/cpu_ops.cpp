@@ -1,0 +1,568 @@
+// tailserve CPU kernels, registered as torch.ops.tailserve.*.
+//
+// Two kernels that plain torch cannot express without copying:
+//
+//   paged_decode_attention  one query token per sequence against its K/V blocks, read in place
+//                           from the paged pool (no gather into a workspace), the query heads of
+//                           a GQA group sharing every K/V row they read.
+//   skinny_linear           y = x W^T (+ b) for a few rows of x: reads each weight row once for
+//                           all rows of x, parallel over output rows. A decode step of a few
+//                           sequences is bound by reading the weights; MKL's sgemm at M <= 16
+//                           reads them at 3-4 GB/s on an AVX2 CPU, this reads them at the
+//                           memory's pace.
+//
+// Threads come from torch's own pool (at::parallel_for) so there is one OpenMP runtime in the
+// process; work is handed out dynamically through an atomic counter because decode contexts
+// differ in length by 10x within one step.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TS_AVX2 1
+#endif
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+// Runs fn(item) for item in [0, n) on torch's threads, items taken one at a time.
+template <typename F>
+void parallel_dynamic(int64_t n, const F& fn) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+// ------------------------------------------------------------------ dot products (float)
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+#ifdef TS_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  }
+  __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+  __m128 lo = _mm256_castps256_ps128(s), hi = _mm256_extractf128_ps(s, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  float r = _mm_cvtss_f32(lo);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+#else
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += a[i] * b[i];
+  return r;
+#endif
+}
+
+// q (already float) against a K row of any storage type.
+template <typename T>
+inline float dot_q(const float* q, const T* k, int64_t n) {
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += q[i] * to_f(k[i]);
+  return r;
+}
+template <>
+inline float dot_q<float>(const float* q, const float* k, int64_t n) {
+  return dot_f32(q, k, n);
+}
+
+// acc[0..n) += w * v[0..n)
+template <typename T>
+inline void axpy(float* acc, float w, const T* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * to_f(v[i]);
+}
+template <>
+inline void axpy<float>(float* acc, float w, const float* v, int64_t n) {
+#ifdef TS_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+  }
+  for (; i < n; ++i) acc[i] += w * v[i];
+#else
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * v[i];
+#endif
+}
+
+// ------------------------------------------------------------------ paged decode attention
+
+// Pointer to token t's row for KV head g: blocks are [block_size, H_kv, D].
+struct PagedRows {
+  const int64_t* table;
+  int64_t block_size, blk_stride, tok_stride, head_off;
+  template <typename T>
+  inline const T* row(const T* base, int64_t t) const {
+    return base + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
+  }
+};
+
+// Generic path (any dtype, any head_dim): scores, softmax, weighted sum of V.
+template <typename T>
+void decode_one_generic(const T* qp, int64_t q_s1, T* op, int64_t o_s1, const T* kp,
+                        const T* vp, const PagedRows& rows, int64_t len, int64_t group,
+                        int64_t head_dim, float scale) {
+  std::vector<float> buf(group * (len + 2 * head_dim));
+  float* scores = buf.data();
+  float* qf = scores + group * len;
+  float* acc = qf + group * head_dim;
+  for (int64_t h = 0; h < group; ++h) {
+    for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_f(qp[h * q_s1 + d]) * scale;
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const T* krow = rows.row(kp, t);
+    for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot_q<T>(qf + h * head_dim, krow, head_dim);
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = scores + h * len;
+    const float mx = *std::max_element(row, row + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - mx);
+      sum += row[t];
+    }
+    for (int64_t t = 0; t < len; ++t) axpy<T>(acc + h * head_dim, row[t] / sum, rows.row(vp, t), head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) op[h * o_s1 + d] = static_cast<T>(acc[h * head_dim + d]);
+  }
+}
+
+#ifdef TS_AVX2
+// Horizontal sums of eight vectors, as one vector [sum(v0), ..., sum(v7)].
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r in [-ln2/2, ln2/2], relative
+// error ~2e-7; inputs below -87 flush to 0 as expf would underflow there anyway.
+inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// float32, head_dim = 8 * NV. Three passes over the context, eight tokens at a time:
+// scores (K rows read once for all heads of the group), exp, then V rows weighted per head
+// with the accumulator held in registers.
+template <int NV>
+void decode_one_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const float* kp,
+                     const float* vp, const PagedRows& rows, int64_t len, int64_t group,
+                     float scale, std::vector<float>& scratch) {
+  constexpr int64_t D = 8 * NV;
+  const int64_t len8 = (len + 7) & ~int64_t(7);
+  scratch.resize(group * len8);
+  float* scores = scratch.data();
+  __m256 qv[8][NV];  // group <= 8 on this path
+  for (int64_t h = 0; h < group; ++h) {
+    for (int v = 0; v < NV; ++v) {
+      qv[h][v] = _mm256_mul_ps(_mm256_loadu_ps(qp + h * q_s1 + 8 * v), _mm256_set1_ps(scale));
+    }
+  }
+  __m256 mx[8];
+  for (int64_t h = 0; h < group; ++h) mx[h] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const float* krow[8];
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, len - t0);
+    for (int64_t j = 0; j < 8; ++j) krow[j] = rows.row(kp, t0 + std::min(j, n - 1));
+    if (t0 + 16 < len) _mm_prefetch(reinterpret_cast<const char*>(rows.row(kp, t0 + 16)), _MM_HINT_T0);
+    for (int64_t h = 0; h < group; ++h) {
+      __m256 part[8];
+      for (int j = 0; j < 8; ++j) {
+        __m256 s = _mm256_mul_ps(qv[h][0], _mm256_loadu_ps(krow[j]));
+        for (int v = 1; v < NV; ++v) s = _mm256_fmadd_ps(qv[h][v], _mm256_loadu_ps(krow[j] + 8 * v), s);
+        part[j] = s;
+      }
+      __m256 sc = hsum8(part);
+      if (n < 8) {  // lanes past the end must not win the max or add to the sum
+        const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), idx));
+        sc = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc, valid);
+      }
+      _mm256_storeu_ps(scores + h * len8 + t0, sc);
+      mx[h] = _mm256_max_ps(mx[h], sc);
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, mx[h]);
+    const __m256 m = _mm256_set1_ps(*std::max_element(m8, m8 + 8));
+    float* row = scores + h * len8;
+    for (int64_t t = 0; t < len8; t += 8) {
+      _mm256_storeu_ps(row + t, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(row + t), m)));
+    }
+  }
+  // Weighted sum of V, eight tokens at a time; the eight V rows stay in L1 across heads.
+  std::vector<__m256> accs(group * NV, _mm256_setzero_ps());
+  const float* vrow[8];
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, len - t0);
+    for (int64_t j = 0; j < n; ++j) vrow[j] = rows.row(vp, t0 + j);
+    if (t0 + 16 < len) _mm_prefetch(reinterpret_cast<const char*>(rows.row(vp, t0 + 16)), _MM_HINT_T0);
+    for (int64_t h = 0; h < group; ++h) {
+      __m256 acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = accs[h * NV + v];
+      const float* p = scores + h * len8 + t0;
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 w = _mm256_set1_ps(p[j]);
+        for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vrow[j] + 8 * v), acc[v]);
+      }
+      for (int v = 0; v < NV; ++v) accs[h * NV + v] = acc[v];
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const float* row = scores + h * len8;
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len8; t += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(row + t));
+    alignas(32) float s8[8];
+    _mm256_store_ps(s8, sum);
+    const __m256 inv = _mm256_set1_ps(1.f / (s8[0] + s8[1] + s8[2] + s8[3] + s8[4] + s8[5] + s8[6] + s8[7]));
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + h * o_s1 + 8 * v, _mm256_mul_ps(accs[h * NV + v], inv));
+  }
+}
+#endif
+
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t bt_s0 = block_tables.stride(0);
+  // K/V rows of one token for one KV head are head_dim apart inside a token's slot.
+  const int64_t tok_stride = num_kv_heads * head_dim;
+  const int64_t blk_stride = block_size * tok_stride;
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  // Checked here: an exception must not leave a parallel region.
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] > 0 && (lens[s] + block_size - 1) / block_size <= block_tables.size(1),
+                "paged_decode_attention: sequence ", s, " has context ", lens[s],
+                " for a block table of ", block_tables.size(1), " blocks");
+  }
+
+  parallel_dynamic(num_seqs * num_kv_heads, [&](int64_t item) {
+    const int64_t s = item / num_kv_heads, g = item % num_kv_heads;
+    const int64_t len = lens[s];
+    const PagedRows rows{bt + s * bt_s0, block_size, blk_stride, tok_stride, g * head_dim};
+    const T* qs = qp + s * q_s0 + g * group * q_s1;
+    T* os = op + s * o_s0 + g * group * o_s1;
+#ifdef TS_AVX2
+    if constexpr (std::is_same_v<T, float>) {
+      thread_local std::vector<float> scratch;
+      if (group <= 8 && head_dim == 64) {
+        decode_one_avx2<8>(qs, q_s1, os, o_s1, kp, vp, rows, len, group, fscale, scratch);
+        return;
+      }
+      if (group <= 8 && head_dim == 128) {
+        decode_one_avx2<16>(qs, q_s1, os, o_s1, kp, vp, rows, len, group, fscale, scratch);
+        return;
+      }
+    }
+#endif
+    decode_one_generic<T>(qs, q_s1, os, o_s1, kp, vp, rows, len, group, head_dim, fscale);
+  });
+}
+
+// out [n, H, D] (last dim contiguous) = attention of q [n, H, D] over each sequence's first
+// seq_lens[i] cached tokens. kv_cache: [2, num_blocks, block_size, H_kv, D], contiguous.
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [n, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and kv_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.size(0) >= q.size(0), "seq_lens too short");
+  TORCH_CHECK(block_tables.size(0) >= q.size(0), "block_tables has too few rows");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
+  const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode_attention_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+      break;
+    case at::kBFloat16:
+      decode_attention_impl<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+      break;
+    case at::kHalf:
+      decode_attention_impl<c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+// ------------------------------------------------------------------ skinny linear (float)
+
+// y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]); x and w contiguous float32.
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "skinny_linear: float32 CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
+  TORCH_CHECK(w.is_contiguous(), "weight must be contiguous");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "bad bias");
+    bp = bias->contiguous().data_ptr<float>();
+  }
+  // Chunks of output rows: big enough to amortise the hand-out, small enough to balance.
+  constexpr int64_t kRows = 64;
+  const int64_t chunks = (N + kRows - 1) / kRows;
+  parallel_dynamic(chunks, [&](int64_t c) {
+    const int64_t n0 = c * kRows, n1 = std::min(N, n0 + kRows);
+    int64_t n = n0;
+#ifdef TS_AVX2
+    // Tiles of 4 weight rows x 2 input rows: each loaded weight vector feeds two FMAs and each
+    // input vector four, eight accumulators reduced together by hsum8.
+    const int64_t K8 = K & ~int64_t(7);
+    if (M == 1 && K8 == K) {
+      // One input row: 8 weight rows per tile, one accumulator each. Measured 14 GB/s over
+      // a layer's four weights vs 11 GB/s for the 4x2 tile, whose second column is wasted here.
+      for (; n + 8 <= n1; n += 8) {
+        const float* w0 = wp + n * K;
+        __m256 acc[8];
+        for (auto& a : acc) a = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+          const __m256 xv = _mm256_loadu_ps(xp + k);
+          for (int r = 0; r < 8; ++r) {
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + r * K + k), xv, acc[r]);
+          }
+        }
+        __m256 y8 = hsum8(acc);
+        if (bp) y8 = _mm256_add_ps(y8, _mm256_loadu_ps(bp + n));
+        _mm256_storeu_ps(yp + n, y8);
+      }
+    }
+    for (; n + 4 <= n1; n += 4) {
+      const float* w0 = wp + n * K;
+      for (int64_t m = 0; m < M; m += 2) {
+        const float* x0 = xp + m * K;
+        const float* x1 = m + 1 < M ? x0 + K : x0;
+        __m256 acc[8];
+        for (auto& a : acc) a = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K8; k += 8) {
+          const __m256 a0 = _mm256_loadu_ps(x0 + k), a1 = _mm256_loadu_ps(x1 + k);
+          for (int r = 0; r < 4; ++r) {
+            const __m256 wv = _mm256_loadu_ps(w0 + r * K + k);
+            acc[2 * r] = _mm256_fmadd_ps(wv, a0, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(wv, a1, acc[2 * r + 1]);
+          }
+        }
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, hsum8(acc));
+        for (int64_t k = K8; k < K; ++k) {
+          for (int r = 0; r < 4; ++r) {
+            sums[2 * r] += w0[r * K + k] * x0[k];
+            sums[2 * r + 1] += w0[r * K + k] * x1[k];
+          }
+        }
+        for (int r = 0; r < 4; ++r) {
+          const float b = bp ? bp[n + r] : 0.f;
+          yp[m * N + n + r] = sums[2 * r] + b;
+          if (m + 1 < M) yp[(m + 1) * N + n + r] = sums[2 * r + 1] + b;
+        }
+      }
+    }
+#endif
+    for (; n < n1; ++n) {
+      const float* wrow = wp + n * K;
+      const float b = bp ? bp[n] : 0.f;
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot_f32(xp + m * K, wrow, K) + b;
+    }
+  });
+  return y;
+}
+
+// ------------------------------------------------------------------ fused elementwise ops
+//
+// A decode step of one sequence runs ~300 small elementwise ops; in torch each costs a
+// dispatch plus, for some, a wake-up of the thread pool. These do the whole thing in one pass,
+// serially for few rows (no fork/join) and over rows in parallel for many.
+
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, const F& fn) {
+  if (rows * row_elems < (1 << 16)) {
+    for (int64_t r = 0; r < rows; ++r) fn(r);
+  } else {
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) fn(r);
+    });
+  }
+}
+
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": float32 CPU only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected [rows, n] with contiguous rows");
+}
+
+inline void rms_row(float* out, const float* in, const float* w, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += in[i] * in[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i] * inv * w[i];
+}
+
+// out = rms_norm(x) * weight
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "rms_norm: weight size");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  for_rows(rows, n, [&](int64_t r) { rms_row(op + r * n, xp + r * xs, wp, n, float(eps)); });
+  return out;
+}
+
+// residual += x, then x = rms_norm(residual) * weight; both in place (vLLM's fused form).
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "fused_add_rms_norm");
+  check_rows(residual, "fused_add_rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n, "fused_add_rms_norm: shapes");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "fused_add_rms_norm: weight size");
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  for_rows(rows, n, [&](int64_t r) {
+    float* xr = xp + r * xs;
+    float* rr = rp + r * rs;
+    for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+    rms_row(xr, rr, wp, n, float(eps));
+  });
+}
+
+// [rows, 2 * I] -> [rows, I]: silu(gate) * up, gate the first half of each row.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  const int64_t rows = x.size(0), half = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, half}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  for_rows(rows, half, [&](int64_t r) {
+    const float* g = xp + r * xs;
+    const float* u = g + half;
+    float* o = op + r * half;
+    for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  });
+  return out;
+}
+
+// Rotate-half rope, in place, on x [tokens, heads, head_dim] (head_dim contiguous);
+// cos, sin [tokens, head_dim / 2] float32.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 &&
+                  x.stride(2) == 1, "rope_: float32 CPU [tokens, heads, head_dim]");
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_: float32 tables");
+  TORCH_CHECK(cos.numel() == tokens * half && sin.numel() == tokens * half && cos.is_contiguous() &&
+                  sin.is_contiguous(), "rope_: cos/sin must be [tokens, head_dim / 2]");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  for_rows(tokens, heads * half * 2, [&](int64_t t) {
+    const float* c = cp + t * half;
+    const float* sn = sp + t * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* a = xp + t * s0 + h * s1;
+      float* b = a + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = a[i], x2 = b[i];
+        a[i] = x1 * c[i] - x2 * sn[i];
+        b[i] = x2 * c[i] + x1 * sn[i];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tailserve, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()");
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_", &rope_);
+}

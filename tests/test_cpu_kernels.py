@@ -1,0 +1,143 @@
+"""The compiled CPU kernels against plain torch on the same inputs, shape by shape."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailserve.kernels import cpu_ops_available
+from tailserve.model.layers import apply_rope
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="CPU kernels not built")
+ops = torch.ops.tailserve
+
+
+def reference_decode(
+    q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: list[int], scale: float
+) -> torch.Tensor:
+    """One sequence at a time: gather its K/V by block table, softmax in float64."""
+    _, _, bs, h_kv, d = kv.shape
+    group = q.shape[1] // h_kv
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, n in enumerate(lens):
+        blocks = tables[i, : -(-n // bs)]
+        k = kv[0, blocks].reshape(-1, h_kv, d)[:n].double()  # [n, H_kv, D]
+        v = kv[1, blocks].reshape(-1, h_kv, d)[:n].double()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].double() * scale, k)
+        out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+    return out
+
+
+def make_pool(
+    lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    bs = 16
+    per_seq = max(-(-n // bs) for n in lens)
+    num_blocks = len(lens) * per_seq + 3
+    kv = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    # Scattered, non-monotonic block ids, as a long-running pool hands them out.
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * per_seq].view(len(lens), -1)
+    # q as the model produces it: a view into a wider [tokens, heads + kv_heads, D] buffer.
+    q = torch.randn(len(lens), heads + kv_heads, head_dim, generator=g).to(dtype)[:, :heads]
+    return q, kv, tables.long()
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (8, 8, 64), (8, 1, 128), (4, 2, 32), (12, 1, 64)],
+    ids=["gqa3-d64", "mha-d64", "mqa-d128", "generic-d32", "group12-generic"],
+)
+def test_paged_decode_attention_float32(heads: int, kv_heads: int, head_dim: int) -> None:
+    lens = [1, 7, 8, 9, 16, 17, 300, 33]
+    q, kv, tables = make_pool(lens, heads, kv_heads, head_dim, torch.float32, seed=heads)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.full(q.shape, float("nan"))
+    ops.paged_decode_attention(out, q, kv, tables, torch.tensor(lens), scale)
+    ref = reference_decode(q, kv, tables, lens, scale)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_attention_half_types(dtype: torch.dtype) -> None:
+    lens = [5, 40, 130]
+    q, kv, tables = make_pool(lens, 9, 3, 64, dtype, seed=7)
+    out = torch.empty(q.shape, dtype=dtype)
+    ops.paged_decode_attention(out, q, kv, tables, torch.tensor(lens), 0.125)
+    ref = reference_decode(q, kv, tables, lens, 0.125)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def test_paged_decode_attention_only_reads_its_context() -> None:
+    """Tokens past each sequence's length (stale K/V in its last block) change nothing."""
+    lens = [20, 3]
+    q, kv, tables = make_pool(lens, 9, 3, 64, torch.float32, seed=3)
+    first = torch.empty(q.shape)
+    ops.paged_decode_attention(first, q, kv, tables, torch.tensor(lens), 0.125)
+    kv[:, tables[0, 1], 4:] = 1e4  # slots 20.. of sequence 0's second block
+    kv[:, tables[1, 0], 3:] = -1e4
+    second = torch.empty(q.shape)
+    ops.paged_decode_attention(second, q, kv, tables, torch.tensor(lens), 0.125)
+    assert torch.equal(first, second)
+
+
+def test_paged_decode_attention_rejects_context_beyond_table() -> None:
+    q, kv, tables = make_pool([16], 9, 3, 64, torch.float32, seed=1)
+    out = torch.empty(q.shape)
+    with pytest.raises(RuntimeError, match="context 17 for a block table of 1 blocks"):
+        ops.paged_decode_attention(out, q, kv, tables, torch.tensor([17]), 0.125)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("k,n", [(576, 960), (100, 13), (64, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_f_linear(m: int, k: int, n: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = ops.skinny_linear(x, w, b)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_rms_norm_and_fused_residual_add() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(576, generator=g)
+    for rows in (1, 5, 300):  # 300 rows takes the parallel path
+        x = torch.randn(rows, 576, generator=g)
+        r = torch.randn(rows, 576, generator=g)
+        ref_r = x + r
+        ref = F.rms_norm(ref_r, (576,), w, 1e-5)
+        torch.testing.assert_close(ops.rms_norm(ref_r, w, 1e-5), ref)
+        ops.fused_add_rms_norm(x, r, w, 1e-5)
+        torch.testing.assert_close(r, ref_r)
+        torch.testing.assert_close(x, ref)
+
+
+def test_silu_and_mul() -> None:
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 64):
+        x = torch.randn(rows, 2 * 1536, generator=g) * 4
+        gate, up = x.chunk(2, dim=-1)
+        torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_rope_in_place_matches_torch_rope() -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, d = 37, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    qk = qkv[:, : (heads + kv_heads) * d].view(tokens, -1, d)  # strided, as in the model
+    angles = torch.rand(tokens, 1, d // 2, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    expected = apply_rope(qk.clone(), cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    result = apply_rope(qk, cos, sin, fused=True)
+    assert result.data_ptr() == qk.data_ptr()
+    torch.testing.assert_close(qk, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
