@@ -55,7 +55,7 @@ def prepare_cpu_kernels(model: nn.Module, use_kernels: bool) -> int:
     for module in model.modules():
         # Layers with a fused form say so with a ``use_kernel`` class attribute.
         if hasattr(type(module), "use_kernel"):
-            module.use_kernel = use_kernels
+            setattr(module, "use_kernel", use_kernels)  # noqa: B010 - typed per class
         if isinstance(module, Linear):
             w = module.weight
             module.skinny = use_kernels
