@@ -184,7 +184,7 @@ def floor_block(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
     arrivals = arrival_times(n, rate, 1.0, np.random.default_rng([seed, 0, 1]))
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as both bench clients do
-    ttft, added = [], []
+    ttft, added, send_path, recv_path = [], [], [], []
     t0 = time.perf_counter()
     for t in arrivals:
         while (delay := t0 + t - time.perf_counter()) > 0:
@@ -198,8 +198,10 @@ def floor_block(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
         stamps = json.loads(buf.split(b'"tailserve_timing": ', 1)[1].split(b"}", 1)[0] + b"}")
         ttft.append(first - sent)
         added.append(first - sent - (stamps["first_write"] - stamps["recv"]))
+        send_path.append(stamps["recv"] - sent)
+        recv_path.append(first - stamps["first_write"])
     sock.close()
-    return {"ttft": ttft, "added": added}
+    return {"ttft": ttft, "added": added, "send_path": send_path, "receive_path": recv_path}
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -218,14 +220,15 @@ def pooled(name: str, blocks: list[dict[str, Any]], requests: int,
     out: dict[str, Any] = {"phase": name, "requests": requests, "blocks": len(blocks),
                            "ttft_ms": _ms(cat["ttft"]), "client_added_ttft_ms": _ms(cat["added"]),
                            "load_average_before": load[0], "load_average_after": load[1]}
+    if "send_path" in cat:
+        out |= {"send_path_ms": _ms(cat["send_path"]),
+                "receive_path_ms": _ms(cat["receive_path"])}
     if "completed" in blocks[0]:
         duration = sum(b["duration"] for b in blocks)
         out |= {"completed": sum(b["completed"] for b in blocks),
                 "failed": sum(b["failed"] for b in blocks), "duration_s": duration,
                 "requests_per_s": sum(b["completed"] for b in blocks) / duration,
                 "chunks_per_s": sum(b["chunks"] for b in blocks) / duration,
-                "send_path_ms": _ms(cat["send_path"]),
-                "receive_path_ms": _ms(cat["receive_path"]),
                 "send_lag_ms": _ms(cat["lag"])}
     return out
 
@@ -316,12 +319,9 @@ def main() -> int:
                   if "completed" in p else "| | ")
                + f"{t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} | "
                f"{a['p50']:.3f} / {a['p90']:.3f} / {a['p99']:.3f} / {a['max']:.3f} | ")
-        if "completed" in p:
-            row += (f"{p['send_path_ms']['p50']:.3f} / {p['receive_path_ms']['p50']:.3f} · "
-                    f"{p['send_path_ms']['p99']:.3f} / {p['receive_path_ms']['p99']:.3f} | "
-                    f"{p['send_lag_ms']['p99']:.2f} | ")
-        else:
-            row += "| | "
+        row += (f"{p['send_path_ms']['p50']:.3f} / {p['receive_path_ms']['p50']:.3f} · "
+                f"{p['send_path_ms']['p99']:.3f} / {p['receive_path_ms']['p99']:.3f} | ")
+        row += f"{p['send_lag_ms']['p99']:.2f} | " if "completed" in p else "| "
         row += (f"{p['load_average_before'][0]:.2f} → {p['load_average_after'][0]:.2f} |")
         print(row)
     if args.json:
