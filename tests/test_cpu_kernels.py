@@ -50,11 +50,17 @@ def make_pool(
 
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
-    [(9, 3, 64), (8, 8, 64), (8, 1, 128), (4, 2, 32), (12, 1, 64)],
-    ids=["gqa3-d64", "mha-d64", "mqa-d128", "generic-d32", "group12-generic"],
+    [(9, 3, 64), (8, 8, 64), (8, 1, 128), (4, 2, 32), (12, 1, 64), (40, 8, 64)],
+    ids=["gqa3-d64", "mha-d64", "mqa-d128", "generic-d32", "group12", "40-heads-generic"],
 )
-def test_paged_decode_attention_float32(heads: int, kv_heads: int, head_dim: int) -> None:
-    lens = [1, 7, 8, 9, 16, 17, 300, 33]
+@pytest.mark.parametrize(
+    "lens",
+    [[1, 7, 8, 9, 16, 17, 300, 33], [301, 2]],
+    ids=["many-seqs", "few-seqs"],  # whole sequences per work item / (sequence, KV head)
+)
+def test_paged_decode_attention_float32(
+    heads: int, kv_heads: int, head_dim: int, lens: list[int]
+) -> None:
     q, kv, tables = make_pool(lens, heads, kv_heads, head_dim, torch.float32, seed=heads)
     scale = 1 / math.sqrt(head_dim)
     out = torch.full(q.shape, float("nan"))

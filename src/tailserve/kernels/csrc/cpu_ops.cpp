@@ -188,48 +188,70 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// float32, head_dim = 8 * NV. Three passes over the context, eight tokens at a time:
-// scores (K rows read once for all heads of the group), exp, then V rows weighted per head
-// with the accumulator held in registers.
+// float32, head_dim = 8 * NV, KV heads [g0, g0 + num_g) of one sequence (their query heads
+// are num_g * group consecutive heads of q). Three passes over the context, eight tokens at a
+// time: scores (each K row read once for all query heads of its group), exp, then V rows
+// weighted per head. With all KV heads in one item the reads of a block are sequential.
+constexpr int64_t kMaxItemHeads = 32;
+// Rows this many tokens ahead are prefetched: one DRAM latency of work at eight tokens a chunk.
+constexpr int64_t kPrefetchTokens = 16;
+
+// Prefetch the rows (floats_per_row floats each) of tokens [t, t + 8) that exist.
+inline void prefetch_rows(const PagedRows& rows, const float* base, int64_t t, int64_t len,
+                          int64_t floats_per_row) {
+  const int64_t end = std::min(t + 8, len);
+  for (; t < end; ++t) {
+    const char* p = reinterpret_cast<const char*>(rows.row(base, t));
+    for (int64_t b = 0; b < floats_per_row * 4; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
 template <int NV>
-void decode_one_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const float* kp,
-                     const float* vp, const PagedRows& rows, int64_t len, int64_t group,
-                     float scale, std::vector<float>& scratch) {
+void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const float* kp,
+                       const float* vp, const PagedRows& rows, int64_t len, int64_t num_g,
+                       int64_t group, float scale, std::vector<float>& scratch) {
   constexpr int64_t D = 8 * NV;
+  const int64_t heads = num_g * group;
   const int64_t len8 = (len + 7) & ~int64_t(7);
-  scratch.resize(group * len8);
+  scratch.resize(heads * len8 + heads * D);
   float* scores = scratch.data();
-  __m256 qv[8][NV];  // group <= 8 on this path
-  for (int64_t h = 0; h < group; ++h) {
+  float* accs = scores + heads * len8;
+  __m256 qv[kMaxItemHeads][NV];
+  for (int64_t h = 0; h < heads; ++h) {
     for (int v = 0; v < NV; ++v) {
       qv[h][v] = _mm256_mul_ps(_mm256_loadu_ps(qp + h * q_s1 + 8 * v), _mm256_set1_ps(scale));
     }
   }
-  __m256 mx[8];
-  for (int64_t h = 0; h < group; ++h) mx[h] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 mx[kMaxItemHeads];
+  for (int64_t h = 0; h < heads; ++h) mx[h] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const float* krow[8];
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
     for (int64_t j = 0; j < 8; ++j) krow[j] = rows.row(kp, t0 + std::min(j, n - 1));
-    if (t0 + 16 < len) _mm_prefetch(reinterpret_cast<const char*>(rows.row(kp, t0 + 16)), _MM_HINT_T0);
-    for (int64_t h = 0; h < group; ++h) {
-      __m256 part[8];
-      for (int j = 0; j < 8; ++j) {
-        __m256 s = _mm256_mul_ps(qv[h][0], _mm256_loadu_ps(krow[j]));
-        for (int v = 1; v < NV; ++v) s = _mm256_fmadd_ps(qv[h][v], _mm256_loadu_ps(krow[j] + 8 * v), s);
-        part[j] = s;
+    prefetch_rows(rows, kp, t0 + kPrefetchTokens, len, num_g * D);
+    __m256 valid = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    if (n < 8) {  // lanes past the end must not win the max or add to the sum
+      const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), idx));
+    }
+    for (int64_t g = 0; g < num_g; ++g) {
+      for (int64_t hg = 0; hg < group; ++hg) {
+        const int64_t h = g * group + hg;
+        __m256 part[8];
+        for (int j = 0; j < 8; ++j) {
+          const float* k = krow[j] + g * D;
+          __m256 acc = _mm256_mul_ps(qv[h][0], _mm256_loadu_ps(k));
+          for (int v = 1; v < NV; ++v) acc = _mm256_fmadd_ps(qv[h][v], _mm256_loadu_ps(k + 8 * v), acc);
+          part[j] = acc;
+        }
+        __m256 sc = hsum8(part);
+        if (n < 8) sc = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc, valid);
+        _mm256_storeu_ps(scores + h * len8 + t0, sc);
+        mx[h] = _mm256_max_ps(mx[h], sc);
       }
-      __m256 sc = hsum8(part);
-      if (n < 8) {  // lanes past the end must not win the max or add to the sum
-        const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), idx));
-        sc = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc, valid);
-      }
-      _mm256_storeu_ps(scores + h * len8 + t0, sc);
-      mx[h] = _mm256_max_ps(mx[h], sc);
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     alignas(32) float m8[8];
     _mm256_store_ps(m8, mx[h]);
     const __m256 m = _mm256_set1_ps(*std::max_element(m8, m8 + 8));
@@ -239,31 +261,36 @@ void decode_one_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, con
     }
   }
   // Weighted sum of V, eight tokens at a time; the eight V rows stay in L1 across heads.
-  std::vector<__m256> accs(group * NV, _mm256_setzero_ps());
+  std::fill(accs, accs + heads * D, 0.f);
   const float* vrow[8];
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
     for (int64_t j = 0; j < n; ++j) vrow[j] = rows.row(vp, t0 + j);
-    if (t0 + 16 < len) _mm_prefetch(reinterpret_cast<const char*>(rows.row(vp, t0 + 16)), _MM_HINT_T0);
-    for (int64_t h = 0; h < group; ++h) {
+    prefetch_rows(rows, vp, t0 + kPrefetchTokens, len, num_g * D);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = (h / group) * D;
+      float* a = accs + h * D;
       __m256 acc[NV];
-      for (int v = 0; v < NV; ++v) acc[v] = accs[h * NV + v];
+      for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(a + 8 * v);
       const float* p = scores + h * len8 + t0;
       for (int64_t j = 0; j < n; ++j) {
         const __m256 w = _mm256_set1_ps(p[j]);
-        for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vrow[j] + 8 * v), acc[v]);
+        const float* vr = vrow[j] + off;
+        for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), acc[v]);
       }
-      for (int v = 0; v < NV; ++v) accs[h * NV + v] = acc[v];
+      for (int v = 0; v < NV; ++v) _mm256_storeu_ps(a + 8 * v, acc[v]);
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     const float* row = scores + h * len8;
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < len8; t += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(row + t));
     alignas(32) float s8[8];
     _mm256_store_ps(s8, sum);
     const __m256 inv = _mm256_set1_ps(1.f / (s8[0] + s8[1] + s8[2] + s8[3] + s8[4] + s8[5] + s8[6] + s8[7]));
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + h * o_s1 + 8 * v, _mm256_mul_ps(accs[h * NV + v], inv));
+    for (int v = 0; v < NV; ++v) {
+      _mm256_storeu_ps(op + h * o_s1 + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(accs + h * D + 8 * v), inv));
+    }
   }
 }
 #endif
@@ -295,8 +322,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                 " for a block table of ", block_tables.size(1), " blocks");
   }
 
-  parallel_dynamic(num_seqs * num_kv_heads, [&](int64_t item) {
-    const int64_t s = item / num_kv_heads, g = item % num_kv_heads;
+  // Work items: whole sequences when there are enough of them for every thread (reads of a
+  // block are then sequential), else (sequence, KV head) pairs so one long sequence still
+  // spreads over the threads.
+  const bool whole = num_seqs >= 2 * at::get_num_threads() && num_heads <= kMaxItemHeads;
+  const int64_t per_item = whole ? num_kv_heads : 1;
+  parallel_dynamic(num_seqs * (num_kv_heads / per_item), [&](int64_t item) {
+    const int64_t s = item / (num_kv_heads / per_item);
+    const int64_t g = (item % (num_kv_heads / per_item)) * per_item;
     const int64_t len = lens[s];
     const PagedRows rows{bt + s * bt_s0, block_size, blk_stride, tok_stride, g * head_dim};
     const T* qs = qp + s * q_s0 + g * group * q_s1;
@@ -304,17 +337,21 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 #ifdef TS_AVX2
     if constexpr (std::is_same_v<T, float>) {
       thread_local std::vector<float> scratch;
-      if (group <= 8 && head_dim == 64) {
-        decode_one_avx2<8>(qs, q_s1, os, o_s1, kp, vp, rows, len, group, fscale, scratch);
+      if (per_item * group <= kMaxItemHeads && head_dim == 64) {
+        decode_heads_avx2<8>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale, scratch);
         return;
       }
-      if (group <= 8 && head_dim == 128) {
-        decode_one_avx2<16>(qs, q_s1, os, o_s1, kp, vp, rows, len, group, fscale, scratch);
+      if (per_item * group <= kMaxItemHeads && head_dim == 128) {
+        decode_heads_avx2<16>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale, scratch);
         return;
       }
     }
 #endif
-    decode_one_generic<T>(qs, q_s1, os, o_s1, kp, vp, rows, len, group, head_dim, fscale);
+    for (int64_t gi = 0; gi < per_item; ++gi) {
+      const PagedRows rg{rows.table, block_size, blk_stride, tok_stride, (g + gi) * head_dim};
+      decode_one_generic<T>(qs + gi * group * q_s1, q_s1, os + gi * group * o_s1, o_s1, kp, vp,
+                            rg, len, group, head_dim, fscale);
+    }
   });
 }
 
