@@ -386,6 +386,7 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
                      results: list[RequestResult],
                      max_concurrency: int | None, t0: float, progress: Progress) -> None:
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    next_send = [INF]  # perf_counter time of the next scheduled send, for the progress bar
 
     async def one(i: int) -> None:
         try:
@@ -398,14 +399,15 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
             if sem is not None:
                 sem.release()
             progress.finished(results[i].success)
+            # Just after a response and (if this was the last in flight) long before the
+            # next send: the one moment a redraw delays nothing that is measured.
+            progress.idle(next_send[0] - perf_counter())
 
     tasks = []
     watcher = asyncio.create_task(progress.watch())
     try:
         for i, res in enumerate(results):
-            delay = t0 + res.scheduled_s - perf_counter()
-            if delay > 0:
-                progress.idle(delay)  # a redraw, if due, while nothing is in flight
+            next_send[0] = t0 + res.scheduled_s
             # A loop, not one sleep: the event loop's timers have millisecond resolution and
             # can fire up to half a millisecond early; a request must never go before its time.
             while (delay := t0 + res.scheduled_s - perf_counter()) > 0:
@@ -414,6 +416,7 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
                 await sem.acquire()
             progress.sent()
             tasks.append(asyncio.create_task(one(i)))
+        next_send[0] = INF
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:
         # Ctrl-C: stop sending, cancel what is in flight, let the caller report what was sent.
