@@ -550,7 +550,21 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const float* g = xp + r * xs;
     const float* u = g + half;
     float* o = op + r * half;
-    for (int64_t i = 0; i < half; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    int64_t i = 0;
+#ifdef TS_AVX2
+    // silu(g) = g / (1 + exp(-g)); exp of -|g| keeps exp_neg in its domain:
+    // for g >= 0 that is exp(-g); for g < 0, g / (1 + 1/e) = g * e / (1 + e) with e = exp(g).
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= half; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 e = exp_neg(_mm256_min_ps(gv, _mm256_sub_ps(_mm256_setzero_ps(), gv)));
+      const __m256 pos = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+      const __m256 neg = _mm256_div_ps(_mm256_mul_ps(gv, e), _mm256_add_ps(one, e));
+      const __m256 silu = _mm256_blendv_ps(pos, neg, gv);  // sign bit of g selects
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < half; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   });
   return out;
 }
