@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tailserve.kernels import cpu_ops_available
-from tailserve.model.layers import apply_rope
+from tailserve.model.layers import Linear, apply_rope, prepare_cpu_kernels, tile_weight
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="CPU kernels not built")
 ops = torch.ops.tailserve
@@ -110,6 +110,41 @@ def test_skinny_linear_matches_f_linear(m: int, k: int, n: int, bias: bool) -> N
     got = ops.skinny_linear(x, w, b)
     assert got.shape == (m, n)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_tiled_matches_f_linear(m: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 576, generator=g)
+    w = torch.randn(960, 576, generator=g)
+    b = torch.randn(960, generator=g) if bias else None
+    got = ops.skinny_linear_tiled(x, tile_weight(w), b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_prepared_linear_keeps_two_copies_and_shared_weights() -> None:
+    """Each path of a prepared Linear gives F.linear's answer; a weight shared with another
+    module (a tied LM head) keeps its storage, an unshared one is released."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.a = Linear(64, 24, bias=True)
+    model.emb = torch.nn.Embedding(40, 64)
+    model.head = Linear(64, 40, bias=False)
+    model.head.weight = model.emb.weight
+    model.odd = Linear(60, 13, bias=False)  # not a multiple of 8: no tiled copy
+    ref = {name: (m.weight.detach().clone(), m.bias) for name, m in
+           [("a", model.a), ("head", model.head), ("odd", model.odd)]}
+    prepare_cpu_kernels(model, use_kernels=True)
+    assert model.a.weight.numel() == 0 and model.a.tiled is not None
+    assert model.emb.weight.shape == (40, 64)  # tied: kept for the embedding lookup
+    assert model.odd.tiled is None and model.odd.weight.shape == (13, 60)
+    for name, rows in [("a", 1), ("a", 5), ("a", 33), ("head", 1), ("head", 40),
+                       ("odd", 2), ("odd", 20)]:
+        module = getattr(model, name)
+        w, b = ref[name]
+        x = torch.randn(rows, w.shape[1])
+        torch.testing.assert_close(module(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_rms_norm_and_fused_residual_add() -> None:

@@ -17,52 +17,74 @@ SKINNY_MAX_ROWS = 8
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with faster CPU paths, added by ``prepare_cpu_linears``.
+    """``nn.Linear`` with faster CPU paths, added by ``prepare_cpu_kernels``.
 
     A decode step of a few sequences is bound by reading every weight once; MKL's sgemm reads
-    them at 3-4 GB/s on an AVX2 CPU at M <= 16, so few-row inputs go to the compiled
-    ``skinny_linear`` kernel (parallel over output rows, reads at 12-16 GB/s). Many-row inputs
-    (big decode batches, prefill chunks) go to oneDNN with the weight reordered once into its
-    blocked layout: 1.2-2x MKL's GFLOPS at M = 32-512 for these shapes. Without either (no
-    compiler, another dtype or device) it is plain ``F.linear``.
+    them at 3-4 GB/s on an AVX2 CPU at M <= 16, so few-row inputs go to the compiled skinny
+    kernel (parallel over output rows, weights in a tiled copy that each thread reads as one
+    sequential stream: 16-17 GB/s over a layer). Many-row inputs (big decode batches, prefill
+    chunks) go to oneDNN with the weight reordered once into its blocked layout: 1.2-2x MKL's
+    GFLOPS at M = 32-512 for these shapes. Without either (no compiler, another dtype or
+    device) it is plain ``F.linear``.
     """
 
     skinny: bool = False
-    packed: torch.Tensor | None = None  # oneDNN-blocked copy of ``weight``
+    tiled: torch.Tensor | None = None  # [out/8, in/8, 8, 8] copy for the skinny kernel
+    packed: torch.Tensor | None = None  # oneDNN-blocked copy for many rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny and x.shape[0] <= SKINNY_MAX_ROWS:
+            if self.tiled is not None:
+                return torch.ops.tailserve.skinny_linear_tiled(x, self.tiled, self.bias)
             return torch.ops.tailserve.skinny_linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return super().forward(x)
 
 
+def tile_weight(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out/8, in/8, 8, 8]: each 8 rows x 8 columns slice contiguous."""
+    out_f, in_f = w.shape
+    return w.view(out_f // 8, 8, in_f // 8, 8).permute(0, 2, 1, 3).contiguous()
+
+
 def prepare_cpu_kernels(model: nn.Module, use_kernels: bool) -> int:
     """Switch a float32 CPU model's layers to the faster paths; returns the bytes added.
 
     ``use_kernels`` (the compiled ``torch.ops.tailserve`` ops are built): few-row linears use
-    the skinny kernel, RMSNorm (with its residual add), SiLU-and-mul and rope run as one fused
-    op each. Independently of that, where oneDNN is built in, every ``Linear`` gets a copy of
-    its weight in oneDNN's blocked layout for many-row inputs: it doubles the weights' memory
-    (the skinny kernel reads the original), the price of both fast paths.
+    the skinny kernel on a tiled copy of their weight, RMSNorm (with its residual add),
+    SiLU-and-mul and rope run as one fused op each. Where oneDNN is built in, every ``Linear``
+    also gets its weight in oneDNN's blocked layout for many-row inputs. A weight with both
+    copies is never read in its own layout again, so its storage is released, unless another
+    module shares it (a tied LM head is the embedding table): memory stays at two copies.
     """
     first = next(model.parameters())
     if first.device.type != "cpu" or first.dtype != torch.float32:
         return 0
+    owners: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
     added = 0
     mkldnn = torch.backends.mkldnn.is_available()
     for module in model.modules():
         # Layers with a fused form say so with a ``use_kernel`` class attribute.
         if hasattr(type(module), "use_kernel"):
             setattr(module, "use_kernel", use_kernels)  # noqa: B010 - typed per class
-        if isinstance(module, Linear):
-            w = module.weight
-            module.skinny = use_kernels
-            if mkldnn:
-                # Batch hint 64: near the typical decode batch; the layout serves every M.
-                module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
-                added += w.numel() * w.element_size()
+        if not isinstance(module, Linear):
+            continue
+        w = module.weight
+        nbytes = w.numel() * w.element_size()
+        module.skinny = use_kernels
+        if use_kernels and module.out_features % 8 == 0 and module.in_features % 8 == 0:
+            module.tiled = tile_weight(w.detach())
+            added += nbytes
+        if mkldnn:
+            # Batch hint 64: near the typical decode batch; the layout serves every M.
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+            added += nbytes
+        if module.tiled is not None and module.packed is not None and owners[id(w)] == 1:
+            w.data = torch.empty(0, dtype=w.dtype)
+            added -= nbytes
     return added
 
 
