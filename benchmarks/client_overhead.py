@@ -5,8 +5,10 @@ minimal local SSE responder in its own process, which answers every completion a
 the first event is written the moment the request is parsed, the other ``--chunks`` events
 right after it. Whatever the client then reports is the client's (and the loopback's) own
 cost. The floor: the same requests from a blocking socket with no event loop and no HTTP
-library (loopback, responder and process wake-ups only). Phases, for each of the bench's
-HTTP clients (``--http-clients``, default lean and aiohttp):
+library (loopback, responder and process wake-ups only); the spinning floor: the same from a
+non-blocking socket that spins before each send and on every read (no wake-up of the client
+process at all), the floor for ``--busy-poll``. Phases, for each of the bench's HTTP clients
+(``--http-clients``, default lean, lean with ``--busy-poll`` and aiohttp):
 
   1. latency at ``--rate`` (50) requests/s, Poisson arrivals, no progress bar.
      Target: client-added TTFT <= 1 ms at P99.
@@ -16,7 +18,7 @@ HTTP clients (``--http-clients``, default lean and aiohttp):
      Targets: >= 500 requests/s and >= 20,000 chunks/s.
 
 On a shared machine the neighbours' load moves by the minute, so the latency phases and the
-floor run **interleaved** in ``--blocks`` blocks (floor, client A, client B, progress bar;
+floor run **interleaved** in ``--blocks`` blocks (floor, spinning floor, each client, progress bar;
 again), each block with the same arrival schedule for all of them, and their samples are
 pooled: every variant sees the same load, and the floor is measured in the same run.
 
@@ -28,6 +30,7 @@ client's receive path. The responder returns its two stamps in the final chunk's
 
     python benchmarks/client_overhead.py                      # defaults below
     python benchmarks/client_overhead.py --num-prompts 2000 --latency-prompts 300 --json o.json
+    python benchmarks/client_overhead.py --pin      # responder on CPU 1, everything else on 0
 """
 
 from __future__ import annotations
@@ -132,8 +135,11 @@ def free_port() -> int:
 
 
 def bench_block(url: str, n: int, rate: float, max_concurrency: int | None, progress: bool,
-                seed: int, http_client: str) -> dict[str, Any]:
-    """One ``run_bench`` step; the raw per-request samples, for pooling across blocks."""
+                seed: int, variant: str) -> dict[str, Any]:
+    """One ``run_bench`` step; the raw per-request samples, for pooling across blocks.
+    ``variant``: an ``--http-client`` name, ``+busy`` for ``--busy-poll``."""
+    http_client, _, extra = variant.partition("+")
+    busy_poll = extra == "busy"
     from rich.console import Console
 
     from tailserve.bench.datasets import DatasetOptions
@@ -145,11 +151,12 @@ def bench_block(url: str, n: int, rate: float, max_concurrency: int | None, prog
         console = Console(file=io.StringIO(), width=120)
     cfg = BenchConfig(base_url=url, request_rate=rate, max_concurrency=max_concurrency,
                       seed=seed, progress=progress, observe=False, percentiles=[50, 99],
-                      http_client=http_client,
+                      http_client=http_client, busy_poll=busy_poll,
                       dataset=DatasetOptions(num_prompts=n, input_len=32, output_len=40))
     [r] = run_bench(cfg, console)
     ts = r["tailserve"]
     assert ts["environment"]["http_client"] == http_client
+    assert ts["environment"]["busy_poll"] == busy_poll
     t0 = ts["start_perf_counter"]
     out: dict[str, Any] = {"ttft": [], "added": [], "send_path": [], "receive_path": [],
                            "lag": [], "chunks": 0, "completed": r["completed"],
@@ -168,10 +175,14 @@ def bench_block(url: str, n: int, rate: float, max_concurrency: int | None, prog
     return out
 
 
-def floor_block(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
+def floor_block(port: int, n: int, rate: float, seed: int, spin: bool = False
+                ) -> dict[str, Any]:
     """The floor: the same requests at the same Poisson rate from a blocking socket, no event
     loop and no HTTP library. What this measures is loopback, the responder and the operating
-    system waking processes up; whatever the bench measures above it is the bench's own."""
+    system waking processes up; whatever the bench measures above it is the bench's own.
+    ``spin``: a non-blocking socket, a spin for the last 2 ms before each send (as
+    ``--busy-poll`` does) and a spin on ``recv``: this process is never woken up, only the
+    responder is — the floor for the busy-poll client."""
     from tailserve.bench.run import arrival_times
 
     body = json.dumps({"model": "responder", "prompt": " ".join(["word"] * 32),
@@ -184,17 +195,29 @@ def floor_block(port: int, n: int, rate: float, seed: int) -> dict[str, Any]:
     arrivals = arrival_times(n, rate, 1.0, np.random.default_rng([seed, 0, 1]))
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as both bench clients do
+    sock.setblocking(not spin)
+
+    def recv() -> bytes:
+        while True:
+            try:
+                return sock.recv(1 << 16)
+            except BlockingIOError:  # spin: nothing yet
+                pass
+
     ttft, added, send_path, recv_path = [], [], [], []
     t0 = time.perf_counter()
     for t in arrivals:
         while (delay := t0 + t - time.perf_counter()) > 0:
-            time.sleep(delay)
+            if not spin:
+                time.sleep(delay)
+            elif delay > 0.002:
+                time.sleep(delay - 0.002)
         sent = time.perf_counter()
-        sock.sendall(request)
-        buf = sock.recv(1 << 16)
+        sock.sendall(request)  # a few hundred bytes: the empty send buffer takes them at once
+        buf = recv()
         first = time.perf_counter()
         while not buf.endswith(b"0\r\n\r\n"):
-            buf += sock.recv(1 << 16)
+            buf += recv()
         stamps = json.loads(buf.split(b'"tailserve_timing": ', 1)[1].split(b"}", 1)[0] + b"}")
         ttft.append(first - sent)
         added.append(first - sent - (stamps["first_write"] - stamps["recv"]))
@@ -248,9 +271,12 @@ def main() -> int:
                     help="latency phase with the progress bar, over all blocks")
     ap.add_argument("--blocks", type=int, default=10,
                     help="interleaved blocks of the latency phases and the floor")
-    ap.add_argument("--http-clients", default="lean,aiohttp",
-                    help="the bench's HTTP clients to measure, side by side (default: "
-                    "%(default)s); the progress-bar phase uses the first")
+    ap.add_argument("--http-clients", default="lean,lean+busy,aiohttp",
+                    help="the bench's HTTP clients to measure, side by side; +busy: with "
+                    "--busy-poll (default: %(default)s); the progress-bar phase uses the first")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the responder to CPU 1 and this process (the clients and "
+                    "floors) to CPU 0")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     if args.responder:
@@ -260,6 +286,9 @@ def main() -> int:
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--responder", "--port", str(port),
                              "--chunks", str(args.chunks)])
+    if args.pin:
+        os.sched_setaffinity(proc.pid, {1})
+        os.sched_setaffinity(0, {0})
     clients = [c.strip() for c in args.http_clients.split(",") if c.strip()]
     nb = max(1, args.blocks)
     per, per_progress = args.latency_prompts // nb, args.progress_prompts // nb
@@ -275,12 +304,14 @@ def main() -> int:
                 time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         floor: list[dict[str, Any]] = []
+        spin_floor: list[dict[str, Any]] = []
         latency: dict[str, list[dict[str, Any]]] = {c: [] for c in clients}
         bar: list[dict[str, Any]] = []
         load_before = os.getloadavg()
         for b in range(nb):
             seed = 100 + b  # one arrival schedule per block, the same for every variant
             floor.append(floor_block(port, per, args.rate, seed))
+            spin_floor.append(floor_block(port, per, args.rate, seed, spin=True))
             for c in clients:
                 latency[c].append(bench_block(url, per, args.rate, None, False, seed, c))
             if per_progress:
@@ -294,6 +325,8 @@ def main() -> int:
             phases.append(pooled(f"latency @ {rate}, progress bar [{clients[0]}]", bar,
                                  per_progress * nb, load))
         floor_phase = pooled(f"floor: blocking socket @ {rate}", floor, per * nb, load)
+        spin_floor_phase = pooled(f"floor: spinning socket @ {rate}", spin_floor, per * nb,
+                                  load)
         for c in clients:
             before = os.getloadavg()
             blk = bench_block(url, args.num_prompts, float("inf"), args.max_concurrency, False,
@@ -305,13 +338,14 @@ def main() -> int:
         proc.wait(10)
     out = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                        "cpu_count": os.cpu_count()},
-           "chunks_per_response": args.chunks, "blocks": nb, "floor": floor_phase,
+           "chunks_per_response": args.chunks, "blocks": nb, "pinned": args.pin,
+           "floor": floor_phase, "spinning_floor": spin_floor_phase,
            "phases": phases}
     print("| phase | req/s | chunks/s | TTFT ms P50 / P99 / max | client-added TTFT ms P50 / "
           "P90 / P99 / max | send path / receive path ms P50 · P99 | send lag ms P99 | "
           "load avg (1 min) before → after |")
     print("|---|---|---|---|---|---|---|---|")
-    for p in [*phases, floor_phase]:
+    for p in [*phases, floor_phase, spin_floor_phase]:
         t, a = p["ttft_ms"], p["client_added_ttft_ms"]
         ok = f"{p['completed']}/{p['requests']} ok" if "completed" in p else p["requests"]
         row = (f"| {p['phase']} ({ok}) | "

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from time import perf_counter
@@ -81,7 +82,17 @@ class RawServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        async def stop() -> None:
+            # Handlers still waiting (an idle keep-alive connection, a stalled answer) end
+            # here, while the loop still runs, not as "Task was destroyed" at exit.
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.loop.stop()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop)
         self._thread.join(10)
 
 
@@ -402,3 +413,121 @@ def test_https_run_through_aiohttp(tmp_path: Path) -> None:
     assert (r["completed"], r["failed"], r["total_output_tokens"]) == (3, 0, 9)
     assert r["tailserve"]["environment"]["http_client"] == "aiohttp"
     assert untrusted.returncode == 2 and "certificate" in untrusted.stderr.lower()
+
+
+# ---------------------------------------------------------------- --busy-poll
+def _open_loop_run(clients: list[BenchClient], n: int, gap_s: float, busy_poll: bool
+                   ) -> tuple[list[RequestResult], float, float]:
+    """``n`` requests ``gap_s`` apart through the bench's open loop (client i % len(clients));
+    the results, the wall time and this thread's CPU time over the run."""
+    from tailserve.bench.report import Progress
+    from tailserve.bench.run import _open_loop
+
+    results = [RequestResult(i, f"rid-{i}", 5, 3, i * gap_s) for i in range(n)]
+    use = [clients[i % len(clients)] for i in range(n)]
+    payloads = [c.prepare(b'{"prompt": "x"}', r) for c, r in zip(use, results, strict=True)]
+
+    async def go() -> tuple[float, float]:
+        wall, cpu = perf_counter(), time.thread_time()
+        with Progress(_console()[0], n, "t", False) as progress:
+            await _open_loop(use, payloads, results, None, perf_counter(), progress, busy_poll)
+        for c in clients:
+            await c.close()  # type: ignore[attr-defined]
+        return perf_counter() - wall, time.thread_time() - cpu
+
+    wall, cpu = asyncio.run(go())
+    return results, wall, cpu
+
+
+def test_busy_poll_same_outcomes_as_waiting() -> None:
+    """The same real responder, the same schedule, with and without busy polling: the same
+    texts, token counts, timings from the server and failures — a timeout (the responder
+    stalls after the first chunk for requests 3k+1) and a refused connection (3k+2)."""
+    body = (chunk(cmpl_chunk("a") + cmpl_chunk("b", "length") + USAGE + DONE)
+            + b"0\r\n\r\n")
+
+    async def answer(i: int, w: asyncio.StreamWriter) -> bool:
+        rid = int(srv.requests[i].split(b"x-request-id: rid-", 1)[1].split(b"\r\n", 1)[0])
+        w.write(SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
+        if rid % 3 == 1:
+            w.write(chunk(cmpl_chunk("a")))
+            await w.drain()
+            await asyncio.sleep(1.0)  # past the client's 0.2 s timeout: it drops the connection
+            return False
+        w.write(body)
+        await w.drain()
+        return True
+
+    refused = f"http://127.0.0.1:{free_port()}/x"
+    out = {}
+    with RawServer(answer) as srv:
+        for busy in (False, True):
+            clients: list[BenchClient] = [LeanStreamClient(srv.url + "/x", {}, 0.2),
+                                          LeanStreamClient(srv.url + "/x", {}, 0.2),
+                                          LeanStreamClient(refused, {}, 0.2)]
+            out[busy], _, _ = _open_loop_run(clients, 9, 0.02, busy)
+    for waiting, busy_r in zip(out[False], out[True], strict=True):
+        assert outcome(waiting) == outcome(busy_r)
+        assert busy_r.send_s is not None and busy_r.end_s is not None
+    kinds = [r.error_type for r in out[True]]
+    assert kinds == [None, "timeout", "connection_refused"] * 3
+    ok = out[True][0]
+    assert ok.success and ok.text == "ab" and ok.output_tokens == 3 and ok.ttft_s is not None
+    assert ok.server_timing == {"queue_s": 0.001}
+
+
+def test_busy_poll_spins_only_while_something_is_in_flight_or_due() -> None:
+    """One slow response (0.3 s) in flight: the busy loop spins through it. Two quick
+    responses 0.3 s apart: it sleeps between them. Six slow ones at once (above
+    BUSY_POLL_MAX_IN_FLIGHT): it waits in epoll as without the option."""
+
+    async def answer(i: int, w: asyncio.StreamWriter) -> bool:
+        if slow:
+            await asyncio.sleep(0.3)
+        w.write(SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+                + chunk(cmpl_chunk("a", "length") + DONE) + b"0\r\n\r\n")
+        await w.drain()
+        return True
+
+    with RawServer(answer) as srv:
+        url = srv.url + "/x"
+        slow = True
+        res, wall, spun = _open_loop_run([LeanStreamClient(url, {}, 5.0)], 1, 0.0, True)
+        assert res[0].success and wall >= 0.3
+        assert spun > 0.1  # ~0.3 s of CPU unless the host took the core away
+        res, wall, waited = _open_loop_run([LeanStreamClient(url, {}, 5.0)], 1, 0.0, False)
+        assert res[0].success and waited < 0.05
+        slow = False
+        res, wall, cpu = _open_loop_run([LeanStreamClient(url, {}, 5.0)], 2, 0.3, True)
+        assert all(r.success for r in res) and wall >= 0.3 and cpu < 0.1
+        slow = True
+        res, wall, cpu = _open_loop_run([LeanStreamClient(url, {}, 5.0) for _ in range(6)],
+                                        6, 0.0, True)
+        assert all(r.success for r in res) and cpu < 0.1
+
+
+def test_busy_poll_run_matches_and_is_recorded() -> None:
+    """Whole runs through run_bench with and without --busy-poll: the same counts and
+    failures, and the result says which ran."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        index = request.headers["x-request-id"].rsplit("-", 1)[1]
+        if index.isdigit() and int(index) % 4 == 0:
+            return web.json_response({"error": {"message": "full", "type": "rate_limit"}},
+                                     status=429)
+        return await sse([cmpl_chunk("a"), cmpl_chunk("b", "length"), USAGE, DONE])(request)
+
+    out = {}
+    with FakeServer({("GET", "/v1/models"): _models,
+                     ("POST", "/v1/completions"): completions}) as srv:
+        for busy in (False, True):
+            cfg = BenchConfig(base_url=srv.url, busy_poll=busy, request_rate=200.0,
+                              progress=False, observe=False,
+                              dataset=DatasetOptions(num_prompts=12, input_len=8, output_len=3))
+            [out[busy]] = run_bench(cfg, _console()[0])
+    assert out[True]["tailserve"]["environment"]["busy_poll"] is True
+    assert out[False]["tailserve"]["environment"]["busy_poll"] is False
+    for key in ("completed", "failed", "total_output_tokens", "total_input_tokens"):
+        assert out[True][key] == out[False][key], key
+    assert out[True]["tailserve"]["failures"] == out[False]["tailserve"]["failures"]
+    assert (out[True]["completed"], out[True]["failed"]) == (9, 3)

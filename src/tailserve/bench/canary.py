@@ -99,7 +99,7 @@ async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any
             t0_wall, t0 = time.time(), perf_counter()  # after the bar's first draw
             try:
                 await _open_loop(clients, payloads, results, cfg.max_concurrency, t0,
-                                 progress)
+                                 progress, cfg.busy_poll)
             finally:
                 duration = perf_counter() - t0
     except asyncio.CancelledError:
@@ -119,7 +119,7 @@ async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any
             start_perf_counter=t0, server=None, warnings=list(ds.notes),
             interrupted=interrupted, run_id=a.run_id,
             environment=environment(cfg.argv, ctx.info, ctx.loop_name, load_before,
-                                    ctx.client_name),
+                                    ctx.client_name, cfg.busy_poll),
         ))
         result["label"] = f"{cfg.label or 'canary'} {arm}"
         result["tailserve"]["canary"] = {

@@ -118,14 +118,14 @@ def build_result(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
 
 def environment(argv: list[str], info: ServerInfo, loop_name: str,
                 load_before: tuple[float, float, float],
-                http_client: str = "aiohttp") -> dict[str, Any]:
+                http_client: str = "aiohttp", busy_poll: bool = False) -> dict[str, Any]:
     import tailserve
 
     return {
         "python": sys.version.split()[0], "platform": platform.platform(),
         "tailserve": tailserve.__version__, "aiohttp": aiohttp.__version__,
         "numpy": np.__version__, "event_loop": loop_name,
-        "http_client": http_client,
+        "http_client": http_client, "busy_poll": busy_poll,
         "cpu_count": os.cpu_count(), "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()), "argv": argv,
         "server": {"version": info.version, "models": info.served_models,

@@ -44,6 +44,14 @@ from tailserve.bench.tokens import TokenCounter, make_counter
 
 SYNTHETIC = ("random", "mixed", "prefix")
 INF = float("inf")
+# --busy-poll: the sender stops sleeping this long before a scheduled send and spins to it, so
+# the timer's OS wake-up (up to a millisecond or two late on a busy VM) lands before the send,
+# not inside it.
+BUSY_POLL_LEAD_S = 0.002
+# --busy-poll spins only while at most this many requests are in flight: with more, the event
+# loop has reads to serve anyway and a spinner would only take CPU from them (and from a server
+# on the same host), so the loop waits in epoll as it does without the option.
+BUSY_POLL_MAX_IN_FLIGHT = 4
 
 
 def arrival_times(n: int, rate: float, burstiness: float,
@@ -94,6 +102,8 @@ class BenchConfig:
     metrics_interval_s: float = 1.0
     # "lean": bench/http11.py for http:// URLs (aiohttp for https://); "aiohttp": always.
     http_client: str = "lean"
+    # Spin instead of sleeping around each request (see _open_loop); off by default.
+    busy_poll: bool = False
     argv: list[str] = field(default_factory=list)
     # Canary split (bench/canary.py): a second server and the share of users sent to it.
     base_url_b: str | None = None
@@ -343,7 +353,7 @@ class _Ctx:
                 t0_wall, t0 = time.time(), perf_counter()
                 try:
                     await _open_loop([self.client] * len(payloads), payloads, results,
-                                     plan.max_concurrency, t0, progress)
+                                     plan.max_concurrency, t0, progress, cfg.busy_poll)
                 finally:
                     duration = perf_counter() - t0
         except asyncio.CancelledError:
@@ -364,7 +374,7 @@ class _Ctx:
             results=results, duration_s=duration, start_time=t0_wall, start_perf_counter=t0,
             server=server, warnings=warnings, interrupted=interrupted, run_id=self.run_id,
             environment=environment(cfg.argv, self.info, self.loop_name, load_before,
-                                    self.client_name),
+                                    self.client_name, cfg.busy_poll),
         ))
         print_step(self.console, result, cfg.percentiles)
         return result
@@ -384,9 +394,36 @@ class _Ctx:
 
 async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
                      results: list[RequestResult],
-                     max_concurrency: int | None, t0: float, progress: Progress) -> None:
+                     max_concurrency: int | None, t0: float, progress: Progress,
+                     busy_poll: bool = False) -> None:
+    """Send every request at its scheduled time, each in its own task.
+
+    ``busy_poll`` (``--busy-poll``): for low-rate latency measurements on a host where the
+    client has a core to itself. Waiting in the event loop, the client pays the OS's wake-up
+    latency twice per request: the timer's wake-up before the send and epoll's after the
+    response lands. With ``busy_poll`` the sender sleeps until ``BUSY_POLL_LEAD_S`` before a
+    send and then spins to it, and while 1 to ``BUSY_POLL_MAX_IN_FLIGHT`` requests are in
+    flight a spinner task yields to the loop without ever sleeping: each loop turn then
+    polls the sockets with a zero timeout, so a read is taken (and stamped by the client's
+    read callback, where it always is) as soon as it arrives. The stamps stay where they are:
+    the send stamp right before the write, the first-byte stamp at the read that carried the
+    first content. With nothing due and nothing in flight, or more than
+    ``BUSY_POLL_MAX_IN_FLIGHT`` in flight, the loop waits in epoll as without the option.
+    """
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     next_send = [INF]  # perf_counter time of the next scheduled send, for the progress bar
+    in_flight = [0]
+    spin_wake = asyncio.Event()  # set when in_flight changes: the parked spinner re-checks
+
+    async def spin() -> None:
+        while True:
+            if 0 < in_flight[0] <= BUSY_POLL_MAX_IN_FLIGHT:
+                # A ready callback makes the next loop turn poll with timeout 0: this
+                # process never sleeps while a response it is waiting for can arrive.
+                await asyncio.sleep(0)
+            else:
+                spin_wake.clear()
+                await spin_wake.wait()
 
     async def one(i: int) -> None:
         try:
@@ -396,6 +433,8 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
             results[i].error = "the run was interrupted while this request was in flight"
             raise
         finally:
+            in_flight[0] -= 1
+            spin_wake.set()
             if sem is not None:
                 sem.release()
             progress.finished(results[i].success)
@@ -405,16 +444,24 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
 
     tasks = []
     watcher = asyncio.create_task(progress.watch())
+    spinner = asyncio.create_task(spin()) if busy_poll else None
     try:
         for i, res in enumerate(results):
-            next_send[0] = t0 + res.scheduled_s
+            due = next_send[0] = t0 + res.scheduled_s
             # A loop, not one sleep: the event loop's timers have millisecond resolution and
             # can fire up to half a millisecond early; a request must never go before its time.
-            while (delay := t0 + res.scheduled_s - perf_counter()) > 0:
-                await asyncio.sleep(delay)
+            while (delay := due - perf_counter()) > 0:
+                if not busy_poll or in_flight[0] > BUSY_POLL_MAX_IN_FLIGHT:
+                    await asyncio.sleep(delay)
+                elif delay > BUSY_POLL_LEAD_S:
+                    await asyncio.sleep(delay - BUSY_POLL_LEAD_S)
+                else:
+                    await asyncio.sleep(0)  # spin: I/O is still served every turn
             if sem is not None:
                 await sem.acquire()
             progress.sent()
+            in_flight[0] += 1
+            spin_wake.set()
             tasks.append(asyncio.create_task(one(i)))
         next_send[0] = INF
         await asyncio.gather(*tasks)
@@ -426,3 +473,5 @@ async def _open_loop(clients: list[BenchClient], payloads: list[bytes],
         raise
     finally:
         watcher.cancel()
+        if spinner is not None:
+            spinner.cancel()
