@@ -201,8 +201,8 @@ def floor_block(port: int, n: int, rate: float, seed: int, spin: bool = False
         while True:
             try:
                 return sock.recv(1 << 16)
-            except BlockingIOError:  # spin: nothing yet
-                pass
+            except BlockingIOError:  # spin: nothing yet; the CPU to whoever waits for it
+                os.sched_yield()
 
     ttft, added, send_path, recv_path = [], [], [], []
     t0 = time.perf_counter()
@@ -212,6 +212,8 @@ def floor_block(port: int, n: int, rate: float, seed: int, spin: bool = False
                 time.sleep(delay)
             elif delay > 0.002:
                 time.sleep(delay - 0.002)
+            else:
+                os.sched_yield()
         sent = time.perf_counter()
         sock.sendall(request)  # a few hundred bytes: the empty send buffer takes them at once
         buf = recv()
