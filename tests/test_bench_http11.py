@@ -494,9 +494,11 @@ def test_busy_poll_spins_only_while_something_is_in_flight_or_due() -> None:
         slow = True
         res, wall, spun = _open_loop_run([LeanStreamClient(url, {}, 5.0)], 1, 0.0, True)
         assert res[0].success and wall >= 0.3
-        assert spun > 0.1  # ~0.3 s of CPU unless the host took the core away
         res, wall, waited = _open_loop_run([LeanStreamClient(url, {}, 5.0)], 1, 0.0, False)
-        assert res[0].success and waited < 0.05
+        assert res[0].success and waited < 0.03
+        # ~0.3 s of CPU when the core is free; a spinner yields to every waiting task, so on
+        # a loaded host it gets less, but still far more than waiting in epoll.
+        assert spun > 0.05
         slow = False
         res, wall, cpu = _open_loop_run([LeanStreamClient(url, {}, 5.0)], 2, 0.3, True)
         assert all(r.success for r in res) and wall >= 0.3 and cpu < 0.1
