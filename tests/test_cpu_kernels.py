@@ -183,3 +183,34 @@ def test_rope_in_place_matches_torch_rope() -> None:
     assert result.data_ptr() == qk.data_ptr()
     torch.testing.assert_close(qk, expected)
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
+
+
+def test_work_pool_serves_concurrent_callers() -> None:
+    """Kernels called from several threads at once (two engines in one process) all finish
+    with the right answer: a second caller runs serially instead of waiting on the pool."""
+    import threading
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 576, generator=g)
+    x = torch.randn(1, 576, generator=g)
+    expected = F.linear(x, w)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(200):
+                torch.testing.assert_close(ops.skinny_linear(x, w, None), expected)
+        except BaseException as exc:  # reported to the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    ops.set_kernel_spin_us(0)  # workers sleep between calls: the wake-up path is exercised
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        ops.set_kernel_spin_us(200)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[0]
