@@ -199,7 +199,8 @@ def test_work_pool_serves_concurrent_callers() -> None:
     def worker() -> None:
         try:
             for _ in range(200):
-                torch.testing.assert_close(ops.skinny_linear(x, w, None), expected)
+                got = ops.skinny_linear(x, w, None)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
         except BaseException as exc:  # reported to the main thread below
             errors.append(exc)
 
