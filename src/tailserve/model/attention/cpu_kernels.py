@@ -24,30 +24,11 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         # The decode plan of the reference backend (padded groups) is not needed here.
         self._groups = []
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
-        v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    def _decode_all(
+        self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        # Decode tokens are the first n rows, one per sequence, in block_tables' order.
         n = meta.num_decodes
-        if n:
-            # Decode tokens are the first n rows, one per sequence, in block_tables' order.
-            torch.ops.tailserve.paged_decode_attention(
-                out[:n], q[:n], kv_cache, meta.block_tables, meta.seq_lens, meta.scale
-            )
-        for i in range(n, meta.num_seqs):
-            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], kv_cache, meta, i
-            )
-        return out
+        torch.ops.tailserve.paged_decode_attention(
+            out[:n], q[:n], kv_cache, meta.block_tables, meta.seq_lens, meta.scale
+        )

@@ -80,15 +80,22 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
-        for group in self._groups:
-            out[group.start : group.end] = self._decode(q, kv_cache, meta, group)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            self._decode_all(out, q, kv_cache, meta)
         for i in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self._prefill(
                 q[start:end], k[start:end], v[start:end], kv_cache, meta, i
             )
         return out
+
+    def _decode_all(
+        self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Attention of the first ``meta.num_decodes`` tokens (one per decoding sequence)."""
+        for group in self._groups:
+            out[group.start : group.end] = self._decode(q, kv_cache, meta, group)
 
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, group: _Group
