@@ -100,6 +100,20 @@ def build_payload(
     return msgspec.json.encode(body)
 
 
+# What parsing a streamed event can raise: not JSON, or JSON of the wrong shape (say
+# "choices": ["x"]). Either is one failed request, not a run that dies with a traceback.
+STREAM_PARSE_ERRORS = (msgspec.DecodeError, AttributeError, TypeError, KeyError, IndexError)
+
+
+def describe_stream_error(exc: BaseException) -> tuple[str, str]:
+    """(error type, message) for one of ``STREAM_PARSE_ERRORS``; both clients use it."""
+    if isinstance(exc, msgspec.DecodeError):
+        return "bad_json", f"a streamed event is not JSON: {exc}"
+    return "bad_response", (
+        f"a streamed event has an unexpected shape: {type(exc).__name__}: {exc}"
+    )
+
+
 def describe_http_error(status: int, body: bytes, reason: str | None) -> tuple[str, str]:
     """(error type, message) from an error response: OpenAI's ``{"error": {...}}`` when the
     server sends it, FastAPI's ``{"detail"}``, else the raw text."""
@@ -204,14 +218,8 @@ class StreamClient:
         except aiohttp.ClientError as exc:
             res.error_type = "client_error"
             res.error = f"{type(exc).__name__}: {exc}"
-        except msgspec.DecodeError as exc:
-            res.error_type = "bad_json"
-            res.error = f"a streamed event is not JSON: {exc}"
-        except (AttributeError, TypeError, KeyError, IndexError) as exc:
-            # JSON of the wrong shape (say "choices": ["x"]): one failed request, not a run
-            # that dies with a traceback.
-            res.error_type = "bad_response"
-            res.error = f"a streamed event has an unexpected shape: {type(exc).__name__}: {exc}"
+        except STREAM_PARSE_ERRORS as exc:
+            res.error_type, res.error = describe_stream_error(exc)
         finally:
             res.end_s = perf_counter() - t0
 

@@ -32,17 +32,18 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import aiohttp
-import msgspec
 
 import tailserve
 from tailserve.bench import BenchError
 from tailserve.bench.client import (
     _ERROR_BODY_LIMIT,
+    STREAM_PARSE_ERRORS,
     BenchClient,
     RequestResult,
     SseParser,
     StreamClient,
     describe_http_error,
+    describe_stream_error,
 )
 
 _MAX_HEAD = 64 << 10  # a response head larger than this is not an HTTP server's
@@ -403,12 +404,8 @@ class LeanStreamClient:
         except HTTPProtocolError as exc:
             res.error_type = "client_error"
             res.error = f"{type(exc).__name__}: {exc}"
-        except msgspec.DecodeError as exc:
-            res.error_type = "bad_json"
-            res.error = f"a streamed event is not JSON: {exc}"
-        except (AttributeError, TypeError, KeyError, IndexError) as exc:
-            res.error_type = "bad_response"
-            res.error = f"a streamed event has an unexpected shape: {type(exc).__name__}: {exc}"
+        except STREAM_PARSE_ERRORS as exc:
+            res.error_type, res.error = describe_stream_error(exc)
         except BaseException:
             # Cancelled (Ctrl-C) mid-exchange: the rest of this response must not be read
             # as the next request's.
