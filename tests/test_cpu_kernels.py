@@ -34,10 +34,15 @@ def reference_decode(
 
 
 def make_pool(
-    lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+    lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    bs: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    bs = 16
     per_seq = max(-(-n // bs) for n in lens)
     num_blocks = len(lens) * per_seq + 3
     kv = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
@@ -67,6 +72,34 @@ def test_paged_decode_attention_float32(
     ops.paged_decode_attention(out, q, kv, tables, torch.tensor(lens), scale)
     ref = reference_decode(q, kv, tables, lens, scale)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("bs", [1, 5, 8, 12, 32])
+@pytest.mark.parametrize("lens", [[1, 7, 8, 9, 16, 17, 300, 33], [301, 2]], ids=["many", "few"])
+def test_paged_decode_attention_block_sizes(bs: int, lens: list[int]) -> None:
+    """The kernel walks a block in chunks of up to eight tokens that never cross a block."""
+    q, kv, tables = make_pool(lens, 9, 3, 64, torch.float32, seed=bs, bs=bs)
+    out = torch.full(q.shape, float("nan"))
+    ops.paged_decode_attention(out, q, kv, tables, torch.tensor(lens), 0.125)
+    ref = reference_decode(q, kv, tables, lens, 0.125)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_paged_decode_attention_rising_and_extreme_scores() -> None:
+    """The online softmax rescales its running sums whenever a later chunk holds a larger
+    score: keys that grow along the context force a rescale at nearly every chunk, and scores
+    spanning hundreds of units must neither overflow nor lose the winning tokens."""
+    lens = [200, 64, 9, 130]
+    q, kv, tables = make_pool(lens, 9, 3, 64, torch.float32, seed=11)
+    for i, n in enumerate(lens):
+        blocks = tables[i, : -(-n // 16)]
+        ramp = torch.linspace(0.1, 3.0, len(blocks) * 16).view(len(blocks), 16, 1, 1)
+        kv[0, blocks] *= ramp
+    q = q * 8
+    out = torch.full(q.shape, float("nan"))
+    ops.paged_decode_attention(out, q, kv, tables, torch.tensor(lens), 0.125)
+    ref = reference_decode(q, kv, tables, lens, 0.125)
+    assert (out.double() - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -50,15 +50,17 @@ class Linear(nn.Linear):
 
 
 def onednn_rows_bucket(rows: int) -> int:
-    """Row count a oneDNN linear actually runs with: 16s up to 64, then 64s.
+    """Row count a oneDNN linear actually runs with: 8s up to 64, then 64s.
 
     oneDNN (through torch's ideep) keeps state for every input shape it has seen; with the
     row count varying every step (decode batch sizes, prefill chunks) RSS grew by ~500 MB over
-    500 mixed requests (tests/test_steady_memory.py). Padding to a few buckets bounds it
-    (measured: +30 MB, flat) for at most 15 or 63 wasted rows.
+    500 mixed requests (tests/test_steady_memory.py; with every row count up to 64 exact,
+    still +92 MB). A few buckets bound it (measured: +23 MB, flat). The buckets are fine
+    where decode batches fall: a linear's time grows with its rows (17 rows take 65% of 32
+    rows' time), so buckets of 16 wasted up to a third of a decode step's matmul time.
     """
     if rows <= 64:
-        return -(-rows // 16) * 16
+        return -(-rows // 8) * 8
     return -(-rows // 64) * 64
 
 
