@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tailserve.kernels import cpu_ops_available
-from tailserve.model.layers import Linear, apply_rope, prepare_cpu_kernels, tile_weight
+from tailserve.model.layers import Linear, apply_rope, panel_weight, prepare_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="CPU kernels not built")
 ops = torch.ops.tailserve
@@ -145,15 +145,32 @@ def test_skinny_linear_matches_f_linear(m: int, k: int, n: int, bias: bool) -> N
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 13, 64, 131])  # chunks of six rows
+@pytest.mark.parametrize("k,n", [(576, 960), (37, 16), (1536, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_tiled_matches_f_linear(m: int, bias: bool) -> None:
-    g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 576, generator=g)
-    w = torch.randn(960, 576, generator=g)
-    b = torch.randn(960, generator=g) if bias else None
-    got = ops.skinny_linear_tiled(x, tile_weight(w), b)
+def test_panel_linear_matches_f_linear(m: int, k: int, n: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = ops.panel_linear(x, panel_weight(w), b)
+    assert got.shape == (m, n)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    # A strided view (a slice of a wider activation) gives the same answer.
+    wide = torch.randn(m, k + 8, generator=g)
+    wide[:, 3 : 3 + k] = x
+    torch.testing.assert_close(ops.panel_linear(wide[:, 3 : 3 + k], panel_weight(w), b), got)
+
+
+def test_panel_linear_rejects_bad_shapes() -> None:
+    w = panel_weight(torch.randn(32, 24))
+    with pytest.raises(RuntimeError, match="panels of K = 24"):
+        ops.panel_linear(torch.randn(2, 25), w, None)
+    with pytest.raises(RuntimeError, match="bad bias"):
+        ops.panel_linear(torch.randn(2, 24), w, torch.randn(31))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.panel_linear(torch.randn(2, 24, dtype=torch.float64), w, None)
+    assert ops.panel_linear(torch.randn(0, 24), w, None).shape == (0, 32)
 
 
 def test_prepared_linear_keeps_two_copies_and_shared_weights() -> None:
@@ -161,19 +178,20 @@ def test_prepared_linear_keeps_two_copies_and_shared_weights() -> None:
     module (a tied LM head) keeps its storage, an unshared one is released."""
     torch.manual_seed(0)
     model = torch.nn.Module()
-    model.a = Linear(64, 24, bias=True)
+    model.a = Linear(64, 32, bias=True)
     model.emb = torch.nn.Embedding(40, 64)
     model.head = Linear(64, 40, bias=False)
     model.head.weight = model.emb.weight
-    model.odd = Linear(60, 13, bias=False)  # not a multiple of 8: no tiled copy
+    model.odd = Linear(60, 24, bias=False)  # not a multiple of 16: no panel copy
     ref = {name: (m.weight.detach().clone(), m.bias) for name, m in
            [("a", model.a), ("head", model.head), ("odd", model.odd)]}
     prepare_cpu_kernels(model, use_kernels=True)
-    assert model.a.weight.numel() == 0 and model.a.tiled is not None
+    assert model.a.weight.numel() == 0 and model.a.panel is not None
     assert model.emb.weight.shape == (40, 64)  # tied: kept for the embedding lookup
-    assert model.odd.tiled is None and model.odd.weight.shape == (13, 60)
-    for name, rows in [("a", 1), ("a", 5), ("a", 33), ("head", 1), ("head", 40),
-                       ("odd", 2), ("odd", 20)]:
+    assert model.odd.panel is None and model.odd.weight.shape == (24, 60)
+    # Rows 1-128 take the panel kernel (skinny up to 8 rows without a panel), more oneDNN.
+    for name, rows in [("a", 1), ("a", 5), ("a", 33), ("a", 200), ("head", 1), ("head", 40),
+                       ("head", 129), ("odd", 2), ("odd", 20), ("odd", 130)]:
         module = getattr(model, name)
         w, b = ref[name]
         x = torch.randn(rows, w.shape[1])

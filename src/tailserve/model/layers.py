@@ -10,35 +10,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Up to this many input rows a CPU linear runs the skinny kernel (weights read once for all
-# rows, at the memory's pace); above it oneDNN's blocked GEMM wins. Measured on a 2-core AVX2
-# CPU for the default model's shapes (benchmarks/RESULTS.md, "CPU kernels").
+# Up to this many input rows a CPU linear runs the panel kernel; above it oneDNN's blocked
+# GEMM is as fast or faster. Measured on a 2-core AVX2 CPU over the default model's 121
+# linears with weights streamed from memory (benchmarks/RESULTS.md, "CPU kernels"): panel
+# 1.3-1.55x oneDNN at 9-64 rows, 1.2x at 96, even at 128, 0.9x at 512.
+PANEL_MAX_ROWS = 128
+# Weights without a panel copy (output count not a multiple of 16) take the skinny kernel,
+# which reads W as stored, up to this many rows.
 SKINNY_MAX_ROWS = 8
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` with faster CPU paths, added by ``prepare_cpu_kernels``.
 
-    A decode step of a few sequences is bound by reading every weight once; MKL's sgemm reads
-    them at 3-4 GB/s on an AVX2 CPU at M <= 16, so few-row inputs go to the compiled skinny
-    kernel (parallel over output rows, weights in a tiled copy that each thread reads as one
-    sequential stream: 16-17 GB/s over a layer). Many-row inputs (big decode batches, prefill
-    chunks) go to oneDNN with the weight reordered once into its blocked layout: 1.2-2x MKL's
-    GFLOPS at M = 32-512 for these shapes. Without either (no compiler, another dtype or
-    device) it is plain ``F.linear``.
+    A decode step is a matrix product of few rows: at one row it is bound by reading every
+    weight once, at tens of rows by arithmetic, and MKL/oneDNN serve both poorly on an AVX2
+    CPU (MKL reads the weights at 3-4 GB/s at M <= 16; oneDNN reaches 45-75 GFLOPS at
+    M = 16-64). Decode-sized inputs therefore go to the compiled panel kernel, on a copy of
+    the weight in panels of 16 output columns ``[out/16, in, 16]``: ~15 GB/s at one row,
+    60-110 GFLOPS at 12-96 rows. Prefill chunks go to oneDNN with the weight reordered once
+    into its blocked layout. Without either (no compiler, another dtype or device) it is
+    plain ``F.linear``.
     """
 
     skinny: bool = False
-    tiled: torch.Tensor | None = None  # [out/8, in/8, 8, 8] copy for the skinny kernel
+    panel: torch.Tensor | None = None  # [out/16, in, 16] copy for the panel kernel
     packed: torch.Tensor | None = None  # oneDNN-blocked copy for many rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny and x.shape[0] <= SKINNY_MAX_ROWS:
-            if self.tiled is not None:
-                return torch.ops.tailserve.skinny_linear_tiled(x, self.tiled, self.bias)
+        rows = x.shape[0]
+        if self.panel is not None and rows <= PANEL_MAX_ROWS:
+            return torch.ops.tailserve.panel_linear(x, self.panel, self.bias)
+        if self.skinny and rows <= SKINNY_MAX_ROWS and self.weight.numel():
             return torch.ops.tailserve.skinny_linear(x, self.weight, self.bias)
         if self.packed is not None:
-            rows = x.shape[0]
             bucket = onednn_rows_bucket(rows)
             if bucket != rows:
                 padded = x.new_zeros((bucket, x.shape[1]))
@@ -64,17 +69,17 @@ def onednn_rows_bucket(rows: int) -> int:
     return -(-rows // 64) * 64
 
 
-def tile_weight(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [out/8, in/8, 8, 8]: each 8 rows x 8 columns slice contiguous."""
+def panel_weight(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out/16, in, 16]: for each 16 output columns, their weights k by k."""
     out_f, in_f = w.shape
-    return w.view(out_f // 8, 8, in_f // 8, 8).permute(0, 2, 1, 3).contiguous()
+    return w.view(out_f // 16, 16, in_f).transpose(1, 2).contiguous()
 
 
 def prepare_cpu_kernels(model: nn.Module, use_kernels: bool) -> int:
     """Switch a float32 CPU model's layers to the faster paths; returns the bytes added.
 
-    ``use_kernels`` (the compiled ``torch.ops.tailserve`` ops are built): few-row linears use
-    the skinny kernel on a tiled copy of their weight, RMSNorm (with its residual add),
+    ``use_kernels`` (the compiled ``torch.ops.tailserve`` ops are built): decode-sized linears
+    use the panel kernel on a panel copy of their weight, RMSNorm (with its residual add),
     SiLU-and-mul and rope run as one fused op each. Where oneDNN is built in, every ``Linear``
     also gets its weight in oneDNN's blocked layout for many-row inputs. A weight with both
     copies is never read in its own layout again, so its storage is released, unless another
@@ -97,14 +102,14 @@ def prepare_cpu_kernels(model: nn.Module, use_kernels: bool) -> int:
         w = module.weight
         nbytes = w.numel() * w.element_size()
         module.skinny = use_kernels
-        if use_kernels and module.out_features % 8 == 0 and module.in_features % 8 == 0:
-            module.tiled = tile_weight(w.detach())
+        if use_kernels and module.out_features % 16 == 0:
+            module.panel = panel_weight(w.detach())
             added += nbytes
         if mkldnn:
             # Batch hint 64: near the typical decode batch; the layout serves every M.
             module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
             added += nbytes
-        if module.tiled is not None and module.packed is not None and owners[id(w)] == 1:
+        if module.panel is not None and module.packed is not None and owners[id(w)] == 1:
             w.data = torch.empty(0, dtype=w.dtype)
             added -= nbytes
     return added
