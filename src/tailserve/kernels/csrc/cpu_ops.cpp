@@ -634,25 +634,40 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
 template <int MR>
 inline void panel_rows(const float* x, int64_t K, const float* w, float* y, int64_t N,
                        const float* bias) {
-  __m256 c0[MR], c1[MR];
-  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  for (int r = 0; r < MR; ++r) {
-    c0[r] = b0;
-    c1[r] = b1;
+  // Named accumulators, not arrays: GCC 12 kept __m256 arrays on the stack here and stored
+  // all twelve every step, which halved the speed.
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  c00 = c10 = c20 = c30 = c40 = c50 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  c01 = c11 = c21 = c31 = c41 = c51 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  const float* x0 = x;
+  for (int64_t k = 0; k < K; ++k, ++x0, w += 16) {
+    const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+#define TS_PANEL_ROW(r)                                          \
+  if constexpr (MR > r) {                                        \
+    const __m256 a = _mm256_broadcast_ss(x0 + r * K);            \
+    c##r##0 = _mm256_fmadd_ps(a, w0, c##r##0);                   \
+    c##r##1 = _mm256_fmadd_ps(a, w1, c##r##1);                   \
   }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_load_ps(w + k * 16), w1 = _mm256_load_ps(w + k * 16 + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
-      c0[r] = _mm256_fmadd_ps(a, w0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(a, w1, c1[r]);
-    }
+    TS_PANEL_ROW(0)
+    TS_PANEL_ROW(1)
+    TS_PANEL_ROW(2)
+    TS_PANEL_ROW(3)
+    TS_PANEL_ROW(4)
+    TS_PANEL_ROW(5)
+#undef TS_PANEL_ROW
   }
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(y + r * N, c0[r]);
-    _mm256_storeu_ps(y + r * N + 8, c1[r]);
+#define TS_PANEL_STORE(r)                     \
+  if constexpr (MR > r) {                     \
+    _mm256_storeu_ps(y + r * N, c##r##0);     \
+    _mm256_storeu_ps(y + r * N + 8, c##r##1); \
   }
+  TS_PANEL_STORE(0)
+  TS_PANEL_STORE(1)
+  TS_PANEL_STORE(2)
+  TS_PANEL_STORE(3)
+  TS_PANEL_STORE(4)
+  TS_PANEL_STORE(5)
+#undef TS_PANEL_STORE
 }
 #endif
 
