@@ -335,10 +335,18 @@ def test_ctrl_c_reports_what_was_sent(tmp_path: Path) -> None:
                           cmpl_chunk("b", "length"), DONE])(request)
 
     path = tmp_path / "r.json"
-    with FakeServer({("GET", "/v1/models"): models,
-                     ("POST", "/v1/completions"): completions}) as srv:
-        rc = main(["bench", "--base-url", srv.url, "--num-prompts", "200", "--request-rate",
-                   "40", "--input-len", "4", "--no-progress", "--save-result", str(path)])
+    # A test run started in the background (`make test &`, `nohup ... &`) inherits SIGINT as
+    # ignored, and asyncio then (rightly) leaves it ignored: give this test the handler an
+    # interactive terminal has, so it tests Ctrl-C however pytest was launched.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with FakeServer({("GET", "/v1/models"): models,
+                         ("POST", "/v1/completions"): completions}) as srv:
+            rc = main(["bench", "--base-url", srv.url, "--num-prompts", "200",
+                       "--request-rate", "40", "--input-len", "4", "--no-progress",
+                       "--save-result", str(path)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert rc == 130
     r = json.loads(path.read_text())
     assert r["tailserve"]["interrupted"]
