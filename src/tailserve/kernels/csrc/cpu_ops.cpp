@@ -4,7 +4,7 @@
 //                           from the paged pool (no gather into a workspace), the query heads
 //                           of a GQA group sharing every K/V row they read; one pass with an
 //                           online softmax.
-//   panel_linear            y = x W^T (+ b) for decode batches (1-64 rows) on a panel copy of
+//   panel_linear            y = x W^T (+ b) for decode batches (1-128 rows) on a panel copy of
 //                           W; MKL and oneDNN are 1.3-3x slower at these row counts on AVX2.
 //   skinny_linear           the same for a few rows on W as stored (weights whose output count
 //                           is not a multiple of 16, so they have no panel copy).
