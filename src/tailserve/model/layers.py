@@ -41,7 +41,7 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         if self.panel is not None and rows <= PANEL_MAX_ROWS:
             return torch.ops.tailserve.panel_linear(x, self.panel, self.bias)
-        if self.skinny and rows <= SKINNY_MAX_ROWS and self.weight.numel():
+        if self.skinny and rows <= SKINNY_MAX_ROWS:  # no panel copy: W is kept as stored
             return torch.ops.tailserve.skinny_linear(x, self.weight, self.bias)
         if self.packed is not None:
             bucket = onednn_rows_bucket(rows)
@@ -60,9 +60,9 @@ def onednn_rows_bucket(rows: int) -> int:
     oneDNN (through torch's ideep) keeps state for every input shape it has seen; with the
     row count varying every step (decode batch sizes, prefill chunks) RSS grew by ~500 MB over
     500 mixed requests (tests/test_steady_memory.py; with every row count up to 64 exact,
-    still +92 MB). A few buckets bound it (measured: +23 MB, flat). The buckets are fine
-    where decode batches fall: a linear's time grows with its rows (17 rows take 65% of 32
-    rows' time), so buckets of 16 wasted up to a third of a decode step's matmul time.
+    still +92 MB). A few buckets bound it (measured: +23 MB, flat). They are fine up to 64
+    rows (decode batches of weights without a panel copy): a linear's time grows with its
+    rows (17 rows take 65% of 32 rows' time), so buckets of 16 wasted up to a third of it.
     """
     if rows <= 64:
         return -(-rows // 8) * 8
