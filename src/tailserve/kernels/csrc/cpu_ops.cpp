@@ -333,6 +333,20 @@ constexpr int64_t kMaxItemHeads = 32;
 constexpr int64_t kPrefetchTokens = 16;
 constexpr int64_t kFarTokens = 48;
 
+// K and V row pointers of tokens [t, t + count), one table lookup per block they fall in.
+inline void chunk_rows(const PagedRows& rows, const float* kp, const float* vp, int64_t t,
+                       int64_t count, const float** pk, const float** pv) {
+  for (int64_t j = 0; j < count;) {
+    const int64_t stop = std::min(count, j + rows.block_size - (t + j) % rows.block_size);
+    const float* kb = rows.row(kp, t + j);
+    const float* vb = rows.row(vp, t + j);
+    for (int64_t i = 0; j < stop; ++j, ++i) {
+      pk[j] = kb + i * rows.tok_stride;
+      pv[j] = vb + i * rows.tok_stride;
+    }
+  }
+}
+
 // Prefetch `floats` floats from p: Hint _MM_HINT_T0 into L1, _MM_HINT_T1 into L2.
 template <int Hint>
 inline void prefetch_span(const float* p, int64_t floats) {
@@ -363,34 +377,25 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
   std::fill(acc, acc + heads * D, 0.f);
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const float* pk[8];
+  const float* pk[8];  // rows kPrefetchTokens ahead
   const float* pv[8];
+  const float* fk[8];  // rows kFarTokens ahead
+  const float* fv[8];
   for (int64_t t0 = 0; t0 < len;) {
     // A chunk never crosses a block: its rows are tok_stride apart.
     const int64_t n = std::min<int64_t>({8, rows.block_size - t0 % rows.block_size, len - t0});
     const float* k0 = rows.row(kp, t0);
     const float* v0 = rows.row(vp, t0);
     const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kPrefetchTokens));
-    for (int64_t j = 0; j < ahead;) {  // one table lookup per block the rows fall in
-      const int64_t t = t0 + kPrefetchTokens + j;
-      const int64_t stop = std::min(ahead, j + rows.block_size - t % rows.block_size);
-      const float* kb = rows.row(kp, t);
-      const float* vb = rows.row(vp, t);
-      for (int64_t i = 0; j < stop; ++j, ++i) {
-        pk[j] = kb + i * rows.tok_stride;
-        pv[j] = vb + i * rows.tok_stride;
-      }
-    }
     const int64_t far = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kFarTokens));
-    const float* fk = far ? rows.row(kp, t0 + kFarTokens) : nullptr;
-    const float* fv = far ? rows.row(vp, t0 + kFarTokens) : nullptr;
-    const int64_t far_n = std::min<int64_t>(far, rows.block_size - (t0 + kFarTokens) % rows.block_size);
+    chunk_rows(rows, kp, vp, t0 + kPrefetchTokens, ahead, pk, pv);
+    chunk_rows(rows, kp, vp, t0 + kFarTokens, far, fk, fv);
     // Scores, token by token so the chunk's rows are read in address order.
     for (int64_t j = 0; j < 8; ++j) {
       if (j < ahead) prefetch_span<_MM_HINT_T0>(pk[j], span);
-      if (j < far_n) {
-        prefetch_span<_MM_HINT_T1>(fk + j * rows.tok_stride, span);
-        prefetch_span<_MM_HINT_T1>(fv + j * rows.tok_stride, span);
+      if (j < far) {
+        prefetch_span<_MM_HINT_T1>(fk[j], span);
+        prefetch_span<_MM_HINT_T1>(fv[j], span);
       }
       const float* kr = k0 + std::min(j, n - 1) * rows.tok_stride;  // lanes >= n are masked
       for (int64_t g = 0; g < num_g; ++g) {
