@@ -133,6 +133,12 @@ class EngineArgs:
         default=None, metadata={"help": "waiting requests beyond which new ones are rejected"}
     )
     tensor_parallel_size: int = 1
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "run every step through the PyTorch module forward; by default CPU "
+                  "decode-only steps run all layers in one compiled call (the CPU analogue of "
+                  "a CUDA graph)"},
+    )
     memory_alert: float = field(
         default=0.95,
         metadata={"help": "warn (and count tailserve:memory_alerts_total) when device memory "

@@ -22,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "cpu_ops.cpp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "decode_layers.cpp"]
+_HEADERS = [_CSRC / "cpu_ops.h"]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -30,7 +32,7 @@ _state: dict[str, bool] = {}
 
 def _build_dir() -> Path:
     digest = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         digest.update(src.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(torch.__version__.encode())

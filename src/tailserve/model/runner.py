@@ -17,6 +17,7 @@ from tailserve.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOu
 from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
+from tailserve.model.cpu_decode import CpuDecodeGraph
 from tailserve.model.layers import prepare_cpu_kernels
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
@@ -88,6 +89,11 @@ class ModelRunner:
         self.model = model.eval()
         if self.device.type == "cpu":
             prepare_cpu_kernels(self.model, self.cpu_kernels)
+        # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
+        self.decode_graph = (
+            None if args.enforce_eager or self.device.type != "cpu"
+            else CpuDecodeGraph.build(self.model)
+        )
         self.scale = 1.0 / math.sqrt(model_config.head_dim)
         self.num_kv_blocks = self._determine_num_blocks(args)
         self.kv_cache = torch.empty(0)
@@ -215,7 +221,12 @@ class ModelRunner:
             batch = self._prepare(sched)
             self.backend.begin_step(batch.meta)
         with span("forward"):
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            if self.decode_graph is not None and self.decode_graph.supports(batch.meta):
+                hidden = self.decode_graph(
+                    batch.input_ids, batch.positions, self.kv_caches, batch.meta
+                )
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             if not batch.sampling:
                 return RunnerOutput(sampled_token_ids={})
             logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -11,6 +11,8 @@
 //   rms_norm, fused_add_rms_norm, silu_and_mul, rope_
 //                           one pass each instead of several torch ops.
 //
+// decode_layers.cpp chains these into whole decode-only steps (torch.ops.tailserve.decode_layers).
+//
 // Parallel work runs on the kernels' own WorkPool (below), handed out dynamically through an
 // atomic counter because decode contexts differ in length by 10x within one step.
 
@@ -19,6 +21,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "cpu_ops.h"
 
 #include <pthread.h>
 
@@ -42,7 +46,7 @@
 #define TS_AVX2 1
 #endif
 
-namespace {
+namespace tailserve_cpu {
 
 template <typename T>
 inline float to_f(T v) {
@@ -873,7 +877,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-}  // namespace
+}  // namespace tailserve_cpu
 
 TORCH_LIBRARY(tailserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
@@ -889,15 +893,15 @@ TORCH_LIBRARY(tailserve, m) {
 
 // No tensor arguments: registered for every backend.
 TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
-  m.impl("set_kernel_spin_us", &set_kernel_spin_us);
+  m.impl("set_kernel_spin_us", &tailserve_cpu::set_kernel_spin_us);
 }
 
 TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("skinny_linear", &skinny_linear);
-  m.impl("panel_linear", &panel_linear);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rope_", &rope_);
+  m.impl("paged_decode_attention", &tailserve_cpu::paged_decode_attention);
+  m.impl("skinny_linear", &tailserve_cpu::skinny_linear);
+  m.impl("panel_linear", &tailserve_cpu::panel_linear);
+  m.impl("rms_norm", &tailserve_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &tailserve_cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", &tailserve_cpu::silu_and_mul);
+  m.impl("rope_", &tailserve_cpu::rope_);
 }

@@ -1,0 +1,155 @@
+"""The one-call decode path (CpuDecodeGraph / decode_layers) against the module forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tailserve import LLM, SamplingParams
+from tailserve.config import EngineArgs
+from tailserve.kernels import cpu_ops_available
+from tailserve.model.attention import AttentionMetadata
+from tailserve.model.cpu_decode import CpuDecodeGraph
+from tailserve.model.layers import PANEL_MAX_ROWS
+from tailserve.model.loader import load_model
+from tailserve.model.runner import ModelRunner
+from tiny_models import build_tiny_llama, build_tiny_qwen2
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="CPU kernels not built")
+
+BLOCK_SIZE = 16
+
+
+def make_runner(path: str, **args: Any) -> ModelRunner:
+    loaded = load_model(path)
+    engine_args = EngineArgs(model=path, dtype="float32", num_kv_blocks=128, **args)
+    runner = ModelRunner(loaded.config, loaded.weights, engine_args, 512, 512)
+    runner.allocate_kv_cache()
+    return runner
+
+
+def decode_batch(
+    runner: ModelRunner, lens: list[int], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One decode token per sequence at position len - 1, scattered block tables."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-max(lens) // BLOCK_SIZE)
+    blocks = torch.randperm(runner.num_kv_blocks, generator=g)[: len(lens) * per_seq]
+    tables = blocks.view(len(lens), per_seq).long()
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.stack([tables[i, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                         for i, p in enumerate(positions.tolist())])
+    ids = torch.randint(20, runner.model_config.vocab_size, (len(lens),), generator=g)
+    meta = AttentionMetadata(
+        num_decodes=len(lens), slot_mapping=slots, query_start_loc=list(range(len(lens) + 1)),
+        query_lens=[1] * len(lens), seq_lens_list=lens, seq_lens=torch.tensor(lens),
+        block_tables=tables, block_size=BLOCK_SIZE, scale=runner.scale,
+    )
+    return ids, positions, meta
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("decode")
+    return {
+        "llama-d16": build_tiny_llama(root / "llama"),
+        # head_dim 64: the attention kernel's AVX2 path; 3 layers.
+        "llama-d64-gqa4": build_tiny_llama(root / "llama64", hidden_size=256,
+                                           intermediate_size=512, num_attention_heads=4,
+                                           num_key_value_heads=1, num_hidden_layers=3),
+        "qwen2-bias": build_tiny_qwen2(root / "qwen2"),
+    }
+
+
+@pytest.mark.parametrize("model", ["llama-d16", "llama-d64-gqa4", "qwen2-bias"])
+@pytest.mark.parametrize("lens", [[1], [130], [5, 300, 17, 16, 33]], ids=["one", "long", "five"])
+def test_decode_graph_is_bit_identical_to_the_module_forward(
+    tiny_dirs: dict[str, str], model: str, lens: list[int]
+) -> None:
+    runner = make_runner(tiny_dirs[model])
+    graph = runner.decode_graph
+    assert graph is not None
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()  # earlier tokens' K/V, the same for both paths
+    pools = runner.kv_cache.clone()
+    ids, positions, meta = decode_batch(runner, lens, seed=len(lens))
+    assert graph.supports(meta)
+    with torch.inference_mode():
+        want = runner.model(ids, positions, runner.kv_caches, meta)
+        got = graph(ids, positions, list(pools.unbind(0)), meta)
+    assert torch.equal(got, want)
+    # This step's K/V were written to the same slots, and nothing else changed.
+    assert torch.equal(pools, runner.kv_cache)
+
+
+def test_engine_output_is_the_same_with_enforce_eager(tiny_dirs: dict[str, str]) -> None:
+    path = tiny_dirs["qwen2-bias"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(20, 40000, (n,), generator=g).tolist()}
+               for n in (1, 9, 70, 200)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)]
+    results = []
+    for eager in (True, False):
+        llm = LLM(model=path, dtype="float32", kv_cache_memory=0.05, enforce_eager=eager)
+        assert (llm.engine.runner.decode_graph is None) == eager
+        outs = llm.generate(prompts, [params[i % 2] for i in range(len(prompts))])
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
+    assert all(len(ids) >= 24 for ids, _ in results[1])
+
+
+def test_decode_graph_only_for_decode_only_steps_within_panel_rows(
+    tiny_dirs: dict[str, str],
+) -> None:
+    runner = make_runner(tiny_dirs["llama-d16"])
+    _, _, meta = decode_batch(runner, [4, 9], seed=1)
+    assert CpuDecodeGraph.supports(meta)
+    meta.num_decodes = 1  # the second sequence is now a (one-token) prefill chunk
+    assert not CpuDecodeGraph.supports(meta)
+    n = PANEL_MAX_ROWS + 1
+    wide = AttentionMetadata(
+        num_decodes=n, slot_mapping=torch.zeros(n, dtype=torch.long),
+        query_start_loc=list(range(n + 1)), query_lens=[1] * n, seq_lens_list=[1] * n,
+        seq_lens=torch.ones(n, dtype=torch.long), block_tables=torch.zeros(n, 1, dtype=torch.long),
+        block_size=BLOCK_SIZE, scale=1.0,
+    )
+    assert not CpuDecodeGraph.supports(wide)  # the module forward would use oneDNN there
+
+
+def test_decode_graph_needs_every_piece_on_the_kernels(tiny_dirs: dict[str, str],
+                                                       tmp_path: Path) -> None:
+    assert make_runner(tiny_dirs["llama-d16"], enforce_eager=True).decode_graph is None
+    runner = make_runner(tiny_dirs["llama-d16"])
+    assert CpuDecodeGraph.build(runner.model) is not None
+    runner.model.layers[1].mlp.act.use_kernel = False  # one fused op missing
+    assert CpuDecodeGraph.build(runner.model) is None
+    # hidden 72: o_proj and down_proj have 72 outputs, no panel copy (not a multiple of 16).
+    odd = build_tiny_llama(tmp_path / "odd", hidden_size=72, num_attention_heads=4,
+                           num_key_value_heads=2)
+    assert make_runner(odd).decode_graph is None
+
+
+def test_decode_layers_rejects_bad_arguments(tiny_dirs: dict[str, str]) -> None:
+    runner = make_runner(tiny_dirs["llama-d16"])
+    graph = runner.decode_graph
+    assert graph is not None
+    ids, positions, meta = decode_batch(runner, [3, 20], seed=2)
+    with torch.inference_mode():
+        embeds = runner.model.embed_tokens(ids)
+        cos, sin = runner.model.rope.lookup(positions)
+        norm = runner.model.norm.weight
+        args = (meta.block_tables, meta.seq_lens, norm, graph.num_heads, graph.eps, meta.scale)
+        with pytest.raises(RuntimeError, match="13 weights for 2 layers"):
+            torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.weights[:-1],
+                                              runner.kv_caches, meta.slot_mapping, *args)
+        bad_slots = meta.slot_mapping.clone()
+        bad_slots[1] = runner.num_kv_blocks * BLOCK_SIZE
+        before = runner.kv_cache.clone()
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.weights, runner.kv_caches,
+                                              bad_slots, *args)
+        assert torch.equal(runner.kv_cache, before)  # checked before anything is written
