@@ -162,6 +162,22 @@ def test_panel_linear_matches_f_linear(m: int, k: int, n: int, bias: bool) -> No
     torch.testing.assert_close(ops.panel_linear(wide[:, 3 : 3 + k], panel_weight(w), b), got)
 
 
+@pytest.mark.parametrize("k", [576, 37, 1, 2])  # even and odd K: the halves split at K // 2
+def test_panel_linear_rows_do_not_depend_on_batch_mates(k: int) -> None:
+    """Every row is (bias + first half) + second half, summed in k order, at any M: a
+    sequence decoded alone gets bit for bit what it gets in a batch (one row reads the halves
+    as two interleaved streams, more rows one after the other)."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(13, k, generator=g)
+    w = panel_weight(torch.randn(32, k, generator=g))
+    b = torch.randn(32, generator=g)
+    batched = ops.panel_linear(x, w, b)
+    for i in range(13):
+        assert torch.equal(ops.panel_linear(x[i : i + 1], w, b)[0], batched[i])
+    for m in (2, 6, 7):
+        assert torch.equal(ops.panel_linear(x[:m], w, b), batched[:m])
+
+
 def test_panel_linear_rejects_bad_shapes() -> None:
     w = panel_weight(torch.randn(32, 24))
     with pytest.raises(RuntimeError, match="panels of K = 24"):

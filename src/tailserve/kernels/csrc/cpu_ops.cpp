@@ -649,23 +649,31 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
 // broadcasts one x element per row, loads 16 weights and does two FMAs per row (no
 // horizontal sums); each panel is streamed from memory once and reused from L1/L2 for every
 // chunk of up to six rows. One kernel for every decode batch: at M = 1 it reads the weights
-// as fast as the old skinny kernel (~15 GB/s over a layer's weights), at M = 9-64 it does
-// 1.3-1.55x the GFLOPS of oneDNN's prepacked sgemm on this AVX2 machine.
+// at ~15-19 GB/s, at M = 9-64 it does 1.3-1.55x the GFLOPS of oneDNN's prepacked sgemm on
+// this AVX2 machine.
+//
+// Every output is (bias + the sum over k < K/2) + (the sum over k >= K/2), each half summed in
+// k order, whatever M is: a row's result does not depend on its batch mates. At M = 1 the two
+// halves are read as two interleaved streams, which the hardware prefetchers keep further
+// ahead than one (+7-10% GB/s over the model's weights, RESULTS.md); at M > 1 the kernel is
+// arithmetic-bound and sums the halves one after the other.
 #ifdef TS_AVX2
-template <int MR>
-inline void panel_rows(const float* x, int64_t K, const float* w, float* y, int64_t N,
-                       const float* bias) {
+// Rows [0, MR) of x (row stride ldx) against k in [0, kn) of one panel. Accumulators start
+// at the bias (or zero); with Accumulate they are added to y, else stored.
+template <int MR, bool Accumulate>
+inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t kn, float* y,
+                       int64_t N, const float* bias) {
   // Named accumulators, not arrays: GCC 12 kept __m256 arrays on the stack here and stored
   // all twelve every step, which halved the speed.
   __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
   c00 = c10 = c20 = c30 = c40 = c50 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   c01 = c11 = c21 = c31 = c41 = c51 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
   const float* x0 = x;
-  for (int64_t k = 0; k < K; ++k, ++x0, w += 16) {
+  for (int64_t k = 0; k < kn; ++k, ++x0, w += 16) {
     const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
 #define TS_PANEL_ROW(r)                                          \
   if constexpr (MR > r) {                                        \
-    const __m256 a = _mm256_broadcast_ss(x0 + r * K);            \
+    const __m256 a = _mm256_broadcast_ss(x0 + r * ldx);          \
     c##r##0 = _mm256_fmadd_ps(a, w0, c##r##0);                   \
     c##r##1 = _mm256_fmadd_ps(a, w1, c##r##1);                   \
   }
@@ -677,10 +685,14 @@ inline void panel_rows(const float* x, int64_t K, const float* w, float* y, int6
     TS_PANEL_ROW(5)
 #undef TS_PANEL_ROW
   }
-#define TS_PANEL_STORE(r)                     \
-  if constexpr (MR > r) {                     \
-    _mm256_storeu_ps(y + r * N, c##r##0);     \
-    _mm256_storeu_ps(y + r * N + 8, c##r##1); \
+#define TS_PANEL_STORE(r)                                                        \
+  if constexpr (MR > r) {                                                        \
+    if constexpr (Accumulate) {                                                  \
+      c##r##0 = _mm256_add_ps(_mm256_loadu_ps(y + r * N), c##r##0);              \
+      c##r##1 = _mm256_add_ps(_mm256_loadu_ps(y + r * N + 8), c##r##1);          \
+    }                                                                            \
+    _mm256_storeu_ps(y + r * N, c##r##0);                                        \
+    _mm256_storeu_ps(y + r * N + 8, c##r##1);                                    \
   }
   TS_PANEL_STORE(0)
   TS_PANEL_STORE(1)
@@ -690,6 +702,38 @@ inline void panel_rows(const float* x, int64_t K, const float* w, float* y, int6
   TS_PANEL_STORE(5)
 #undef TS_PANEL_STORE
 }
+
+// One row, both halves at once: k and h + k advance together, two streams through the panel.
+inline void panel_row_two_streams(const float* x, int64_t K, const float* w, float* y,
+                                  const float* bias) {
+  const int64_t h = K / 2;
+  __m256 a0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  __m256 a1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  const float* wb = w + h * 16;
+  for (int64_t k = 0; k < h; ++k, w += 16, wb += 16) {
+    const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + h + k);
+    a0 = _mm256_fmadd_ps(xa, _mm256_load_ps(w), a0);
+    a1 = _mm256_fmadd_ps(xa, _mm256_load_ps(w + 8), a1);
+    b0 = _mm256_fmadd_ps(xb, _mm256_load_ps(wb), b0);
+    b1 = _mm256_fmadd_ps(xb, _mm256_load_ps(wb + 8), b1);
+  }
+  if (K - h > h) {  // odd K: the second half has one more k
+    const __m256 xb = _mm256_broadcast_ss(x + K - 1);
+    b0 = _mm256_fmadd_ps(xb, _mm256_load_ps(wb), b0);
+    b1 = _mm256_fmadd_ps(xb, _mm256_load_ps(wb + 8), b1);
+  }
+  _mm256_storeu_ps(y, _mm256_add_ps(a0, b0));
+  _mm256_storeu_ps(y + 8, _mm256_add_ps(a1, b1));
+}
+
+template <int MR>
+inline void panel_rows_halves(const float* x, int64_t K, const float* w, float* y, int64_t N,
+                              const float* bias) {
+  const int64_t h = K / 2;
+  panel_rows<MR, false>(x, K, w, h, y, N, bias);
+  panel_rows<MR, true>(x + h, K, w + h * 16, K - h, y, N, nullptr);
+}
 #endif
 
 // Rows [0, rows) of x (rows <= 6) against one panel.
@@ -697,19 +741,21 @@ inline void panel_chunk(int64_t rows, const float* x, int64_t K, const float* w,
                         int64_t N, const float* bias) {
 #ifdef TS_AVX2
   switch (rows) {
-    case 6: return panel_rows<6>(x, K, w, y, N, bias);
-    case 5: return panel_rows<5>(x, K, w, y, N, bias);
-    case 4: return panel_rows<4>(x, K, w, y, N, bias);
-    case 3: return panel_rows<3>(x, K, w, y, N, bias);
-    case 2: return panel_rows<2>(x, K, w, y, N, bias);
-    default: return panel_rows<1>(x, K, w, y, N, bias);
+    case 6: return panel_rows_halves<6>(x, K, w, y, N, bias);
+    case 5: return panel_rows_halves<5>(x, K, w, y, N, bias);
+    case 4: return panel_rows_halves<4>(x, K, w, y, N, bias);
+    case 3: return panel_rows_halves<3>(x, K, w, y, N, bias);
+    case 2: return panel_rows_halves<2>(x, K, w, y, N, bias);
+    default: return panel_row_two_streams(x, K, w, y, bias);
   }
 #else
+  const int64_t h = K / 2;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < 16; ++c) {
-      float acc = bias ? bias[c] : 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * w[k * 16 + c];
-      y[r * N + c] = acc;
+      float lo = bias ? bias[c] : 0.f, hi = 0.f;
+      for (int64_t k = 0; k < h; ++k) lo += x[r * K + k] * w[k * 16 + c];
+      for (int64_t k = h; k < K; ++k) hi += x[r * K + k] * w[k * 16 + c];
+      y[r * N + c] = lo + hi;
     }
   }
 #endif
