@@ -542,6 +542,27 @@ def api_schema(fuzz_server: ServerProcess) -> Any:
     return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json", headers=ENV_AUTH)
 
 
+def test_openapi_declares_the_400_the_server_answers(fuzz_server: ServerProcess) -> None:
+    """Invalid requests get 400 with an OpenAI error body, and /openapi.json says so (FastAPI
+    would declare 422 with its own validation body)."""
+    raw = httpx.get(fuzz_server.url + "/openapi.json", headers=ENV_AUTH, timeout=10).json()
+    assert "HTTPValidationError" not in raw["components"]["schemas"]
+    with_body = 0
+    for path, item in raw["paths"].items():
+        for method, operation in item.items():
+            assert "422" not in operation["responses"], (method, path)
+            if "requestBody" in operation:
+                with_body += 1
+                ref = operation["responses"]["400"]["content"]["application/json"]["schema"]
+                assert ref == {"$ref": "#/components/schemas/ErrorResponse"}, (method, path)
+    assert with_body == 4  # completions, chat completions, tokenize, detokenize
+    r = httpx.post(fuzz_server.url + "/v1/completions", headers=ENV_AUTH, timeout=10,
+                   json={"prompt": "hi", "max_tokens": "many"})
+    assert r.status_code == 400
+    error = raw["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
+    assert set(r.json()["error"]) == set(error["required"]) == set(error["properties"])
+
+
 def served_ranges(schema: dict[str, Any], model: str, vocab_size: int) -> dict[str, Any]:
     """``schema`` with the ranges the server enforces (SamplingParams, the length check, the
     vocabulary) written into the completion and chat bodies, and the unsupported fields held

@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,7 +31,13 @@ from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 from tailserve.server.context import ServerContext, ServerSettings, served_names
 from tailserve.server.dashboard import page_html
-from tailserve.server.errors import APIError, bad_request, error_body, error_response
+from tailserve.server.errors import (
+    APIError,
+    bad_request,
+    document_400_for_validation,
+    error_body,
+    error_response,
+)
 from tailserve.server.middleware import EdgeMiddleware
 from tailserve.server.protocol import (
     ChatCompletionRequest,
@@ -183,6 +190,16 @@ def create_app(ctx: ServerContext) -> Any:
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_400_for_validation(
+                get_openapi(title=app.title, version=app.version, routes=app.routes,
+                            openapi_version=app.openapi_version,
+                            separate_input_output_schemas=app.separate_input_output_schemas)
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return EdgeMiddleware(
         app,
         api_key=ctx.settings.api_key,

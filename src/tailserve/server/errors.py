@@ -45,6 +45,48 @@ def error_response(exc: APIError) -> JSONResponse:
     )
 
 
+# The body every error answer carries, as published in /openapi.json.
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "ErrorResponse",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+        }
+    },
+}
+
+
+def document_400_for_validation(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's generated schema declares 422 with its own body for invalid requests; this
+    server answers those with 400 and an OpenAI error body (``_validation`` in app.py), so
+    the published schema says that instead. Modifies and returns ``schema``."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for item in schema.get("paths", {}).values():
+        for operation in item.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {
+                    "description": "Invalid request",
+                    "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/ErrorResponse"}
+                    }},
+                }
+    # Only the 422 answers referred to FastAPI's validation bodies.
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+    components["ErrorResponse"] = ERROR_SCHEMA
+    return schema
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
 
