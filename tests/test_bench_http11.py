@@ -299,21 +299,24 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": "other"}]})
 
 
+async def _every_fourth_rejected(request: web.Request) -> web.StreamResponse:
+    """Request i of a step is rejected with 429 when i % 4 == 0, by its x-request-id, so the
+    same requests fail whatever order they arrive in; the others stream two tokens."""
+    index = request.headers["x-request-id"].rsplit("-", 1)[1]
+    if index.isdigit() and int(index) % 4 == 0:
+        return web.json_response({"error": {"message": "full", "type": "rate_limit"}},
+                                 status=429)
+    return await sse([cmpl_chunk("a"), cmpl_chunk("b", "length"), USAGE, DONE])(request)
+
+
 def test_runs_agree_between_clients() -> None:
     """The same responder, the same run with each client: the same counts and failures
     (request i of the step is rejected with 429 when i % 4 == 0, by its x-request-id, so the
     same requests fail whatever order they arrive in)."""
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        index = request.headers["x-request-id"].rsplit("-", 1)[1]
-        if index.isdigit() and int(index) % 4 == 0:
-            return web.json_response({"error": {"message": "full", "type": "rate_limit"}},
-                                     status=429)
-        return await sse([cmpl_chunk("a"), cmpl_chunk("b", "length"), USAGE, DONE])(request)
-
     out = {}
     with FakeServer({("GET", "/v1/models"): _models,
-                     ("POST", "/v1/completions"): completions}) as srv:
+                     ("POST", "/v1/completions"): _every_fourth_rejected}) as srv:
         for kind in ("lean", "aiohttp"):
             cfg = BenchConfig(base_url=srv.url, http_client=kind, request_rate=200.0,
                               progress=False, observe=False,
@@ -512,16 +515,9 @@ def test_busy_poll_run_matches_and_is_recorded() -> None:
     """Whole runs through run_bench with and without --busy-poll: the same counts and
     failures, and the result says which ran."""
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        index = request.headers["x-request-id"].rsplit("-", 1)[1]
-        if index.isdigit() and int(index) % 4 == 0:
-            return web.json_response({"error": {"message": "full", "type": "rate_limit"}},
-                                     status=429)
-        return await sse([cmpl_chunk("a"), cmpl_chunk("b", "length"), USAGE, DONE])(request)
-
     out = {}
     with FakeServer({("GET", "/v1/models"): _models,
-                     ("POST", "/v1/completions"): completions}) as srv:
+                     ("POST", "/v1/completions"): _every_fourth_rejected}) as srv:
         for busy in (False, True):
             cfg = BenchConfig(base_url=srv.url, busy_poll=busy, request_rate=200.0,
                               progress=False, observe=False,
