@@ -16,12 +16,8 @@ import torch
 
 from tailserve.model.attention import AttentionMetadata
 from tailserve.model.attention.cpu_kernels import CpuKernelAttentionBackend
-from tailserve.model.layers import PANEL_MAX_ROWS, Linear
+from tailserve.model.layers import PANEL_MAX_ROWS
 from tailserve.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-
-def _panel(linear: Linear) -> torch.Tensor | None:
-    return linear.panel
 
 
 class CpuDecodeGraph:
@@ -52,8 +48,8 @@ class CpuDecodeGraph:
                     and layer.post_attention_layernorm.use_kernel
                     and isinstance(attn.backend, CpuKernelAttentionBackend)):
                 return None
-            panels = [_panel(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                              mlp.down_proj)]
+            panels = [lin.panel for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                            mlp.down_proj)]
             if any(p is None for p in panels):
                 return None
             qkv, o, gate_up, down = typing.cast(list[torch.Tensor], panels)
