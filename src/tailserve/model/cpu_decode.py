@@ -26,6 +26,7 @@ class CpuDecodeGraph:
     def __init__(self, model: LlamaForCausalLM, weights: list[torch.Tensor]) -> None:
         self.model = model
         self.weights = weights  # 7 per layer, in the order decode_layers.cpp reads them
+        self.final_norm = model.norm.weight.detach()
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
@@ -82,6 +83,6 @@ class CpuDecodeGraph:
         cos, sin = model.rope.lookup(positions)
         return torch.ops.tailserve.decode_layers(
             model.embed_tokens(input_ids), cos, sin, self.weights, kv_caches,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, model.norm.weight.detach(),
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, self.final_norm,
             self.num_heads, self.eps, meta.scale,
         )
