@@ -35,7 +35,8 @@ import numpy as np
 
 import tailserve.engine.scheduler as scheduler_module
 from tailserve.config import SchedulerConfig
-from tailserve.engine.outputs import RunnerOutput, SchedulerOutput
+from tailserve.data.runner_output import RunnerOutput
+from tailserve.data.scheduler_output import SchedulerOutput
 from tailserve.engine.scheduler import Scheduler
 from tailserve.request import Request
 from tailserve.sampling_params import SamplingParams

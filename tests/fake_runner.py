@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import zlib
 
-from tailserve.engine.outputs import RunnerOutput, SchedulerOutput
+from tailserve.data.runner_output import RunnerOutput
+from tailserve.data.scheduler_output import SchedulerOutput
 
 VOCAB = 50
 EOS = 0

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 
 from tailserve.config import EngineArgs
+from tailserve.data.engine_output import EngineOutput
+from tailserve.data.engine_state import EngineState
+from tailserve.data.step_stats import StepStats
 from tailserve.engine.client import EngineDeadError, InprocEngineClient, StreamItem
 from tailserve.engine.messages import (
     AbortRequests,
@@ -24,9 +27,7 @@ from tailserve.engine.messages import (
     message_decoder,
     message_encoder,
 )
-from tailserve.engine.outputs import EngineOutput, StepStats
 from tailserve.errors import InvalidRequestError, QueueFullError
-from tailserve.obs.records import EngineState
 from tailserve.request import FinishReason, RequestTimestamps
 from tailserve.sampling_params import SamplingParams
 

@@ -12,11 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tailserve.config import EngineArgs
+from tailserve.data.engine_state import EngineState
 from tailserve.errors import ConfigError
 from tailserve.kv.block_pool import BlockPool, usage_band_sizes
 from tailserve.obs.memory import MemoryMonitor
 from tailserve.obs.metrics import ServerMetrics
-from tailserve.obs.records import EngineState
 
 GIB = 1 << 30
 

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tailserve.engine.outputs import StepStats
+from tailserve.data.engine_state import EngineState
+from tailserve.data.request_record import RequestRecord
+from tailserve.data.step_stats import StepStats
 from tailserve.errors import ConfigError
 from tailserve.obs.memory import sample_memory
 from tailserve.obs.metrics import ServerMetrics
-from tailserve.obs.records import EngineState, RequestRecord
 from tailserve.obs.timeline import Timeline
 
 # DESIGN.md "Interfaces others rely on" -> Prometheus, as rendered (family names after the

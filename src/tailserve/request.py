@@ -19,7 +19,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -36,6 +35,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    # Written at the edge when the engine died under a request; no engine status maps to it.
     ERROR = "error"
 
 
@@ -43,7 +43,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -86,7 +85,6 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    error: str | None = None
     # Sampled-token logprobs: one entry per output token, {token_id: logprob} (top-N + sampled).
     logprobs: list[dict[int, float]] | None = None
     timestamps: RequestTimestamps = field(init=False)

@@ -4,8 +4,8 @@ Two implementations behind one interface:
 
 - ``MPEngineClient``: the engine runs in its own process (``engine/process.py``) and talks over
   ZMQ IPC sockets with msgpack messages; HTTP work can never stall the step loop.
-- ``InprocEngineClient``: the same ``EngineLoop`` on a thread of this process, messages passed
-  as objects; for tests and embedding.
+- ``InprocEngineClient``: the same ``EngineLoop``, run by the same driver (``engine/driver.py``)
+  on a thread of this process, messages passed as objects; for tests and embedding.
 
 The client owns one ``asyncio.Queue`` per engine request id. The engine's messages are
 dispatched on the event loop: outputs go to their queue, stats to the listeners (metrics,
@@ -32,12 +32,16 @@ import zmq
 import zmq.asyncio
 
 from tailserve.config import EngineArgs
+from tailserve.data.engine_output import EngineOutput
+from tailserve.data.engine_state import EngineState
+from tailserve.data.step_stats import StepStats
+from tailserve.engine.driver import drive
 from tailserve.engine.messages import (
-    AbortRequests,
     AddRequest,
     EngineDead,
     EngineInput,
     EngineMessage,
+    FinishRequests,
     Heartbeat,
     ProfileDone,
     Ready,
@@ -49,9 +53,8 @@ from tailserve.engine.messages import (
     input_encoder,
     message_decoder,
 )
-from tailserve.engine.outputs import EngineOutput, StepStats
 from tailserve.errors import InvalidRequestError, QueueFullError
-from tailserve.obs.records import EngineState
+from tailserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -120,25 +123,26 @@ class EngineClient:
         self._send(msg)
         return q
 
-    def stop(self, request_ids: list[str]) -> None:
-        """Finish requests as ``stop`` (a stop string matched); their last outputs still come."""
-        live = [rid for rid in request_ids if rid in self._streams]
-        if live and self.dead_reason is None:
-            self._send(AbortRequests(live, stopped=True))
+    def finish(
+        self, request_ids: list[str], status: RequestStatus, *, deliver_final: bool
+    ) -> None:
+        """End requests in the engine, which frees their blocks before its next step.
 
-    def abort_keep_streams(self, request_ids: list[str]) -> None:
-        """Abort but still deliver the ``abort`` outputs (used by the shutdown drain)."""
+        ``status`` says why: ``FINISHED_ABORTED`` (client gone, drain) or ``FINISHED_STOPPED``
+        (a stop string matched here). ``deliver_final``: keep the requests' queues, so their
+        final outputs (finish_reason ``abort`` / ``stop``) still arrive on them; otherwise the
+        queues are dropped now and nothing more arrives. Ids not in flight are skipped, so
+        finishing twice is harmless.
+        """
         live = [rid for rid in request_ids if rid in self._streams]
-        if live and self.dead_reason is None:
-            self._send(AbortRequests(live))
-
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort in the engine (it frees the blocks before its next step). Idempotent."""
-        live = [rid for rid in request_ids if rid in self._streams]
-        for rid in live:
-            del self._streams[rid]
-        if live and self.dead_reason is None:
-            self._send(AbortRequests(live))
+        if not live:
+            return
+        msg = FinishRequests(live, status)  # refuses a status that is not a finished one
+        if not deliver_final:
+            for rid in live:
+                del self._streams[rid]
+        if self.dead_reason is None:
+            self._send(msg)
 
     async def profile(self, seconds: float, path: str) -> str:
         """Trace the engine for ``seconds``; returns the trace path (RuntimeError on failure)."""
@@ -160,7 +164,7 @@ class EngineClient:
     def healthy(self) -> bool:
         if self.dead_reason is not None or not self.engine_alive():
             return False
-        # Heartbeats arrive every 0.25 s when idle and a message per step when busy.
+        # Heartbeats arrive every HEARTBEAT_S when idle and a message per step when busy.
         return time.monotonic() - self.last_seen < self.watchdog_timeout_s
 
     # ------------------------------------------------------------------ dispatch
@@ -347,34 +351,35 @@ class InprocEngineClient(EngineClient):
         engine_loop = EngineLoop(core, self._emit)
         self.info = engine_loop.ready_message()
         self._thread = threading.Thread(
-            target=self._run, args=(engine_loop,), name="tailserve-engine", daemon=True
+            target=drive, args=(engine_loop, self._wait_for_inputs, self._loop_gone),
+            name="tailserve-engine", daemon=True,
         )
         self._thread.start()
         return self.info
 
     def _emit(self, msg: EngineMessage) -> None:
         assert self._aloop is not None
-        self._aloop.call_soon_threadsafe(self._dispatch, msg)
+        # The event loop may close between the driver's check and this call; then nobody is
+        # left to read the message.
+        with contextlib.suppress(RuntimeError):
+            self._aloop.call_soon_threadsafe(self._dispatch, msg)
 
-    def _run(self, engine_loop: Any) -> None:
-        from tailserve.engine.loop import EngineFatalError
+    def _loop_gone(self) -> bool:
+        """The in-process host's "parent": once its event loop is closed, the engine stops."""
+        return self._aloop is None or self._aloop.is_closed()
 
+    def _wait_for_inputs(self, timeout_s: float) -> list[EngineInput]:
+        batch: list[EngineInput] = []
+        try:
+            batch.append(self._inbox.get(timeout=timeout_s) if timeout_s > 0
+                         else self._inbox.get_nowait())
+        except queue.Empty:
+            return batch
         while True:
-            batch: list[EngineInput] = []
-            if not engine_loop.has_work():
-                batch.append(self._inbox.get())  # idle: sleep until there is something to do
-            while True:
-                try:
-                    batch.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            if batch and not engine_loop.handle(batch):
-                return
-            if engine_loop.has_work():
-                try:
-                    engine_loop.step()
-                except EngineFatalError:
-                    return
+            try:
+                batch.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return batch
 
     def _send(self, msg: EngineInput) -> None:
         self._inbox.put(msg)

@@ -7,7 +7,10 @@ import time
 from typing import TYPE_CHECKING
 
 from tailserve.config import EngineArgs, SchedulerConfig
-from tailserve.engine.outputs import EngineOutput, SchedulerOutput, StepStats
+from tailserve.data.engine_output import EngineOutput
+from tailserve.data.scheduler_output import SchedulerOutput
+from tailserve.data.snapshot import SchedulerSnapshot
+from tailserve.data.step_stats import StepStats
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.model.runner import ModelRunner, resolve_device
@@ -86,9 +89,15 @@ class EngineCore:
             req.eos_token_ids = self.model_config.eos_token_ids
         self.scheduler.add_request(req)
 
-    def abort_requests(
-        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
-    ) -> list[EngineOutput]:
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[EngineOutput]:
+        """Finish requests from outside the step (client gone: ``FINISHED_ABORTED``; a stop
+        string matched above the engine: ``FINISHED_STOPPED``) and free their blocks.
+
+        Returns one final output per request that was still unfinished; ids already finished
+        or unknown are skipped, so finishing twice is harmless.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
         outputs = []
         for req in self.scheduler.finish_requests(request_ids, status):
             outputs.append(
@@ -102,6 +111,13 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """The scheduler's and block manager's counters now (gauges, heartbeats)."""
+        return self.scheduler.snapshot()
 
     def step(self) -> tuple[list[EngineOutput], StepStats | None]:
         t0 = time.perf_counter()
@@ -118,24 +134,23 @@ class EngineCore:
     def _stats(
         self, sched: SchedulerOutput, step_s: float, outputs: list[EngineOutput]
     ) -> StepStats:
-        s = self.scheduler
-        kv = s.kv
-        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        snap = self.scheduler.snapshot()
+        kv = snap.kv
         stats = StepStats(
             t=time.time(),
             step_s=step_s,
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_seqs=sched.num_decode_seqs,
             num_scheduled_seqs=len(sched.scheduled),
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
             free_blocks=kv.num_free_blocks,
             total_blocks=kv.num_blocks,
             num_preemptions=len(sched.preempted_request_ids),
-            prefix_cache_queries=queries - self._last_queries,
-            prefix_cache_hits=hits - self._last_hits,
+            prefix_cache_queries=kv.prefix_cache_queries - self._last_queries,
+            prefix_cache_hits=kv.prefix_cache_hits - self._last_hits,
             num_finished=sum(1 for o in outputs if o.finished),
             admission_blocked_by=sched.admission_blocked_by,
         )
-        self._last_queries, self._last_hits = queries, hits
+        self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         return stats

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tailserve.config import EngineArgs
+from tailserve.data.step_stats import StepStats
 from tailserve.engine.core import EngineCore
 from tailserve.engine.output_processor import OutputProcessor
-from tailserve.engine.outputs import StepStats
 from tailserve.errors import InvalidRequestError
 from tailserve.model.loader import LoadedModel
 from tailserve.outputs import RequestOutput
@@ -73,7 +73,7 @@ class LLM:
                 )
                 added.append(child_id)
         except Exception:
-            self.engine.abort_requests(added)
+            self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
         self.processor.add_request(rid, text, ids, children)
         return rid
@@ -110,7 +110,9 @@ class LLM:
                 order.append(self._add(prompt, dataclasses.replace(sp), prio))
         except Exception:
             for rid in order:
-                self.engine.abort_requests(self.processor.abort(rid))
+                self.engine.finish_requests(
+                    self.processor.abort(rid), RequestStatus.FINISHED_ABORTED
+                )
             raise
         results = self._run()
         return [results[rid] for rid in order]
@@ -143,7 +145,7 @@ class LLM:
                 self.step_stats.append(stats)
             finished, to_stop = self.processor.process(outputs)
             if to_stop:
-                stopped = self.engine.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+                stopped = self.engine.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
                 more, _ = self.processor.process(stopped)
                 finished.extend(more)
             for ro in finished:

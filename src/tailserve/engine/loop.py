@@ -1,6 +1,7 @@
 """EngineLoop: what the engine does between steps, shared by the engine process and the
-in-process client. Inputs in (add / abort / shutdown), messages out (step results, heartbeats,
-rejections, death notices). The driver decides where messages go and how inputs arrive.
+in-process client. Inputs in (add / finish / shutdown / profile), messages out (step results,
+heartbeats, rejections, death notices). ``engine.driver.drive`` runs it; its host decides
+where messages go and how inputs arrive.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import os
 import time
 from collections.abc import Callable
 
+from tailserve.data.engine_state import EngineState
 from tailserve.engine.core import EngineCore
+from tailserve.engine.driver import EngineFatalError
 from tailserve.engine.messages import (
-    AbortRequests,
     AddRequest,
     EngineDead,
     EngineInput,
     EngineMessage,
+    FinishRequests,
     Heartbeat,
     ProfileDone,
     Ready,
@@ -28,18 +31,13 @@ from tailserve.engine.messages import (
 from tailserve.errors import QueueFullError
 from tailserve.obs.memory import MemoryMonitor, SteadyMemoryCheck
 from tailserve.obs.profiling import ProfileCapture
-from tailserve.obs.records import EngineState
-from tailserve.request import Request, RequestStatus
+from tailserve.request import Request
 
 logger = logging.getLogger(__name__)
 
 # Test-only fault injection: the forward raises at this step number (1-based), so tests can
 # check what users see when the model fails mid-flight. Read once, when the loop is built.
 FAULT_ENV = "TAILSERVE_TEST_FAIL_FORWARD_AT_STEP"
-
-
-class EngineFatalError(RuntimeError):
-    """The engine loop cannot go on; an ``EngineDead`` message has already been emitted."""
 
 
 class EngineLoop:
@@ -77,17 +75,17 @@ class EngineLoop:
         )
 
     def state(self) -> EngineState:
-        s = self.core.scheduler
+        snap = self.core.snapshot()
         return EngineState(
             t=time.time(),
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            free_blocks=s.kv.num_free_blocks,
-            total_blocks=s.kv.num_blocks,
-            num_preemptions_total=s.num_preemptions_total,
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
+            free_blocks=snap.kv.num_free_blocks,
+            total_blocks=snap.kv.num_blocks,
+            num_preemptions_total=snap.num_preemptions_total,
             memory=self.memory.sample(),
             device=self.device,
-            kv_band_used=s.kv.pool.band_used.copy(),
+            kv_band_used=list(snap.kv.band_used),
         )
 
     def _send(self, msg: EngineMessage) -> None:
@@ -96,7 +94,7 @@ class EngineLoop:
 
     def handle(self, inputs: list[EngineInput]) -> bool:
         """Apply a batch of inputs; False once a ``Shutdown`` was among them."""
-        aborted = []
+        finished = []
         running = True
         for msg in inputs:
             if isinstance(msg, AddRequest):
@@ -111,19 +109,15 @@ class EngineLoop:
                 except ValueError as exc:
                     param = getattr(exc, "param", None)
                     self._send(Rejected(msg.request_id, "invalid_request", str(exc), param))
-            elif isinstance(msg, AbortRequests):
-                status = (
-                    RequestStatus.FINISHED_STOPPED if msg.stopped
-                    else RequestStatus.FINISHED_ABORTED
-                )
-                aborted.extend(self.core.abort_requests(msg.request_ids, status))
+            elif isinstance(msg, FinishRequests):
+                finished.extend(self.core.finish_requests(msg.request_ids, msg.status))
             elif isinstance(msg, StartProfile):
                 self._start_profile(msg)
             elif isinstance(msg, Shutdown):
                 running = False
-        if aborted:
-            # Aborts change the gauges (blocks freed) even when no step follows.
-            self._send(StepResult(aborted, None, self.state(), time.monotonic()))
+        if finished:
+            # Finishing changes the gauges (blocks freed) even when no step follows.
+            self._send(StepResult(finished, None, self.state(), time.monotonic()))
         return running
 
     def has_work(self) -> bool:
@@ -138,7 +132,7 @@ class EngineLoop:
             outputs, stats = self.core.step()
         except Exception as exc:
             logger.exception("engine step %d failed", self.num_steps)
-            lost = list(self.core.scheduler.requests)
+            lost = self.core.unfinished_request_ids()
             # The message names the exception type only: no paths, addresses or traceback.
             self._send(EngineDead(f"the model forward failed ({type(exc).__name__})", lost))
             raise EngineFatalError(str(exc)) from exc
@@ -169,9 +163,9 @@ class EngineLoop:
             self._send(ProfileDone(msg.path, f"could not start the profiler "
                                              f"({type(exc).__name__})"))
 
-    def finish_profile_if_due(self, force: bool = False) -> None:
+    def finish_profile_if_due(self) -> None:
         """Checked after every step and heartbeat (at least every HEARTBEAT_S when idle)."""
-        if self.profile is None or not (force or self.profile.due()):
+        if self.profile is None or not self.profile.due():
             return
         capture, self.profile = self.profile, None
         try:

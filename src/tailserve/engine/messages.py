@@ -3,7 +3,7 @@
 Token ids only cross the wire: tokenization, chat templates and detokenization stay in the
 API process. Each message is a tagged struct so one typed decoder reads a whole union.
 
-    API -> engine:  AddRequest | AbortRequests | Shutdown | StartProfile
+    API -> engine:  AddRequest | FinishRequests | Shutdown | StartProfile
     engine -> API:  Ready | StartupFailed | StepResult | Heartbeat | Rejected | EngineDead
                     | ProfileDone
 """
@@ -15,8 +15,10 @@ from typing import Literal
 import msgspec
 
 from tailserve.config import SchedulerConfig
-from tailserve.engine.outputs import EngineOutput, StepStats
-from tailserve.obs.records import EngineState
+from tailserve.data.engine_output import EngineOutput
+from tailserve.data.engine_state import EngineState
+from tailserve.data.step_stats import StepStats
+from tailserve.request import RequestStatus
 from tailserve.sampling_params import SamplingParams
 
 
@@ -30,10 +32,20 @@ class AddRequest(msgspec.Struct, tag="add"):
     priority: int = 0
 
 
-class AbortRequests(msgspec.Struct, tag="abort"):
+class FinishRequests(msgspec.Struct, tag="finish"):
+    """End requests from outside the step and free their blocks before the next one.
+
+    ``status`` says why: ``FINISHED_ABORTED`` (client gone, drain) or ``FINISHED_STOPPED`` (a
+    stop string matched above the engine). Each request still unfinished gets a final output.
+    """
+
     request_ids: list[str]
-    # True: a stop string matched above the engine, so the request finishes as ``stop``.
-    stopped: bool = False
+    status: RequestStatus
+
+    def __post_init__(self) -> None:
+        # Checked on construction and on decode, so the loop never applies a live status.
+        if not self.status.is_finished:
+            raise ValueError(f"FinishRequests needs a finished status, got {self.status.name}")
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -95,7 +107,7 @@ class EngineDead(msgspec.Struct, tag="dead"):
     request_ids: list[str]
 
 
-EngineInput = AddRequest | AbortRequests | Shutdown | StartProfile
+EngineInput = AddRequest | FinishRequests | Shutdown | StartProfile
 EngineMessage = (
     Ready | StartupFailed | StepResult | Heartbeat | Rejected | EngineDead | ProfileDone
 )

@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from tailserve.config import EngineArgs
+from tailserve.engine.driver import drive
 from tailserve.engine.messages import (
     EngineInput,
     EngineMessage,
@@ -26,8 +27,6 @@ from tailserve.engine.messages import (
 )
 
 logger = logging.getLogger("tailserve.engine")
-
-HEARTBEAT_S = 0.25
 
 
 def engine_main(
@@ -66,7 +65,7 @@ def engine_main(
 
 def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int) -> int:
     from tailserve.engine.core import EngineCore
-    from tailserve.engine.loop import EngineFatalError, EngineLoop
+    from tailserve.engine.loop import EngineLoop
 
     try:
         core = EngineCore(EngineArgs(**engine_args))
@@ -84,28 +83,24 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
     emit(loop.ready_message())
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    while True:
-        timeout_ms = 0 if loop.has_work() else int(HEARTBEAT_S * 1000)
+
+    def wait_for_inputs(timeout_s: float) -> list[EngineInput]:
         batch: list[EngineInput] = []
-        if poller.poll(timeout_ms):
+        if poller.poll(int(timeout_s * 1000)):
             while True:
                 try:
                     raw = inputs.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 batch.append(input_decoder.decode(raw.buffer))
-        if batch and not loop.handle(batch):
-            logger.info("engine shutting down")
-            return 0
+        return batch
+
+    def parent_gone() -> bool:
         # The API process is gone (killed): do not linger as an orphan, busy or not. A
-        # getppid() per step costs about a microsecond.
-        if os.getppid() != parent:
-            logger.warning("API process exited; engine stopping")
-            return 0
-        if loop.has_work():
-            try:
-                loop.step()
-            except EngineFatalError:
-                return 1
-        else:
-            loop.heartbeat_if_due(HEARTBEAT_S)
+        # getppid() per iteration costs about a microsecond.
+        if os.getppid() == parent:
+            return False
+        logger.warning("API process exited; engine stopping")
+        return True
+
+    return drive(loop, wait_for_inputs, parent_gone)

@@ -28,12 +28,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from tailserve.config import SchedulerConfig
-from tailserve.engine.outputs import (
-    EngineOutput,
-    RunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from tailserve.data.engine_output import EngineOutput
+from tailserve.data.runner_output import RunnerOutput
+from tailserve.data.scheduler_output import ScheduledRequest, SchedulerOutput
+from tailserve.data.snapshot import SchedulerSnapshot
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus
@@ -127,7 +125,6 @@ class Scheduler:
         self._admit_counter = itertools.count()
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
-        self._step_preemptions = 0
 
     # ---------------------------------------------------------------- requests in and out
     def validate(self, req: Request) -> None:
@@ -189,6 +186,15 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def snapshot(self) -> SchedulerSnapshot:
+        """Queue lengths, preemptions and the block manager's counters, as a frozen value."""
+        return SchedulerSnapshot(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions_total=self.num_preemptions_total,
+            kv=self.kv.snapshot(),
+        )
+
     # ---------------------------------------------------------------- schedule
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
@@ -210,7 +216,6 @@ class Scheduler:
         req.num_preemptions += 1
         req.timestamps.preempted.append(now)
         self.num_preemptions_total += 1
-        self._step_preemptions += 1
         self.waiting.push(req, front=True)
 
     def schedule(self) -> SchedulerOutput:
@@ -219,7 +224,6 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         num_new: dict[str, int] = {}
         preempted: list[str] = []
-        self._step_preemptions = 0
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]

@@ -126,9 +126,3 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """In eviction order; for tests and invariant checks."""
         return list(self._free)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0:
-                block.block_hash = None
-        self._cached = {k: b for k, b in self._cached.items() if b.ref_cnt > 0}

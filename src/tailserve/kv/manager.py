@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tailserve.data.snapshot import KVCacheSnapshot
 from tailserve.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
 from tailserve.request import Request
 
@@ -51,9 +52,15 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+    def snapshot(self) -> KVCacheSnapshot:
+        """Block counts and prefix-cache totals now, as a frozen value for stats and gauges."""
+        return KVCacheSnapshot(
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            band_used=tuple(self.pool.band_used),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from tailserve.config import EngineArgs, ModelConfig
-from tailserve.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tailserve.data.runner_output import RunnerOutput
+from tailserve.data.scheduler_output import ScheduledRequest, SchedulerOutput
 from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend

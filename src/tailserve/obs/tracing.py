@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tailserve.data.request_record import RequestRecord
 from tailserve.errors import ConfigError
-from tailserve.obs.records import RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

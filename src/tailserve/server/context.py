@@ -14,10 +14,11 @@ from typing import Any
 from fastapi import Request
 
 from tailserve.config import SchedulerConfig
+from tailserve.data.request_record import RequestRecord
 from tailserve.engine.client import EngineClient
 from tailserve.obs.metrics import ServerMetrics
-from tailserve.obs.records import RequestRecord
 from tailserve.obs.timeline import Timeline
+from tailserve.request import RequestStatus
 from tailserve.sampling_params import SamplingParams
 from tailserve.server.dashboard.feed import DashboardFeed
 from tailserve.server.errors import APIError, bad_request, unavailable
@@ -102,7 +103,8 @@ class ServerContext:
                 f"{self.model_names[0]!r}", "invalid_request_error", "model", "model_not_found",
             )
 
-    def model_name(self, name: str | None) -> str:
+    def model_name(self) -> str:
+        """The name responses carry: the first served name, whichever alias was asked for."""
         return self.model_names[0]
 
     def admit(self, num_engine_requests: int) -> None:
@@ -218,7 +220,11 @@ class ServerContext:
             await asyncio.sleep(0.05)
         if self.client.num_inflight:
             logger.warning("aborting %d requests still in flight", self.client.num_inflight)
-            self.client.abort_keep_streams(self.client.inflight_request_ids)
+            # Their "abort" outputs still come, so each stream ends with a finish_reason.
+            self.client.finish(
+                self.client.inflight_request_ids, RequestStatus.FINISHED_ABORTED,
+                deliver_final=True,
+            )
             end = time.monotonic() + 5.0
             while self.client.num_inflight and time.monotonic() < end:
                 await asyncio.sleep(0.05)

@@ -16,12 +16,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tailserve.data.engine_output import EngineOutput
+from tailserve.data.request_record import RequestRecord
 from tailserve.engine.client import EngineClient, EngineDeadError, StreamItem
 from tailserve.engine.messages import AddRequest
 from tailserve.engine.output_processor import OutputProcessor
-from tailserve.engine.outputs import EngineOutput
-from tailserve.obs.records import RequestRecord
 from tailserve.outputs import CompletionOutput
+from tailserve.request import FinishReason, RequestStatus
 from tailserve.sampling_params import SamplingParams
 
 # How often a non-streamed request checks whether its client is still there.
@@ -50,8 +51,6 @@ class Choice:
     itl_s: list[float] = field(default_factory=list)
     timing: dict[str, Any] | None = None
     finished: bool = False
-    # True once the final chunk (finish_reason) was streamed.
-    final_sent: bool = False
 
 
 @dataclass
@@ -116,7 +115,7 @@ class Generation:
                     )
                     added.append(child_id)
         except Exception:
-            self.client.abort(added)
+            self.client.finish(added, RequestStatus.FINISHED_ABORTED, deliver_final=False)
             raise
 
     def fail(self, error_type: str) -> None:
@@ -124,14 +123,16 @@ class Generation:
         for choice in self.choices.values():
             if not choice.finished:
                 choice.finished = True
-                choice.out.finish_reason = "error"
+                choice.out.finish_reason = FinishReason.ERROR.value
                 rec = self._record(choice, None)
                 rec.error_type = error_type
                 rec.http_status = 500
                 self.on_choice_finished(rec)
 
     def abort(self) -> None:
-        self.client.abort([cid for cid, c in self.choices.items() if not c.finished])
+        """Abort every unfinished choice; nothing more arrives for them."""
+        unfinished = [cid for cid, c in self.choices.items() if not c.finished]
+        self.client.finish(unfinished, RequestStatus.FINISHED_ABORTED, deliver_final=False)
 
     @property
     def done(self) -> bool:
@@ -190,7 +191,8 @@ class Generation:
             choice.last_t = t
         _, to_stop = self.processor.process([eo])
         if to_stop:
-            self.client.stop(to_stop)
+            # Their final outputs (finish_reason "stop") still come, and finish the choices.
+            self.client.finish(to_stop, RequestStatus.FINISHED_STOPPED, deliver_final=True)
         if eo.finished:
             choice.finished = True
             choice.timing = eo.timing

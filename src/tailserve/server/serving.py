@@ -125,7 +125,7 @@ class OpenAIServing:
         ]
         return JSONResponse({
             "id": rid, "object": object_name, "created": int(time.time()),
-            "model": self.ctx.model_name(body.model), "choices": choices,
+            "model": self.ctx.model_name(), "choices": choices,
             "usage": gen.usage(), "tailserve_timing": gen.ordered_choices()[0].timing,
         })
 
@@ -295,7 +295,7 @@ class OpenAIServing:
             })
         return {
             "id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": self.ctx.model_name(body.model), "choices": choices,
+            "model": self.ctx.model_name(), "choices": choices,
         }
 
     def _chat_chunk(
@@ -318,7 +318,7 @@ class OpenAIServing:
             })
         return {
             "id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": self.ctx.model_name(body.model), "choices": choices,
+            "model": self.ctx.model_name(), "choices": choices,
         }
 
     # ---------------------------------------------------------------- logprobs

@@ -22,10 +22,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tailserve.engine.outputs import StepStats
+from tailserve.data.engine_state import EngineState
+from tailserve.data.request_record import RequestRecord
+from tailserve.data.step_stats import StepStats
 from tailserve.kv.block_pool import usage_band_sizes
 from tailserve.obs.metrics import ServerMetrics
-from tailserve.obs.records import EngineState, RequestRecord
 
 logger = logging.getLogger(__name__)
 
