@@ -134,15 +134,14 @@ class EngineClient:
         queues are dropped now and nothing more arrives. Ids not in flight are skipped, so
         finishing twice is harmless.
         """
+        if not status.is_finished:
+            raise ValueError(f"finish needs a finished status, got {status.name}")
         live = [rid for rid in request_ids if rid in self._streams]
-        if not live:
-            return
-        msg = FinishRequests(live, status)  # refuses a status that is not a finished one
         if not deliver_final:
             for rid in live:
                 del self._streams[rid]
-        if self.dead_reason is None:
-            self._send(msg)
+        if live and self.dead_reason is None:
+            self._send(FinishRequests(live, status))
 
     async def profile(self, seconds: float, path: str) -> str:
         """Trace the engine for ``seconds``; returns the trace path (RuntimeError on failure)."""
