@@ -4,6 +4,7 @@ test per behaviour of the client interface; the wire format is in test_engine_me
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -154,7 +155,7 @@ def test_idle_engine_sends_heartbeats(run: Callable[[Scenario], None]) -> None:
         for st in states:
             assert (st.num_running, st.num_waiting, st.free_blocks, st.total_blocks) == (
                 0, 0, total, total)
-        gaps = [b.t - a.t for a, b in zip(states, states[1:], strict=False)]
+        gaps = [b.t - a.t for a, b in itertools.pairwise(states)]
         # Never more often than HEARTBEAT_S (1 ms of slack for the wall clock).
         assert min(gaps) >= HEARTBEAT_S - 0.001, gaps
 

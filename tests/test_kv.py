@@ -38,7 +38,7 @@ def test_allocation_fails_without_side_effects() -> None:
     assert kv.allocate_slots(a, 12)
     b = req("b", list(range(8)))
     assert not kv.allocate_slots(b, 8)
-    assert kv.num_free_blocks == 1
+    assert kv.snapshot().num_free_blocks == 1
     assert "b" not in kv.req_to_blocks
     kv.check_invariants()
 
@@ -55,7 +55,7 @@ def test_watermark_applies_only_when_asked() -> None:
     # ... but a running request may grow into the watermark.
     a.num_computed_tokens = 28
     assert kv.allocate_slots(a, 8)
-    assert kv.num_free_blocks == 1
+    assert kv.snapshot().num_free_blocks == 1
 
 
 def test_prefix_cache_hit_shares_blocks_with_refcounts() -> None:

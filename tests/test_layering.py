@@ -168,7 +168,7 @@ def _find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(edges.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return [*stack[stack.index(m):], m]
             if m not in state and (cycle := dfs(m)) is not None:
                 return cycle
         stack.pop()
@@ -225,7 +225,7 @@ def torch_violations(imports: list[Import]) -> list[str]:
             parents = [".".join(parts[:i]) for i in range(1, len(parts))]
             for nxt in parents + [i.target for i in runtime.get(mod, ())]:
                 if nxt.split(".")[0] == "tailserve":
-                    todo.append((nxt, chain + [nxt]))
+                    todo.append((nxt, [*chain, nxt]))
         return chains
 
     checked = [m for m in files if m.startswith(TORCH_FREE_PREFIXES) or m in TORCH_FREE_MODULES]
@@ -268,7 +268,7 @@ def _planted(module: str, target: str, line: int = 7, runtime: bool = True) -> I
 
 
 def test_a_model_import_of_engine_is_named() -> None:
-    bad = _all_imports() + [_planted("tailserve.model.runner", "tailserve.engine.core")]
+    bad = [*_all_imports(), _planted("tailserve.model.runner", "tailserve.engine.core")]
     problems = layering_violations(bad)
     assert problems == [
         "model may not import engine: src/tailserve/model/runner.py:7 imports "
@@ -278,8 +278,8 @@ def test_a_model_import_of_engine_is_named() -> None:
 
 
 def test_a_lazy_or_type_only_import_counts_for_the_graph() -> None:
-    bad = _all_imports() + [_planted("tailserve.obs.metrics", "tailserve.engine.client",
-                                     line=40, runtime=False)]
+    lazy = _planted("tailserve.obs.metrics", "tailserve.engine.client", line=40, runtime=False)
+    bad = [*_all_imports(), lazy]
     assert layering_violations(bad)[0] == (
         "obs may not import engine: src/tailserve/obs/metrics.py:40 imports "
         "tailserve.engine.client"
@@ -295,7 +295,7 @@ def test_an_edge_no_longer_used_must_leave_the_table() -> None:
 
 
 def test_torch_reached_through_another_module_is_named() -> None:
-    bad = _all_imports() + [_planted("tailserve.request", "tailserve.model.runner", line=3)]
+    bad = [*_all_imports(), _planted("tailserve.request", "tailserve.model.runner", line=3)]
     problems = torch_violations(bad)
     assert problems
     assert all("must stay torch-free, but loads torch through" in p for p in problems)
@@ -305,7 +305,7 @@ def test_torch_reached_through_another_module_is_named() -> None:
 
 
 def test_a_lazy_torch_import_in_the_scheduler_is_named() -> None:
-    bad = _all_imports() + [_planted("tailserve.engine.scheduler", "torch", 99, runtime=False)]
+    bad = [*_all_imports(), _planted("tailserve.engine.scheduler", "torch", 99, runtime=False)]
     assert torch_violations(bad) == [
         "tailserve.engine.scheduler must stay torch-free: src/tailserve/engine/scheduler.py:99 "
         "imports torch"

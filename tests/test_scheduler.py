@@ -155,7 +155,7 @@ def test_max_num_seqs_bounds_running() -> None:
     out = s.schedule()
     assert [x.request_id for x in out.scheduled] == ["r0", "r1"]
     assert out.admission_blocked_by == "max_num_seqs"
-    assert s.num_waiting == 2
+    assert s.snapshot().num_waiting == 2
 
 
 def test_priority_policy_admits_lowest_value_first() -> None:
@@ -186,14 +186,29 @@ def test_stop_conditions_and_finish_reasons() -> None:
     assert o.stop_reason == first
 
 
+def test_snapshot_reports_queues_blocks_bands_and_prefix_counters() -> None:
+    s = make(max_num_seqs=2)  # 64 blocks of 4 tokens: 32 bands of 2 block ids
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, 5, max_tokens=8))
+    s.schedule()
+    snap = s.snapshot()
+    assert (snap.num_running, snap.num_waiting, snap.num_preemptions_total) == (2, 1, 0)
+    # a and b: 5 prompt tokens -> 2 blocks each, taken from the front of the free queue.
+    assert (snap.kv.num_blocks, snap.kv.num_free_blocks) == (64, 60)
+    assert snap.kv.band_used == (2, 2) + (0,) * 30
+    assert (snap.kv.prefix_cache_queries, snap.kv.prefix_cache_hits) == (10, 0)
+    with pytest.raises(AttributeError):
+        snap.num_running = 0  # type: ignore[misc]  # frozen: a value, not a view
+
+
 def test_abort_frees_blocks_and_reports_to_runner() -> None:
     s = make()
     runner = FakeRunner()
     s.add_request(req("a", 10, max_tokens=20))
     step(s, runner)
-    assert s.kv.num_free_blocks < 64
+    assert s.snapshot().kv.num_free_blocks < 64
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert s.kv.num_free_blocks == 64
+    assert s.snapshot().kv.num_free_blocks == 64
     assert s.schedule().finished_request_ids == ["a"]
     s.check_invariants()
 
@@ -295,7 +310,7 @@ def test_block_accounting_property(
         s.check_invariants()
     run_all(s, runner, max_steps=2000)
     s.check_invariants()
-    assert s.kv.num_free_blocks == num_blocks
+    assert s.snapshot().kv.num_free_blocks == num_blocks
     assert not s.kv.req_to_blocks
     for r in added:
         if r.status == RequestStatus.FINISHED_LENGTH_CAPPED:

@@ -120,10 +120,6 @@ class ServerInfo:
     metrics_names: list[str] = field(default_factory=list)  # the gauges /metrics has
     has_timeline: bool = False
 
-    @property
-    def is_tailserve(self) -> bool:
-        return any(n.startswith("tailserve:") for n in self.metrics_names)
-
 
 def normalize_base_url(url: str) -> str:
     """The server root. People paste the OpenAI base URL (``.../v1``); accept it."""

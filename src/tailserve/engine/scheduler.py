@@ -178,14 +178,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def snapshot(self) -> SchedulerSnapshot:
         """Queue lengths, preemptions and the block manager's counters, as a frozen value."""
         return SchedulerSnapshot(

@@ -44,14 +44,6 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
     def snapshot(self) -> KVCacheSnapshot:
         """Block counts and prefix-cache totals now, as a frozen value for stats and gauges."""
         return KVCacheSnapshot(
