@@ -11,6 +11,7 @@ import torch
 
 from tailserve import LLM, SamplingParams
 from tailserve.errors import ConfigError
+from tailserve.request import FinishReason, Request, RequestStatus
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -159,6 +160,23 @@ def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(
 def bad_input_llm(default_loaded: Any) -> LLM:
     return LLM.from_loaded(default_loaded, dtype="float32", max_model_len=2048,
                            num_kv_blocks=200)
+
+
+def test_core_finish_requests_ends_them_with_the_given_status(bad_input_llm: LLM) -> None:
+    core = bad_input_llm.engine
+    for rid in ("f1", "f2"):
+        core.add_request(Request(rid, [100, 200, 300], SamplingParams(max_tokens=4)))
+    outs = core.finish_requests(["f1", "unknown", "f2"], RequestStatus.FINISHED_STOPPED)
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
+        ("f1", [], FinishReason.STOP), ("f2", [], FinishReason.STOP)]
+    assert all(o.timing is not None and o.timing["output_tokens"] == 0 for o in outs)
+    assert core.finish_requests(["f1"], RequestStatus.FINISHED_ABORTED) == []  # already done
+    assert not core.has_unfinished_requests()
+    with pytest.raises(ValueError, match="finish_requests needs a finished status, got RUNNING"):
+        core.finish_requests(["f1"], RequestStatus.RUNNING)
+    (out,) = bad_input_llm.generate({"prompt_token_ids": [100, 200, 300]},
+                                    SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 2
 
 
 def test_startup_fails_clearly_when_one_sequence_cannot_fit(default_loaded: Any) -> None:

@@ -29,7 +29,6 @@ import numpy as np
 from tailserve.bench import BenchError
 from tailserve.bench.client import RequestResult
 
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 

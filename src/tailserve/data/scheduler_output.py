@@ -40,7 +40,3 @@ class SchedulerOutput:
     # Why the head of the waiting queue was not admitted this step, if it was not:
     # "kv_cache" (free blocks / watermark), "max_num_seqs", "token_budget", "preemption" or None.
     admission_blocked_by: str | None = None
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
