@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import subprocess
 import sys
 from typing import Any
@@ -126,6 +128,24 @@ def test_chat_applies_the_template(default_llm: LLM) -> None:
     assert out.prompt is not None and "<|im_start|>assistant" in out.prompt
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, an EOS id
+
+
+def test_generate_and_chat_leave_the_callers_params_unchanged(default_llm: LLM) -> None:
+    # max_tokens=None is resolved by the engine (into its Request), n fans out to children with
+    # seed + i, and one params object serves two prompts: none of it touches the caller's.
+    sp = SamplingParams(n=2, max_tokens=None, temperature=0, seed=11, stop=["never-seen"])
+    before = copy.deepcopy(sp)
+    (chat,) = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                               sp)
+    assert [c.finish_reason for c in chat.outputs] == ["stop", "stop"]  # <|im_end|>
+    assert sp == before
+    short = SamplingParams(max_tokens=3, ignore_eos=True, stop=["x"])
+    short_before = copy.deepcopy(short)
+    outs = default_llm.generate(["Hello", {"prompt_token_ids": [100, 200]}], short)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+    assert short == short_before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.max_tokens = 4  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(

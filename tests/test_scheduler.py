@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import zlib
@@ -179,7 +180,8 @@ def test_stop_conditions_and_finish_reasons() -> None:
     # A stop token id ends it with finish_reason stop and the id as stop_reason.
     first = expected_tokens(req("b", 3), 1)[0]
     b = req("b", 3, max_tokens=5)
-    b.sampling_params.stop_token_ids = [first]
+    # SamplingParams are frozen: the request gets params that carry the stop id.
+    b.sampling_params = dataclasses.replace(b.sampling_params, stop_token_ids=[first])
     s.add_request(b)
     (o,) = step(s, runner)
     assert o.finish_reason is not None and o.finish_reason.value == "stop"

@@ -91,9 +91,15 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     # The order in which requests were admitted; preemption picks the newest admission.
     admit_seq: int = 0
+    # The output budget: ``sampling_params.max_tokens``; a None there is resolved to the room
+    # left under max_model_len when the scheduler adds the request (it is 0 until then). Kept
+    # here because ``SamplingParams`` is frozen: it stays what the caller asked for.
+    max_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.timestamps = RequestTimestamps(arrival=self.arrival_time)
+        mt = self.sampling_params.max_tokens
+        self.max_tokens = mt if mt is not None else 0
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
@@ -109,12 +115,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def max_tokens(self) -> int:
-        # None was resolved to the room left under max_model_len when the request was added.
-        mt = self.sampling_params.max_tokens
-        return mt if mt is not None else 0
 
     @property
     def is_finished(self) -> bool:

@@ -15,9 +15,14 @@ MAX_N = 16
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; validated on construction (``InvalidRequestError``).
+
+    Frozen: one object may be shared by many requests (``LLM.generate`` with one params for
+    every prompt, the ``n`` completions of a prompt), so nothing may change it after the caller
+    made it. Derive a variant with ``dataclasses.replace``. ``stop`` and ``stop_token_ids``
+    are copied on construction, so the caller's lists are not shared either.
 
     ``temperature == 0`` (or below 1e-5) means greedy. ``top_k == 0`` (or -1, as vLLM users
     write it) disables top-k. ``seed`` makes the request's draws reproducible regardless of its
@@ -43,12 +48,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Normalization of a frozen dataclass: the only writes, before anyone holds the object.
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         if self.top_k is None or self.top_k < 0:
-            self.top_k = 0
+            object.__setattr__(self, "top_k", 0)
         self._validate()
 
     def _validate(self) -> None:

@@ -12,10 +12,11 @@ from tailserve.data.scheduler_output import SchedulerOutput
 from tailserve.data.snapshot import SchedulerSnapshot
 from tailserve.data.step_stats import StepStats
 from tailserve.engine.scheduler import Scheduler
-from tailserve.errors import ConfigError, InvalidRequestError
+from tailserve.errors import ConfigError
 from tailserve.model.runner import ModelRunner, resolve_device
 from tailserve.obs.profiling import span
 from tailserve.request import Request, RequestStatus
+from tailserve.request_limits import check_prompt_token_ids
 
 if TYPE_CHECKING:
     from tailserve.model.loader import LoadedModel
@@ -78,13 +79,11 @@ class EngineCore:
         )
 
     def add_request(self, req: Request) -> None:
-        """Validate and queue; raises ``InvalidRequestError`` / ``QueueFullError``."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt"
-            )
+        """Validate and queue; raises ``InvalidRequestError`` / ``QueueFullError``.
+
+        The input processor ran these checks already; the engine runs them again because it
+        stays the authority for whatever reaches it (the scheduler checks the lengths)."""
+        check_prompt_token_ids(req.prompt_token_ids, self.model_config.vocab_size)
         if not req.eos_token_ids:
             req.eos_token_ids = self.model_config.eos_token_ids
         self.scheduler.add_request(req)

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import typing
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tailserve.config import EngineArgs
 from tailserve.data.step_stats import StepStats
 from tailserve.engine.core import EngineCore
+from tailserve.engine.input_processor import (
+    InputProcessor,
+    Message,
+    ParentRequest,
+    Prompt,
+    PromptType,
+)
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.errors import InvalidRequestError
 from tailserve.model.loader import LoadedModel
 from tailserve.outputs import RequestOutput
 from tailserve.request import Request, RequestStatus
+from tailserve.request_limits import RequestLimits
 from tailserve.sampling_params import SamplingParams
-
-PromptType = str | dict[str, Any]
-Message = dict[str, str]
 
 
 class LLM:
@@ -41,42 +45,14 @@ class LLM:
         self.engine_args = args
         self.engine = EngineCore(args, loaded)
         self.tokenizer = self.engine.loaded.tokenizer
-        self.processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            RequestLimits.of(self.engine.scheduler_config, self.engine.model_config.vocab_size),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Recent per-step statistics, for tools that want to look at what the engine did.
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
-
-    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        raise InvalidRequestError(
-            f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}",
-            param="prompt",
-        )
-
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
-        text, ids = self._to_token_ids(prompt)
-        rid = str(next(self._ids))
-        children: dict[str, SamplingParams] = {}
-        for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else None
-            children[rid if params.n == 1 else f"{rid}-{i}"] = dataclasses.replace(
-                params, n=1, seed=seed
-            )
-        added: list[str] = []
-        try:
-            for child_id, child_params in children.items():
-                self.engine.add_request(
-                    Request(child_id, ids, child_params, priority=priority)
-                )
-                added.append(child_id)
-        except Exception:
-            self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            raise
-        self.processor.add_request(rid, text, ids, children)
-        return rid
 
     def generate(
         self,
@@ -86,56 +62,71 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        Invalid input raises ``ValueError`` before anything of this call is left queued.
+        Invalid input raises ``ValueError`` before anything of this call is queued.
         """
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        return self._generate(
+            (self.input_processor.prompt(p) for p in prompts), params, priority
         )
-        if len(params) != len(prompts):
-            raise InvalidRequestError(
-                f"got {len(params)} sampling_params for {len(prompts)} prompts",
-                param="sampling_params",
-            )
-        prios = list(priority) if priority is not None else [0] * len(prompts)
-        order: list[str] = []
-        try:
-            for prompt, sp, prio in zip(prompts, params, prios, strict=True):
-                order.append(self._add(prompt, dataclasses.replace(sp), prio))
-        except Exception:
-            for rid in order:
-                self.engine.finish_requests(
-                    self.processor.abort(rid), RequestStatus.FINISHED_ABORTED
-                )
-            raise
-        results = self._run()
-        return [results[rid] for rid in order]
 
     def chat(
         self,
-        messages: list[Message] | list[list[Message]],
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        single = bool(messages) and isinstance(messages[0], dict)
+        single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = typing.cast(
-            list[list[Message]], [messages] if single else messages
+            list[Sequence[Message]], [messages] if single else list(messages)
         )
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params)
+        params = _params_per_prompt(sampling_params, len(conversations))
+        return self._generate(
+            (self.input_processor.chat(c, add_generation_prompt) for c in conversations), params
+        )
+
+    def _generate(
+        self,
+        prompts: Iterable[Prompt],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        # Every prompt is shaped and validated before the first one is submitted.
+        parents = [
+            self.input_processor.fan_out(str(next(self._ids)), prompt, sp)
+            for prompt, sp in zip(prompts, params, strict=True)
+        ]
+        prios = list(priority) if priority is not None else [0] * len(parents)
+        submitted: list[str] = []
+        try:
+            for parent, prio in zip(parents, prios, strict=True):
+                self._submit(parent, prio)
+                submitted.append(parent.request_id)
+        except Exception:  # the engine refused one (queue full): leave nothing of this call
+            for rid in submitted:
+                self.engine.finish_requests(
+                    self.output_processor.abort(rid), RequestStatus.FINISHED_ABORTED
+                )
+            raise
+        results = self._run()
+        return [results[parent.request_id] for parent in parents]
+
+    def _submit(self, parent: ParentRequest, priority: int) -> None:
+        ids = parent.prompt.token_ids
+        added: list[str] = []
+        try:
+            for child_id, child_params in parent.children.items():
+                self.engine.add_request(Request(child_id, ids, child_params, priority=priority))
+                added.append(child_id)
+        except Exception:
+            self.engine.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.output_processor.add_request(
+            parent.request_id, parent.prompt.text, ids, parent.children
+        )
 
     def _run(self) -> dict[str, RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -143,11 +134,28 @@ class LLM:
             outputs, stats = self.engine.step()
             if stats is not None:
                 self.step_stats.append(stats)
-            finished, to_stop = self.processor.process(outputs)
+            finished, to_stop = self.output_processor.process(outputs)
             if to_stop:
                 stopped = self.engine.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
-                more, _ = self.processor.process(stopped)
+                more, _ = self.output_processor.process(stopped)
                 finished.extend(more)
             for ro in finished:
                 results[ro.request_id] = ro
         return results
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One params for every prompt, or one per prompt. Frozen, so sharing one is safe."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(params)} sampling_params for {num_prompts} prompts",
+            param="sampling_params",
+        )
+    return params

@@ -35,38 +35,7 @@ from tailserve.data.snapshot import SchedulerSnapshot
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus
-
-
-def check_request_lengths(cfg: SchedulerConfig, n_prompt: int, max_tokens: int | None) -> int:
-    """Raise ``InvalidRequestError`` (with the numbers) for a request that can never be served;
-    return ``max_tokens`` resolved (``None`` -> the room left under max_model_len).
-
-    Pure, so the API process runs the same check before a request crosses to the engine.
-    """
-    if n_prompt == 0:
-        raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
-    if n_prompt >= cfg.max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; "
-            f"at most {cfg.max_model_len - 1} prompt tokens leave room for one output token",
-            param="input_tokens",
-        )
-    if max_tokens is None:
-        max_tokens = cfg.max_model_len - n_prompt
-    elif n_prompt + max_tokens > cfg.max_model_len:
-        raise InvalidRequestError(
-            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
-            f"{n_prompt + max_tokens} exceeds max_model_len ({cfg.max_model_len})",
-            param="max_tokens",
-        )
-    blocks_needed = cdiv(n_prompt + max_tokens, cfg.block_size)
-    if blocks_needed > cfg.num_kv_blocks:
-        raise InvalidRequestError(
-            f"prompt + max_tokens = {n_prompt + max_tokens} tokens need {blocks_needed} KV "
-            f"blocks but the whole pool has {cfg.num_kv_blocks}",
-            param="input_tokens",
-        )
-    return max_tokens
+from tailserve.request_limits import check_request_lengths
 
 
 class WaitingQueue:
@@ -128,9 +97,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests in and out
     def validate(self, req: Request) -> None:
-        """Reject what can never be served, with the numbers; resolves ``max_tokens=None``."""
-        sp = req.sampling_params
-        sp.max_tokens = check_request_lengths(self.config, req.num_prompt_tokens, sp.max_tokens)
+        """Reject what can never be served, with the numbers; resolves ``max_tokens=None``
+        into ``req.max_tokens`` (the caller's ``SamplingParams`` stay as they were given)."""
+        req.max_tokens = check_request_lengths(
+            self.config, req.num_prompt_tokens, req.sampling_params.max_tokens
+        )
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
 

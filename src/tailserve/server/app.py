@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tailserve
 from tailserve.config import EngineArgs
 from tailserve.engine.client import EngineClient, EngineStartupError, MPEngineClient
+from tailserve.errors import InvalidRequestError
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 from tailserve.server.context import ServerContext, ServerSettings, served_names
@@ -44,6 +45,7 @@ from tailserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    conversation,
 )
 from tailserve.server.serving import OpenAIServing
 
@@ -64,6 +66,11 @@ def create_app(ctx: ServerContext) -> Any:
         if reason is not None:
             ctx.metrics.on_rejected(reason)
         return error_response(exc)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_request(request: Request, exc: InvalidRequestError) -> Response:
+        # A user mistake found by SamplingParams or the input processor: the OpenAI 400.
+        return await _api_error(request, bad_request(exc.message, exc.param))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
@@ -132,12 +139,12 @@ def create_app(ctx: ServerContext) -> Any:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
+        inputs = ctx.input_processor
         if body.messages is not None:
-            ids = ctx.chat_token_ids(body.messages, body.add_generation_prompt)
+            ids = inputs.chat(conversation(body.messages), body.add_generation_prompt).token_ids
         else:
-            ids = list(ctx.tokenizer(
-                body.prompt, add_special_tokens=body.add_special_tokens
-            ).input_ids)
+            assert body.prompt is not None
+            ids = inputs.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         return {
             "tokens": ids, "count": len(ids),
             "max_model_len": ctx.scheduler_config.max_model_len,

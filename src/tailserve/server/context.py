@@ -1,5 +1,6 @@
-"""ServerContext: what every route shares — the engine client, the tokenizer, admission and
-drain state, and the sinks a finished request is written to (metrics, timeline, traces)."""
+"""ServerContext: what every route shares — the engine client, the tokenizer and the input
+processor, admission and drain state, and the sinks a finished request is written to
+(metrics, timeline, traces)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from fastapi import Request
 from tailserve.config import SchedulerConfig
 from tailserve.data.request_record import RequestRecord
 from tailserve.engine.client import EngineClient
+from tailserve.engine.input_processor import InputProcessor
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 from tailserve.request import RequestStatus
+from tailserve.request_limits import RequestLimits
 from tailserve.sampling_params import SamplingParams
 from tailserve.server.dashboard.feed import DashboardFeed
-from tailserve.server.errors import APIError, bad_request, unavailable
-from tailserve.server.protocol import ChatMessage
+from tailserve.server.errors import APIError, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +84,13 @@ class ServerContext:
         self.metrics = metrics
         self.timeline = timeline
         self.tracer = tracer
+        # The engine's resolved limits, read here once: admission, /v1/models and the input
+        # processor (which shapes and validates every prompt) take them from these.
         self.scheduler_config: SchedulerConfig = client.info.scheduler_config
         self.vocab_size = client.info.vocab_size
+        self.input_processor = InputProcessor(
+            tokenizer, RequestLimits.of(self.scheduler_config, self.vocab_size)
+        )
         self.draining = False
         self.exit_code = 0
         self.started = time.time()
@@ -132,23 +139,6 @@ class ServerContext:
 
     def dead_error(self) -> APIError:
         return unavailable(f"the engine is not running: {self.client.dead_reason}", "engine_dead")
-
-    def chat_token_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        conv = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            conv.append({"role": m.role, "content": content or ""})
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as exc:  # the template raises for conversations it does not accept
-            raise bad_request(
-                f"the chat template rejected these messages: {str(exc)[:200]}", "messages"
-            ) from None
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     # ---------------------------------------------------------------- sinks
     def _on_step(self, stats: Any) -> None:

@@ -1,16 +1,15 @@
 """One HTTP request's generation: submit its engine requests, follow their outputs, record them.
 
-A request with several prompts and ``n`` completions each becomes ``prompts x n`` engine
-requests sharing one output queue. Text, stop strings and ``n`` grouping are the
-``OutputProcessor``'s; this module adds what the HTTP edge needs: per-choice deltas for
-streaming, client-disconnect handling, and one ``RequestRecord`` per finished choice for the
-metrics, the timeline and traces.
+A request with several prompts and ``n`` completions each arrives shaped by the input processor
+(one ``ParentRequest`` per prompt); its ``prompts x n`` engine requests share one output queue
+here. Text, stop strings and ``n`` grouping are the ``OutputProcessor``'s; this module adds what
+the HTTP edge needs: per-choice deltas for streaming, client-disconnect handling, and one
+``RequestRecord`` per finished choice for the metrics, the timeline and traces.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 from tailserve.data.engine_output import EngineOutput
 from tailserve.data.request_record import RequestRecord
 from tailserve.engine.client import EngineClient, EngineDeadError, StreamItem
+from tailserve.engine.input_processor import ParentRequest
 from tailserve.engine.messages import AddRequest
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.outputs import CompletionOutput
@@ -67,19 +67,19 @@ class Generation:
         self,
         client: EngineClient,
         tokenizer: Any,
-        request_id: str,
-        prompts: list[tuple[str | None, list[int]]],
+        parents: list[ParentRequest],
         params: SamplingParams,
         arrival_time: float,
         priority: int,
         on_choice_finished: Callable[[RequestRecord], None],
-        record_id: str | None = None,
+        record_id: str,
     ) -> None:
+        """``parents``: the request's prompts, shaped and validated by the input processor,
+        each with its ``n`` engine requests; ``params`` is what the request asked for."""
         self.client = client
-        self.request_id = request_id
         # The id records carry (the HTTP x-request-id), so client and server views join.
-        self.record_id = record_id or request_id
-        self.prompts = prompts
+        self.record_id = record_id
+        self.parents = parents
         self.params = params
         self.arrival_time = arrival_time
         self.priority = priority
@@ -93,22 +93,19 @@ class Generation:
 
     # ---------------------------------------------------------------- submit
     def submit(self) -> None:
-        n = self.params.n
         added: list[str] = []
+        index = 0
         try:
-            for p, (text, ids) in enumerate(self.prompts):
-                parent_id = f"{self.request_id}-{p}"
-                children: dict[str, SamplingParams] = {}
-                for i in range(n):
-                    seed = self.params.seed + i if self.params.seed is not None else None
-                    children[f"{parent_id}-{i}"] = dataclasses.replace(
-                        self.params, n=1, seed=seed
-                    )
-                self.processor.add_request(parent_id, text, ids, children)
-                ro = self.processor.get(parent_id)
+            for p, parent in enumerate(self.parents):
+                ids = parent.prompt.token_ids
+                self.processor.add_request(
+                    parent.request_id, parent.prompt.text, ids, parent.children
+                )
+                ro = self.processor.get(parent.request_id)
                 assert ro is not None
-                for i, (child_id, child_params) in enumerate(children.items()):
-                    self.choices[child_id] = Choice(p * n + i, p, child_id, ro.outputs[i])
+                for i, (child_id, child_params) in enumerate(parent.children.items()):
+                    self.choices[child_id] = Choice(index, p, child_id, ro.outputs[i])
+                    index += 1
                     self.client.add_request(
                         AddRequest(child_id, ids, child_params, self.arrival_time, self.priority),
                         self.queue,
@@ -207,7 +204,7 @@ class Generation:
             request_id=self.record_id if len(self.choices) == 1
             else f"{self.record_id}-{choice.index}",
             finish_reason=choice.out.finish_reason,
-            prompt_tokens=len(self.prompts[choice.prompt_index][1]),
+            prompt_tokens=len(self.parents[choice.prompt_index].prompt.token_ids),
             output_tokens=len(choice.out.token_ids),
             timing=eo.timing if eo is not None else None,
             arrival_time=wall_from_monotonic(self.arrival_time),
@@ -231,7 +228,7 @@ class Generation:
         return Delta(choice, text, tokens, logprobs, reason)
 
     def usage(self) -> dict[str, int]:
-        prompt = sum(len(ids) for _, ids in self.prompts)
+        prompt = sum(len(parent.prompt.token_ids) for parent in self.parents)
         completion = sum(len(c.out.token_ids) for c in self.choices.values())
         return {
             "prompt_tokens": prompt,

@@ -1,0 +1,119 @@
+"""InputProcessor: prompts or chat messages plus ``SamplingParams`` -> validated engine requests.
+
+The offline ``LLM`` and the server both shape their requests here, so a prompt is tokenized,
+templated, checked and fanned out to ``n`` engine requests the same way on either path::
+
+    text | {"prompt_token_ids": [...]}  ── prompt() ──┐
+    chat messages ── chat template ───── chat() ─────┴─▶ Prompt(text, token_ids)
+    Prompt + SamplingParams ── fan_out() ──▶ ParentRequest(request_id, prompt, children)
+
+``prompt`` / ``chat`` check the token ids against the vocabulary; ``fan_out`` checks the lengths
+against max_model_len and the KV pool and makes the ``n`` children. A caller validates all of
+its prompts before it submits the first one, so a bad prompt leaves nothing queued. The engine
+runs the same checks again (``request_limits``): it stays the authority.
+
+Torch-free: the tokenizer is a Hugging Face fast tokenizer, used as an object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tailserve.errors import InvalidRequestError
+from tailserve.request_limits import RequestLimits, check_prompt_token_ids, check_request_lengths
+from tailserve.sampling_params import SamplingParams
+
+# vLLM's prompt forms: a text, or {"prompt_token_ids": [...]} (with an optional "prompt" text).
+PromptType = str | Mapping[str, Any]
+Message = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the engine sees it: its token ids, and the text they came from (None
+    when the caller gave token ids only)."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ParentRequest:
+    """What the caller asked for one prompt (one ``RequestOutput``, one group of OpenAI
+    choices) and the engine requests that serve it: ``children`` maps each child request id
+    to its params, in completion order (child ``i`` is completion ``i``)."""
+
+    request_id: str
+    prompt: Prompt
+    children: dict[str, SamplingParams]
+
+
+class InputProcessor:
+    """Built once per engine from its tokenizer and the limits it resolved at start-up."""
+
+    def __init__(self, tokenizer: Any, limits: RequestLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    # ---------------------------------------------------------------- prompts
+    def prompt(self, prompt: PromptType) -> Prompt:
+        """A text (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids."""
+        if isinstance(prompt, str):
+            return Prompt(prompt, self.tokenize(prompt))
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            check_prompt_token_ids(ids, self.limits.vocab_size)
+            return Prompt(prompt.get("prompt"), ids)
+        raise InvalidRequestError(
+            f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}",
+            param="prompt",
+        )
+
+    def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Prompt:
+        """One conversation through the model's chat template; the template writes the special
+        tokens itself, so the text is tokenized without adding any."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as exc:  # the template raises for conversations it does not accept
+            raise InvalidRequestError(
+                f"the chat template rejected these messages: {str(exc)[:200]}", param="messages"
+            ) from None
+        return Prompt(text, self.tokenize(text, add_special_tokens=False))
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    # ---------------------------------------------------------------- requests
+    def fan_out(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        always_suffix: bool = False,
+    ) -> ParentRequest:
+        """Check that ``prompt`` with ``params`` can be served, then make its ``n`` children:
+        child ``i`` is ``{request_id}-{i}`` with ``n=1`` and ``seed + i`` (seeded completions
+        differ from each other and still reproduce). A single child keeps ``request_id``
+        itself unless ``always_suffix`` (the server's ids always carry the index).
+
+        ``params`` is never changed; with ``n == 1`` the child shares it (it is frozen).
+        """
+        check_request_lengths(self.limits, len(prompt.token_ids), params.max_tokens)
+        n = params.n
+        if n == 1 and not always_suffix:
+            return ParentRequest(request_id, prompt, {request_id: params})
+        children: dict[str, SamplingParams] = {}
+        for i in range(n):
+            child = params
+            if n > 1:
+                seed = params.seed + i if params.seed is not None else None
+                child = dataclasses.replace(params, n=1, seed=seed)
+            children[f"{request_id}-{i}"] = child
+        return ParentRequest(request_id, prompt, children)

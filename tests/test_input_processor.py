@@ -1,0 +1,229 @@
+"""InputProcessor and request limits: prompt forms, the chat template, ``n`` fan-out ids and
+seeds, every validation error with its message and param, and frozen SamplingParams that no
+path changes (the offline path is in test_llm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tailserve.config import EngineArgs, SchedulerConfig
+from tailserve.engine.input_processor import InputProcessor, ParentRequest, Prompt
+from tailserve.errors import InvalidRequestError
+from tailserve.request_limits import RequestLimits, check_request_lengths
+from tailserve.sampling_params import SamplingParams
+
+VOCAB = 49152  # the bundled SmolLM2 tokenizer's
+# 64 tokens in 4 blocks of 16 fit the pool; a 5th block does not exist.
+LIMITS = RequestLimits(vocab_size=VOCAB, max_model_len=64, block_size=16, num_kv_blocks=4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from tailserve.model.loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def processor(tokenizer: Any) -> InputProcessor:
+    return InputProcessor(tokenizer, LIMITS)
+
+
+def test_input_processing_imports_no_torch() -> None:
+    code = ("import sys, tailserve.engine.input_processor, tailserve.request_limits; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_limits_are_read_from_the_engine_config() -> None:
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                          block_size=16, num_kv_blocks=4)
+    assert RequestLimits.of(cfg, VOCAB) == LIMITS
+
+
+# ------------------------------------------------------------------------------ prompts
+def test_text_and_token_id_prompts(processor: InputProcessor, tokenizer: Any) -> None:
+    text = "The capital of France is"
+    assert processor.prompt(text) == Prompt(text, list(tokenizer(text).input_ids))
+    assert processor.prompt({"prompt_token_ids": [5, 6, 7]}) == Prompt(None, [5, 6, 7])
+    # vLLM's form may carry the text the ids came from.
+    assert processor.prompt({"prompt": "x", "prompt_token_ids": [9]}) == Prompt("x", [9])
+    assert processor.tokenize(text, add_special_tokens=False) == list(
+        tokenizer(text, add_special_tokens=False).input_ids
+    )
+
+
+def test_a_prompt_of_another_type_is_refused(processor: InputProcessor) -> None:
+    with pytest.raises(InvalidRequestError, match="a prompt must be a string or") as e:
+        processor.prompt([1, 2, 3])  # type: ignore[arg-type]
+    assert e.value.param == "prompt" and "list" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:
+        processor.prompt({"prompt": "no ids"})
+    assert e.value.param == "prompt"
+
+
+def test_token_ids_outside_the_vocabulary(processor: InputProcessor) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        processor.prompt({"prompt_token_ids": [1, VOCAB, -3, 2]})
+    assert e.value.message == f"prompt token ids must be in [0, {VOCAB}); got [{VOCAB}, -3]"
+    assert e.value.param == "prompt"
+    assert processor.prompt({"prompt_token_ids": [0, VOCAB - 1]}).token_ids == [0, VOCAB - 1]
+
+
+def test_chat_applies_the_template_once(processor: InputProcessor, tokenizer: Any) -> None:
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    p = processor.chat(conv)
+    assert p.text == tokenizer.apply_chat_template(conv, tokenize=False,
+                                                   add_generation_prompt=True)
+    assert p.text is not None and p.text.endswith("<|im_start|>assistant\n")
+    assert p.text.count("<|im_start|>user\nHi<|im_end|>") == 1
+    # The template wrote the special tokens: tokenized without adding any.
+    assert p.token_ids == list(tokenizer(p.text, add_special_tokens=False).input_ids)
+    bare = processor.chat(conv, add_generation_prompt=False)
+    assert bare.text is not None and not bare.text.endswith("<|im_start|>assistant\n")
+    assert p.text.startswith(bare.text)
+
+
+def test_a_conversation_the_template_rejects(tokenizer: Any) -> None:
+    class Refusing:
+        def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+            raise RuntimeError("Conversation roles must alternate user/assistant")
+
+    with pytest.raises(InvalidRequestError) as e:
+        InputProcessor(Refusing(), LIMITS).chat([{"role": "user", "content": "x"}])
+    assert e.value.param == "messages"
+    assert e.value.message == ("the chat template rejected these messages: Conversation roles "
+                               "must alternate user/assistant")
+
+
+# ------------------------------------------------------------------------------ fan-out
+def test_one_completion_keeps_the_parent_id_and_params(processor: InputProcessor) -> None:
+    prompt = Prompt(None, [5] * 10)
+    params = SamplingParams(max_tokens=8, seed=3)
+    parent = processor.fan_out("7", prompt, params)
+    assert parent == ParentRequest("7", prompt, {"7": params})
+    assert parent.children["7"] is params  # frozen: sharing is safe
+    # The server's ids always carry the completion index.
+    server = processor.fan_out("abc-0", prompt, params, always_suffix=True)
+    assert list(server.children) == ["abc-0-0"] and server.children["abc-0-0"] is params
+
+
+def test_n_fans_out_with_index_ids_and_seed_plus_i(processor: InputProcessor) -> None:
+    params = SamplingParams(n=3, max_tokens=8, seed=40, temperature=0.7, stop=["\n"])
+    for always_suffix in (False, True):
+        parent = processor.fan_out("r", Prompt("t", [5] * 10), params,
+                                   always_suffix=always_suffix)
+        assert list(parent.children) == ["r-0", "r-1", "r-2"]
+        assert [c.seed for c in parent.children.values()] == [40, 41, 42]
+        for child in parent.children.values():
+            assert child == dataclasses.replace(params, n=1, seed=child.seed)
+    unseeded = processor.fan_out("u", Prompt(None, [5]), SamplingParams(n=2, max_tokens=4))
+    assert [c.seed for c in unseeded.children.values()] == [None, None]
+    assert [c.n for c in unseeded.children.values()] == [1, 1]
+
+
+@pytest.mark.parametrize(("n_prompt", "max_tokens", "message", "param"), [
+    (0, 4, "the prompt is empty (0 tokens)", "prompt"),
+    (64, 1, "the prompt has 64 tokens but max_model_len is 64; at most 63 prompt tokens leave "
+     "room for one output token", "input_tokens"),
+    (80, None, "the prompt has 80 tokens but max_model_len is 64; at most 63 prompt tokens "
+     "leave room for one output token", "input_tokens"),
+    (60, 5, "prompt (60 tokens) + max_tokens (5) = 65 exceeds max_model_len (64)", "max_tokens"),
+])
+def test_length_errors_name_the_numbers_and_param(
+    processor: InputProcessor, n_prompt: int, max_tokens: int | None, message: str, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        processor.fan_out("x", Prompt(None, [5] * n_prompt), SamplingParams(max_tokens=max_tokens))
+    assert (e.value.message, e.value.param) == (message, param)
+
+
+def test_a_request_larger_than_the_kv_pool(processor: InputProcessor) -> None:
+    small_pool = InputProcessor(processor.tokenizer, dataclasses.replace(LIMITS, num_kv_blocks=3))
+    # max_tokens=None asks for the room left under max_model_len: 64 tokens, 4 blocks.
+    with pytest.raises(InvalidRequestError) as e:
+        small_pool.fan_out("x", Prompt(None, [5] * 10), SamplingParams(max_tokens=None))
+    assert e.value.message == ("prompt + max_tokens = 64 tokens need 4 KV blocks but the whole "
+                               "pool has 3")
+    assert e.value.param == "input_tokens"
+    assert small_pool.fan_out("y", Prompt(None, [5] * 10), SamplingParams(max_tokens=38))
+
+
+def test_check_request_lengths_resolves_max_tokens() -> None:
+    assert check_request_lengths(LIMITS, 10, None) == 54
+    assert check_request_lengths(LIMITS, 10, 54) == 54
+    assert check_request_lengths(LIMITS, 63, 1) == 1
+
+
+# ------------------------------------------------------------------------------ frozen params
+def test_sampling_params_are_frozen_and_own_their_lists() -> None:
+    stop = ["a"]
+    sp = SamplingParams(stop=stop, stop_token_ids=[3], top_k=-1)
+    assert sp.top_k == 0 and sp.stop == ["a"]  # normalized on construction
+    stop.append("b")
+    assert sp.stop == ["a"]  # a copy: the caller's list is not shared
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.max_tokens = 5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.seed = 1  # type: ignore[misc]
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    # A variant is a new object, validated like any other.
+    with pytest.raises(InvalidRequestError, match="n must be in"):
+        dataclasses.replace(sp, n=0)
+
+
+def test_fan_out_changes_no_params(processor: InputProcessor) -> None:
+    params = SamplingParams(n=3, max_tokens=None, seed=9, stop=["x"])
+    before = copy.deepcopy(params)
+    processor.fan_out("p", Prompt(None, [5] * 10), params)
+    with pytest.raises(InvalidRequestError):
+        processor.fan_out("q", Prompt(None, [5] * 70), params)
+    assert params == before
+
+
+def test_the_server_path_changes_no_params(tiny_model_dir: str) -> None:
+    """Input processor + Generation + an in-process engine (which shares the params objects):
+    the request's params and every child's are as given after the run, max_tokens=None
+    included (the engine resolves it into its Request, not into the params)."""
+    from tailserve.engine.client import InprocEngineClient
+    from tailserve.model.loader import load_tokenizer
+    from tailserve.server.generation import Generation
+
+    async def scenario() -> None:
+        client = InprocEngineClient(EngineArgs(model=tiny_model_dir, kv_cache_memory=0.05,
+                                               max_model_len=64))
+        info = await client.start()
+        try:
+            tokenizer = load_tokenizer(tiny_model_dir)
+            inputs = InputProcessor(tokenizer, RequestLimits.of(info.scheduler_config,
+                                                                info.vocab_size))
+            for params in (SamplingParams(max_tokens=None, seed=1, ignore_eos=True),
+                           SamplingParams(n=2, max_tokens=None, seed=1, ignore_eos=True)):
+                before = copy.deepcopy(params)
+                parents = [inputs.fan_out(f"g-{p}", inputs.prompt(text), params,
+                                          always_suffix=True)
+                           for p, text in enumerate(["Hello", "Bonjour tout le monde"])]
+                children = [c for parent in parents for c in parent.children.values()]
+                gen = Generation(client, tokenizer, parents, params, 0.0, 0,
+                                 lambda rec: None, record_id="g")
+                gen.submit()
+                while not gen.done:
+                    await asyncio.wait_for(gen.next_outputs(), 60)
+                assert params == before
+                assert all(c.max_tokens is None for c in children)
+                # max_tokens=None ran to max_model_len, so the engine did resolve it.
+                for c in gen.ordered_choices():
+                    n_prompt = len(parents[c.prompt_index].prompt.token_ids)
+                    assert len(c.out.token_ids) == 64 - n_prompt
+                    assert c.out.finish_reason == "length"
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
