@@ -9,7 +9,6 @@
 // replaying a captured CUDA graph.
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
@@ -108,13 +107,3 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
 }
 
 }  // namespace tailserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(tailserve, m) {
-  m.def("decode_layers(Tensor(a!) embeds, Tensor cos, Tensor sin, Tensor[] weights, "
-        "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "Tensor final_norm, int num_heads, float eps, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
-  m.impl("decode_layers", &tailserve_cpu::decode_layers);
-}
