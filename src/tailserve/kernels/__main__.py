@@ -33,9 +33,10 @@ def main() -> int:
         print(f"tailserve CPU kernels: build FAILED ({reason}); they are required here ({why})",
               file=sys.stderr)
         return 1
+    advice = "" if cxx_compiler() else (
+        " Install a C++ compiler (g++) and run `python -m tailserve.kernels` to build them.")
     print(f"tailserve CPU kernels: NOT available ({reason}); WARNING: the engine will run its "
-          "slower torch fallbacks. Install a C++ compiler (g++) and run "
-          "`python -m tailserve.kernels` to build them.", file=sys.stderr)
+          f"slower torch fallbacks.{advice}", file=sys.stderr)
     return 0
 
 
