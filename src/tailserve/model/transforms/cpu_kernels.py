@@ -88,28 +88,16 @@ def apply_cpu_kernels(model: nn.Module, *, compiled: bool) -> TransformReport:
     # Parameters owned by more than one module (a tied LM head is the embedding table).
     owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     onednn = torch.backends.mkldnn.is_available()
-    swaps: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        new: nn.Module | None = None
-        kind = type(module)
-        if kind is nn.Linear:
-            linear = typing.cast(nn.Linear, module)
-            if compiled or onednn:
-                new = KernelLinear(linear, compiled=compiled, onednn=onednn,
-                                   shared=owners[id(linear.weight)] > 1)
-        elif compiled and kind is RMSNorm:
-            new = FusedRMSNorm(typing.cast(RMSNorm, module))
-        elif compiled and kind is SiluAndMul:
-            new = FusedSiluAndMul()
-        elif compiled and kind is ApplyRope:
-            new = FusedApplyRope()
-        if new is not None and name:
-            swaps.append((name, new))
     swapped: Counter[str] = Counter()
     added = 0
-    for name, new in swaps:
+    # By name, one module at a time: a weight the swap lets go is freed before the next
+    # linear's copies are made, so the transform never holds a third copy of the model.
+    for name in [name for name, _ in model.named_modules() if name]:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
+        new = _replacement(getattr(parent, child), owners, compiled=compiled, onednn=onednn)
+        if new is None:
+            continue
         swapped[type(getattr(parent, child)).__name__] += 1
         setattr(parent, child, new)
         if isinstance(new, KernelLinear):
@@ -117,3 +105,23 @@ def apply_cpu_kernels(model: nn.Module, *, compiled: bool) -> TransformReport:
     report = TransformReport(bytes_added=added, swapped=dict(swapped))
     log.debug("CPU kernels applied: %s", report)
     return report
+
+
+def _replacement(
+    module: nn.Module, owners: Counter[int], *, compiled: bool, onednn: bool
+) -> nn.Module | None:
+    """The faster form of one module, or None to keep it (exact types only)."""
+    kind = type(module)
+    if kind is nn.Linear and (compiled or onednn):
+        linear = typing.cast(nn.Linear, module)
+        return KernelLinear(linear, compiled=compiled, onednn=onednn,
+                            shared=owners[id(linear.weight)] > 1)
+    if not compiled:
+        return None
+    if kind is RMSNorm:
+        return FusedRMSNorm(typing.cast(RMSNorm, module))
+    if kind is SiluAndMul:
+        return FusedSiluAndMul()
+    if kind is ApplyRope:
+        return FusedApplyRope()
+    return None
