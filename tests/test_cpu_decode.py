@@ -181,6 +181,10 @@ def test_decode_graph_refuses_modules_it_does_not_know(
     assert refusal(caplog, runner.model).endswith(
         "final_softcap (Tanh) is not a module it knows")
 
+    runner = make_runner(tiny_dirs["llama-d16"])
+    runner.model.layers[0].mlp.register_forward_hook(lambda *_: None)
+    assert refusal(caplog, runner.model).endswith("layers.0.mlp has forward hooks")
+
 
 def test_decode_graph_weights_are_the_layers_own(tiny_dirs: dict[str, str]) -> None:
     """Each layer's fields are its modules' tensors (no copies), the bias only where the

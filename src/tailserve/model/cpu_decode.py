@@ -138,7 +138,8 @@ class CpuDecodeGraph:
 
 
 def _check_modules(model: nn.Module) -> None:
-    """Every module of the model is in the tables, of exactly the type listed there."""
+    """Every module of the model is in the tables, of exactly the type listed there, and
+    none has a forward hook."""
     for path, module in model.named_modules():
         match = _LAYER_PATH.fullmatch(path)
         part = (match.group(2) or "") if match else path
@@ -148,6 +149,8 @@ def _check_modules(model: nn.Module) -> None:
             raise _Refused(f"{name} ({type(module).__name__}) is not a module it knows")
         if type(module) is not want:
             raise _Refused(f"{name} is {type(module).__name__}, not the {want.__name__} it runs")
+        if module._forward_hooks or module._forward_pre_hooks:  # code the C++ call never runs
+            raise _Refused(f"{name} has forward hooks")
 
 
 def _layer_weights(path: str, layer: LlamaDecoderLayer) -> DecodeLayerWeights:

@@ -99,5 +99,5 @@ class KernelLinear(nn.Module):
     def extra_repr(self) -> str:
         paths = [p for p, on in (("panel", self.panel is not None), ("skinny", self.skinny),
                                  ("onednn", self.packed is not None)) if on]
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, paths={'+'.join(paths) or 'F.linear'}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, paths={'+'.join(paths) or 'F.linear'}")
