@@ -32,8 +32,10 @@ from tailserve.model.transforms.kernel_linear import PANEL_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
-# Every module decode_layers stands in for, by path, and the one type it computes it for. The
-# LM head runs after the graph (compute_logits), as after the module forward.
+# What decode_layers knows: every module path of a model it can stand in for (a layer's parts
+# relative to ``layers.<i>``) with the exact type whose forward it reproduces. Anything else in
+# the model, or another type at one of these paths, is refused. The LM head runs after the
+# graph (compute_logits), as after the module forward.
 _MODEL_PARTS: dict[str, type[nn.Module]] = {
     "": LlamaForCausalLM,
     "embed_tokens": nn.Embedding,
