@@ -28,7 +28,7 @@ RULES: list[tuple[str, str]] = [
     ("attention: decode (gather, mask, SDPA)", r"TorchAttentionBackend\._decode"),
     ("attention: prefill", r"TorchAttentionBackend\._prefill"),
     ("attention: KV write / glue", r"TorchAttentionBackend\.forward"),
-    ("rope", r"RotaryEmbedding|_rotate|apply_rope"),
+    ("rope", r"RotaryEmbedding|_rotate|apply_rope|ApplyRope"),
     ("rmsnorm", r"RMSNorm"),
     ("mlp glue (silu, mul)", r"LlamaMLP\.forward"),
     ("attention glue (split, view)", r"LlamaAttention\.forward"),

@@ -16,6 +16,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="session")
+def cpu_kernels() -> None:
+    """For tests of the compiled CPU kernels (``pytest.mark.usefixtures("cpu_kernels")``).
+
+    They skip only where the kernels cannot be built and are not asked for (no C++ compiler):
+    where a compiler runs, or with TAILSERVE_REQUIRE_CPU_KERNELS=1 (.ci/run), a failed build
+    fails them, so the fast path is never left untested by accident.
+    """
+    from tailserve.kernels import cpu_ops_available, cpu_ops_error, cpu_ops_required
+
+    if cpu_ops_available():
+        return
+    reason = f"CPU kernels not available: {cpu_ops_error()}"
+    if cpu_ops_required():
+        pytest.fail(f"{reason}; they are required on this host (a C++ compiler runs here, or "
+                    "TAILSERVE_REQUIRE_CPU_KERNELS=1)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
 def default_loaded() -> Any:
     from tailserve.model.loader import load_model
 

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from tailserve import LLM, SamplingParams
 from tailserve.config import EngineArgs
-from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata
+from tailserve.model.attention.torch_ref import TorchAttentionBackend
 from tailserve.model.cpu_decode import CpuDecodeGraph
-from tailserve.model.layers import PANEL_MAX_ROWS
+from tailserve.model.layers import SiluAndMul
+from tailserve.model.llama import LlamaDecoderLayer
 from tailserve.model.loader import load_model
 from tailserve.model.runner import ModelRunner
+from tailserve.model.transforms.kernel_linear import PANEL_MAX_ROWS
 from tiny_models import build_tiny_llama, build_tiny_qwen2
 
-pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="CPU kernels not built")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
 
 BLOCK_SIZE = 16
 
@@ -120,17 +124,88 @@ def test_decode_graph_only_for_decode_only_steps_within_panel_rows(
     assert not CpuDecodeGraph.supports(wide)  # the module forward would use oneDNN there
 
 
-def test_decode_graph_needs_every_piece_on_the_kernels(tiny_dirs: dict[str, str],
-                                                       tmp_path: Path) -> None:
+def refusal(caplog: pytest.LogCaptureFixture, model: nn.Module) -> str:
+    """Builds the graph, which must refuse; the one line it logged."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tailserve.model.cpu_decode"):
+        assert CpuDecodeGraph.build(model) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "tailserve.model.cpu_decode"]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_decode_graph_needs_every_piece_on_the_kernels(
+    tiny_dirs: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     assert make_runner(tiny_dirs["llama-d16"], enforce_eager=True).decode_graph is None
     runner = make_runner(tiny_dirs["llama-d16"])
     assert CpuDecodeGraph.build(runner.model) is not None
-    runner.model.layers[1].mlp.act.use_kernel = False  # one fused op missing
-    assert CpuDecodeGraph.build(runner.model) is None
+    runner.model.layers[1].mlp.act = SiluAndMul()  # one fused op missing
+    assert refusal(caplog, runner.model).endswith(
+        "layers.1.mlp.act is SiluAndMul, not the FusedSiluAndMul it runs")
+    runner = make_runner(tiny_dirs["llama-d16"])
+    runner.model.layers[0].self_attn.backend = TorchAttentionBackend()
+    assert refusal(caplog, runner.model).endswith(
+        "layers.0.self_attn uses TorchAttentionBackend, not the CpuKernelAttentionBackend it runs")
     # hidden 72: o_proj and down_proj have 72 outputs, no panel copy (not a multiple of 16).
     odd = build_tiny_llama(tmp_path / "odd", hidden_size=72, num_attention_heads=4,
                            num_key_value_heads=2)
-    assert make_runner(odd).decode_graph is None
+    runner = make_runner(odd)
+    assert runner.decode_graph is None
+    assert refusal(caplog, runner.model).endswith(
+        "layers.0.self_attn.o_proj has no panel copy (72 outputs, not a multiple of 16)")
+
+
+def test_decode_graph_refuses_modules_it_does_not_know(
+    tiny_dirs: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model feature the one-call path does not compute (an extra module in a layer, a
+    layer subclass with its own forward) turns it off with the module named, rather than
+    being skipped on decode-only steps while the module forward runs it."""
+    runner = make_runner(tiny_dirs["llama-d16"])
+    runner.model.layers[1].mlp.extra_norm = nn.LayerNorm(4)
+    assert refusal(caplog, runner.model).endswith(
+        "layers.1.mlp.extra_norm (LayerNorm) is not a module it knows")
+
+    class SandwichLayer(LlamaDecoderLayer):  # e.g. an extra norm in its forward
+        pass
+
+    runner = make_runner(tiny_dirs["llama-d16"])
+    layer = runner.model.layers[0]
+    layer.__class__ = SandwichLayer
+    assert refusal(caplog, runner.model).endswith(
+        "layers.0 is SandwichLayer, not the LlamaDecoderLayer it runs")
+
+    runner = make_runner(tiny_dirs["llama-d16"])
+    runner.model.final_softcap = nn.Tanh()
+    assert refusal(caplog, runner.model).endswith(
+        "final_softcap (Tanh) is not a module it knows")
+
+    runner = make_runner(tiny_dirs["llama-d16"])
+    runner.model.layers[0].mlp.register_forward_hook(lambda *_: None)
+    assert refusal(caplog, runner.model).endswith("layers.0.mlp has forward hooks")
+
+
+def test_decode_graph_weights_are_the_layers_own(tiny_dirs: dict[str, str]) -> None:
+    """Each layer's fields are its modules' tensors (no copies), the bias only where the
+    model has one, flattened seven per layer for decode_layers."""
+    for name, has_bias in (("llama-d16", False), ("qwen2-bias", True)):
+        runner = make_runner(tiny_dirs[name])
+        graph = runner.decode_graph
+        assert graph is not None
+        assert len(graph.layers) == len(runner.model.layers)
+        assert len(graph.flat_weights) == 7 * len(graph.layers)
+        for weights, layer in zip(graph.layers, runner.model.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            assert weights.qkv is attn.qkv_proj.panel and weights.o is attn.o_proj.panel
+            assert weights.gate_up is mlp.gate_up_proj.panel
+            assert weights.down is mlp.down_proj.panel
+            assert weights.input_norm.data_ptr() == layer.input_layernorm.weight.data_ptr()
+            assert (weights.post_attention_norm.data_ptr()
+                    == layer.post_attention_layernorm.weight.data_ptr())
+            assert (weights.qkv_bias is not None) == has_bias
+            flat = weights.op_args()
+            assert flat[2].numel() == (attn.qkv_proj.out_features if has_bias else 0)
 
 
 def test_decode_layers_rejects_bad_arguments(tiny_dirs: dict[str, str]) -> None:
@@ -144,12 +219,12 @@ def test_decode_layers_rejects_bad_arguments(tiny_dirs: dict[str, str]) -> None:
         norm = runner.model.norm.weight
         args = (meta.block_tables, meta.seq_lens, norm, graph.num_heads, graph.eps, meta.scale)
         with pytest.raises(RuntimeError, match="13 weights for 2 layers"):
-            torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.weights[:-1],
+            torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.flat_weights[:-1],
                                               runner.kv_caches, meta.slot_mapping, *args)
         bad_slots = meta.slot_mapping.clone()
         bad_slots[1] = runner.num_kv_blocks * BLOCK_SIZE
         before = runner.kv_cache.clone()
         with pytest.raises(RuntimeError, match="outside the pool"):
-            torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.weights, runner.kv_caches,
-                                              bad_slots, *args)
+            torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.flat_weights,
+                                              runner.kv_caches, bad_slots, *args)
         assert torch.equal(runner.kv_cache, before)  # checked before anything is written

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from tailserve.kernels import cpu_ops_available
-from tailserve.model.layers import Linear, apply_rope, panel_weight, prepare_cpu_kernels
+from tailserve.model.layers import ApplyRope, RMSNorm, SiluAndMul
+from tailserve.model.transforms import (
+    FusedApplyRope,
+    FusedRMSNorm,
+    FusedSiluAndMul,
+    KernelLinear,
+    apply_cpu_kernels,
+)
+from tailserve.model.transforms.kernel_linear import panel_weight
 
-pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="CPU kernels not built")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
 ops = torch.ops.tailserve
 
 
@@ -189,22 +199,37 @@ def test_panel_linear_rejects_bad_shapes() -> None:
     assert ops.panel_linear(torch.randn(0, 24), w, None).shape == (0, 32)
 
 
-def test_prepared_linear_keeps_two_copies_and_shared_weights() -> None:
-    """Each path of a prepared Linear gives F.linear's answer; a weight shared with another
-    module (a tied LM head) keeps its storage, an unshared one is released."""
+def test_kernel_linear_keeps_two_copies_and_shared_weights() -> None:
+    """Each path of a swapped linear gives F.linear's answer; a weight shared with another
+    module (a tied LM head) stays shared, an unshared one with both copies is let go (its
+    memory is freed), one without a panel copy is kept for the skinny kernel."""
     torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.a = Linear(64, 32, bias=True)
-    model.emb = torch.nn.Embedding(40, 64)
-    model.head = Linear(64, 40, bias=False)
+    model = nn.Module()
+    model.a = nn.Linear(64, 32, bias=True)
+    model.emb = nn.Embedding(48, 64)
+    model.head = nn.Linear(64, 48, bias=False)
     model.head.weight = model.emb.weight
-    model.odd = Linear(60, 24, bias=False)  # not a multiple of 16: no panel copy
+    model.odd = nn.Linear(60, 24, bias=False)  # not a multiple of 16: no panel copy
     ref = {name: (m.weight.detach().clone(), m.bias) for name, m in
            [("a", model.a), ("head", model.head), ("odd", model.odd)]}
-    prepare_cpu_kernels(model, use_kernels=True)
-    assert model.a.weight.numel() == 0 and model.a.panel is not None
-    assert model.emb.weight.shape == (40, 64)  # tied: kept for the embedding lookup
-    assert model.odd.panel is None and model.odd.weight.shape == (24, 60)
+    released = weakref.ref(model.a.weight)
+    onednn = torch.backends.mkldnn.is_available()
+    report = apply_cpu_kernels(model, compiled=True)
+    assert report.swapped == {"Linear": 3}
+    a, head, odd = model.a, model.head, model.odd
+    assert isinstance(a, KernelLinear) and isinstance(head, KernelLinear)
+    assert isinstance(odd, KernelLinear)
+    assert a.panel is not None and a.skinny is False
+    assert (a.weight is None) == onednn
+    gc.collect()
+    assert (released() is None) == onednn  # no module holds the unshared weight any more
+    assert head.weight is model.emb.weight  # tied: kept for the embedding lookup
+    assert head.panel is not None
+    assert odd.panel is None and odd.skinny and odd.weight is not None
+    # a: panel + packed, weight let go; head: panel + packed, shared; odd: packed, kept.
+    copies = {"a": 2 - onednn, "head": 1 + onednn, "odd": int(onednn)}
+    assert report.bytes_added == 4 * (64 * 32 * copies["a"] + 64 * 48 * copies["head"]
+                                      + 60 * 24 * copies["odd"])
     # Rows 1-128 take the panel kernel (skinny up to 8 rows without a panel), more oneDNN.
     for name, rows in [("a", 1), ("a", 5), ("a", 33), ("a", 200), ("head", 1), ("head", 40),
                        ("head", 129), ("odd", 2), ("odd", 20), ("odd", 130)]:
@@ -212,6 +237,54 @@ def test_prepared_linear_keeps_two_copies_and_shared_weights() -> None:
         w, b = ref[name]
         x = torch.randn(rows, w.shape[1])
         torch.testing.assert_close(module(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_apply_cpu_kernels_swaps_exact_types_on_float32_cpu_only() -> None:
+    """Plain norms, SwiGLU and rope become their fused forms (same weights, same answers);
+    a subclass, which may compute something else, is left alone, and so is a bf16 model.
+    Without the compiled ops only the linears change (oneDNN)."""
+
+    class ScaledNorm(RMSNorm):  # a model feature the transform does not know
+        pass
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Module()
+        m.norm = RMSNorm(48, 1e-5)
+        m.norm.weight.data.normal_()
+        m.other = ScaledNorm(48, 1e-5)
+        m.act = SiluAndMul()
+        m.rope = ApplyRope()
+        m.proj = nn.Linear(48, 16)
+        return m
+
+    model = build()
+    plain = build()
+    norm_weight = model.norm.weight
+    report = apply_cpu_kernels(model, compiled=True)
+    assert report.swapped == {"RMSNorm": 1, "SiluAndMul": 1, "ApplyRope": 1, "Linear": 1}
+    assert report.num_swapped == 4
+    assert type(model.norm) is FusedRMSNorm and model.norm.weight is norm_weight
+    assert type(model.other) is ScaledNorm
+    assert type(model.act) is FusedSiluAndMul and type(model.rope) is FusedApplyRope
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(5, 48, generator=g), torch.randn(5, 48, generator=g)
+    torch.testing.assert_close(model.norm(x.clone()), plain.norm(x))
+    got_h, got_r = model.norm(x.clone(), r.clone())
+    want_h, want_r = plain.norm(x, r)
+    torch.testing.assert_close(got_h, want_h)
+    torch.testing.assert_close(got_r, want_r)
+    gate_up = torch.randn(5, 96, generator=g)
+    torch.testing.assert_close(model.act(gate_up), plain.act(gate_up))
+
+    without = build()
+    report = apply_cpu_kernels(without, compiled=False)
+    assert report.swapped == ({"Linear": 1} if torch.backends.mkldnn.is_available() else {})
+    assert type(without.norm) is RMSNorm and type(without.act) is SiluAndMul
+
+    bf16 = build().to(torch.bfloat16)
+    assert apply_cpu_kernels(bf16, compiled=True).swapped == {}
+    assert type(bf16.norm) is RMSNorm and type(bf16.proj) is nn.Linear
 
 
 def test_rms_norm_and_fused_residual_add() -> None:
@@ -244,9 +317,9 @@ def test_rope_in_place_matches_torch_rope() -> None:
     qk = qkv[:, : (heads + kv_heads) * d].view(tokens, -1, d)  # strided, as in the model
     angles = torch.rand(tokens, 1, d // 2, generator=g) * 100
     cos, sin = angles.cos(), angles.sin()
-    expected = apply_rope(qk.clone(), cos, sin)
+    expected = ApplyRope()(qk.clone(), cos, sin)
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
-    result = apply_rope(qk, cos, sin, fused=True)
+    result = FusedApplyRope()(qk, cos, sin)
     assert result.data_ptr() == qk.data_ptr()
     torch.testing.assert_close(qk, expected)
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched

@@ -1,13 +1,15 @@
-"""Compiled CPU kernels (``torch.ops.tailserve.*``), built once per machine, optional.
+"""Compiled CPU kernels (``torch.ops.tailserve.*``), built once per machine.
 
-The sources in ``csrc/`` are compiled with torch's C++ extension tooling the first time they
-are needed (``make setup`` does it ahead of time: ``python -m tailserve.kernels``) into a cache
-directory keyed by the source and torch version, then loaded as a library of torch ops. Built
-with ``-march=native``: the cache is per machine, like the kernels' speed.
+The sources in ``csrc/`` (every ``*.cpp`` and ``*.h`` there, one file per concern) are compiled
+with torch's C++ extension tooling the first time they are needed (``make setup`` does it ahead
+of time: ``python -m tailserve.kernels``) into a cache directory keyed by the sources and torch
+version, then loaded as a library of torch ops. Built with ``-march=native``: the cache is per
+machine, like the kernels' speed.
 
-When no compiler is available, or ``TAILSERVE_CPU_KERNELS=0``, ``cpu_ops_available()`` is
+When no C++ compiler is available, or ``TAILSERVE_CPU_KERNELS=0``, ``cpu_ops_available()`` is
 False and callers keep their pure-torch paths: every kernel here has a torch equivalent that
-the tests compare it against.
+the tests compare it against. Where a compiler *is* available a failed build is a bug, not a
+fallback: ``cpu_ops_required()`` says so, and setup and the kernel tests fail on it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,34 +28,88 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "decode_layers.cpp"]
-_HEADERS = [_CSRC / "cpu_ops.h"]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _lock = threading.Lock()
-_state: dict[str, bool] = {}
+
+
+@dataclass(frozen=True)
+class _BuildResult:
+    ok: bool
+    error: str | None  # why the build or load failed; None when ok
+
+
+_result: _BuildResult | None = None
+
+
+def _sources() -> list[Path]:
+    """Every translation unit in csrc/: a new file is built (and hashed) without a list to edit."""
+    return sorted(_CSRC.glob("*.cpp"))
+
+
+def _headers() -> list[Path]:
+    return sorted(_CSRC.glob("*.h"))
 
 
 def _build_dir() -> Path:
     digest = hashlib.sha256()
-    for src in _SOURCES + _HEADERS:
-        digest.update(src.read_bytes())
+    for path in _sources() + _headers():
+        digest.update(path.name.encode())  # a rename or a new file changes the key too
+        digest.update(path.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(torch.__version__.encode())
-    root = os.environ.get("TAILSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "tailserve"
-    return Path(root) / "kernels" / digest.hexdigest()[:16]
+    return _cache_root() / "kernels" / digest.hexdigest()[:16]
+
+
+def _cache_root() -> Path:
+    """``TAILSERVE_KERNEL_CACHE``, else ``~/.cache/tailserve``."""
+    return Path(os.environ.get("TAILSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "tailserve")
 
 
 def _enabled() -> bool:
+    """``TAILSERVE_CPU_KERNELS=0`` turns the kernels off (the torch paths serve)."""
     return os.environ.get("TAILSERVE_CPU_KERNELS", "1") not in ("0", "false", "no")
+
+
+def _required_by_env() -> bool:
+    """``TAILSERVE_REQUIRE_CPU_KERNELS=1`` (set by ``.ci/run``): a missing build is an error."""
+    return os.environ.get("TAILSERVE_REQUIRE_CPU_KERNELS", "0") in ("1", "true", "yes")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch's tooling would build with (``$CXX``, else ``c++``), if it runs."""
+    cxx = os.environ.get("CXX") or "c++"
+    path = shutil.which(cxx)
+    if path is None:
+        return None
+    try:
+        subprocess.run([path, "--version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path
+
+
+def cpu_ops_required() -> bool:
+    """Whether the kernels must build here: asked for by the environment, or a C++ compiler
+    runs on this host (then a failed build is a bug to report, never a silent fallback).
+    ``TAILSERVE_CPU_KERNELS=0`` without the environment's demand means not required."""
+    return _required_by_env() or (_enabled() and cxx_compiler() is not None)
+
+
+def cpu_ops_error() -> str | None:
+    """Why the kernels are not available (after ``cpu_ops_available()`` returned False)."""
+    if not _enabled():
+        return "turned off by TAILSERVE_CPU_KERNELS=0"
+    return _result.error if _result is not None else None
 
 
 def cpu_ops_available() -> bool:
     """Build (first time on this machine) and load the CPU kernels; False if they cannot be."""
+    global _result
     if not _enabled():
         return False
     with _lock:
-        if "ok" in _state:
-            return _state["ok"]
+        if _result is not None:
+            return _result.ok
         try:
             from torch.utils import cpp_extension
 
@@ -58,7 +117,7 @@ def cpu_ops_available() -> bool:
             build_dir.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(
                 name="tailserve_cpu_ops",
-                sources=[str(s) for s in _SOURCES],
+                sources=[str(s) for s in _sources()],
                 extra_cflags=_FLAGS,
                 # libgomp by soname: the copy torch already loaded, one OpenMP runtime.
                 extra_ldflags=["-fopenmp"],
@@ -66,8 +125,8 @@ def cpu_ops_available() -> bool:
                 is_python_module=False,
                 verbose=False,
             )
-            _state["ok"] = True
+            _result = _BuildResult(ok=True, error=None)
         except Exception as exc:  # no compiler, headers or ninja: the torch paths still work
             log.warning("tailserve CPU kernels unavailable, using torch fallbacks: %s", exc)
-            _state["ok"] = False
-        return _state["ok"]
+            _result = _BuildResult(ok=False, error=f"{type(exc).__name__}: {exc}")
+        return _result.ok

@@ -6,65 +6,116 @@ adds up to milliseconds per step (benchmarks/RESULTS.md). ``torch.ops.tailserve.
 runs the same kernels in the same order in C++, so the hidden states are bit-identical to the
 module forward's (tests/test_cpu_decode.py). Steps with a prefill chunk, and models or dtypes
 the kernels do not cover, keep the module forward; ``enforce_eager`` turns this path off.
+
+The graph replaces the module forward only for a model it knows module by module: ``build``
+checks every module of the model against ``_MODEL_PARTS`` / ``_LAYER_PARTS`` (exact types) and
+refuses, with a logged reason, any it does not know, so a new model feature is never skipped on
+decode-only steps while the module forward would run it.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import typing
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tailserve.model.attention import AttentionMetadata
 from tailserve.model.attention.cpu_kernels import CpuKernelAttentionBackend
-from tailserve.model.layers import PANEL_MAX_ROWS
-from tailserve.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tailserve.model.layers import RotaryEmbedding
+from tailserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tailserve.model.transforms import FusedApplyRope, FusedRMSNorm, FusedSiluAndMul, KernelLinear
+from tailserve.model.transforms.kernel_linear import PANEL_MAX_ROWS
+
+log = logging.getLogger(__name__)
+
+# What decode_layers knows: every module path of a model it can stand in for (a layer's parts
+# relative to ``layers.<i>``) with the exact type whose forward it reproduces. Anything else in
+# the model, or another type at one of these paths, is refused. The LM head runs after the
+# graph (compute_logits), as after the module forward.
+_MODEL_PARTS: dict[str, type[nn.Module]] = {
+    "": LlamaForCausalLM,
+    "embed_tokens": nn.Embedding,
+    "rope": RotaryEmbedding,
+    "layers": nn.ModuleList,
+    "norm": FusedRMSNorm,
+    "lm_head": KernelLinear,
+}
+_LAYER_PARTS: dict[str, type[nn.Module]] = {
+    "": LlamaDecoderLayer,
+    "input_layernorm": FusedRMSNorm,
+    "self_attn": LlamaAttention,
+    "self_attn.qkv_proj": KernelLinear,
+    "self_attn.apply_rope": FusedApplyRope,
+    "self_attn.o_proj": KernelLinear,
+    "post_attention_layernorm": FusedRMSNorm,
+    "mlp": LlamaMLP,
+    "mlp.gate_up_proj": KernelLinear,
+    "mlp.act": FusedSiluAndMul,
+    "mlp.down_proj": KernelLinear,
+}
+_LAYER_PATH = re.compile(r"layers\.(\d+)(?:\.(.+))?")
+_NO_BIAS = torch.empty(0)  # decode_layers reads an empty qkv bias as "none"
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One decoder layer's weights as decode_layers reads them (panels: [out/16, in, 16])."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # panels of [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o: torch.Tensor  # panels of [hidden, q_size]
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # panels of [2 * intermediate, hidden]
+    down: torch.Tensor  # panels of [hidden, intermediate]
+
+    def op_args(self) -> list[torch.Tensor]:
+        """In the order decode_layers.cpp reads them (kWeightsPerLayer = 7): the one place."""
+        bias = self.qkv_bias if self.qkv_bias is not None else _NO_BIAS
+        return [self.input_norm, self.qkv, bias, self.o, self.post_attention_norm,
+                self.gate_up, self.down]
+
+
+class _Refused(Exception):
+    """A module the graph cannot stand in for; the message names it."""
 
 
 class CpuDecodeGraph:
-    """The decoder layers of a prepared CPU model, flattened for ``decode_layers``."""
+    """The decoder layers of a CPU-kernel model, flattened for ``decode_layers``."""
 
-    def __init__(self, model: LlamaForCausalLM, weights: list[torch.Tensor]) -> None:
+    def __init__(self, model: LlamaForCausalLM, layers: list[DecodeLayerWeights]) -> None:
         self.model = model
-        self.weights = weights  # 7 per layer, in the order decode_layers.cpp reads them
+        self.layers = tuple(layers)
+        self.flat_weights = [t for layer in self.layers for t in layer.op_args()]
         self.final_norm = model.norm.weight.detach()
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> CpuDecodeGraph | None:
-        """The graph, or None when the model does not run every piece on the CPU kernels.
+    def build(cls, model: nn.Module) -> CpuDecodeGraph | None:
+        """The graph, or None (logged, naming the module) where it cannot stand in for the model.
 
-        That needs ``prepare_cpu_kernels`` to have given every projection a panel copy and the
-        norms, rope and SwiGLU their fused ops, and the attention to be the CPU kernel
-        backend: the compiled path calls exactly those.
+        That needs every module to be one the graph knows at its place (``apply_cpu_kernels``
+        gives the norms, rope and SwiGLU their fused ops and the projections their panel
+        copies), and the attention to be the CPU kernel backend: the compiled path calls
+        exactly those.
         """
-        if len(model.layers) == 0 or not model.norm.use_kernel:
+        try:
+            _check_modules(model)
+            llama = typing.cast(LlamaForCausalLM, model)
+            if len(llama.layers) == 0:
+                raise _Refused("the model has no decoder layers")
+            layers = [_layer_weights(f"layers.{i}", typing.cast(LlamaDecoderLayer, layer))
+                      for i, layer in enumerate(llama.layers)]
+        except _Refused as why:
+            log.info("one-call decode (decode_layers) off, module forward runs: %s", why)
             return None
-        weights: list[torch.Tensor] = []
-        for module in model.layers:
-            layer = typing.cast(LlamaDecoderLayer, module)
-            attn, mlp = layer.self_attn, layer.mlp
-            if not (attn.use_kernel and mlp.act.use_kernel and layer.input_layernorm.use_kernel
-                    and layer.post_attention_layernorm.use_kernel
-                    and isinstance(attn.backend, CpuKernelAttentionBackend)):
-                return None
-            panels = [lin.panel for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                            mlp.down_proj)]
-            if any(p is None for p in panels):
-                return None
-            qkv, o, gate_up, down = typing.cast(list[torch.Tensor], panels)
-            bias = attn.qkv_proj.bias
-            weights += [
-                layer.input_layernorm.weight.detach(),
-                qkv,
-                bias.detach() if bias is not None else torch.empty(0),
-                o,
-                layer.post_attention_layernorm.weight.detach(),
-                gate_up,
-                down,
-            ]
-        return cls(model, weights)
+        return cls(llama, layers)
 
     @staticmethod
     def supports(meta: AttentionMetadata) -> bool:
@@ -82,7 +133,48 @@ class CpuDecodeGraph:
         model = self.model
         cos, sin = model.rope.lookup(positions)
         return torch.ops.tailserve.decode_layers(
-            model.embed_tokens(input_ids), cos, sin, self.weights, kv_caches,
+            model.embed_tokens(input_ids), cos, sin, self.flat_weights, kv_caches,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, self.final_norm,
             self.num_heads, self.eps, meta.scale,
         )
+
+
+def _check_modules(model: nn.Module) -> None:
+    """Every module of the model is in the tables, of exactly the type listed there, and
+    none has a forward hook."""
+    for path, module in model.named_modules():
+        match = _LAYER_PATH.fullmatch(path)
+        part = (match.group(2) or "") if match else path
+        want = (_LAYER_PARTS if match else _MODEL_PARTS).get(part)
+        name = path or "<model>"
+        if want is None:
+            raise _Refused(f"{name} ({type(module).__name__}) is not a module it knows")
+        if type(module) is not want:
+            raise _Refused(f"{name} is {type(module).__name__}, not the {want.__name__} it runs")
+        if module._forward_hooks or module._forward_pre_hooks:  # code the C++ call never runs
+            raise _Refused(f"{name} has forward hooks")
+
+
+def _layer_weights(path: str, layer: LlamaDecoderLayer) -> DecodeLayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn.backend) is not CpuKernelAttentionBackend:
+        raise _Refused(f"{path}.self_attn uses {type(attn.backend).__name__}, "
+                       "not the CpuKernelAttentionBackend it runs")
+
+    def panel(name: str, module: nn.Module) -> torch.Tensor:
+        linear = typing.cast(KernelLinear, module)
+        if linear.panel is None:
+            raise _Refused(f"{path}.{name} has no panel copy "
+                           f"({linear.out_features} outputs, not a multiple of 16)")
+        return linear.panel
+
+    bias = attn.qkv_proj.bias
+    return DecodeLayerWeights(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv=panel("self_attn.qkv_proj", attn.qkv_proj),
+        qkv_bias=bias.detach() if bias is not None else None,
+        o=panel("self_attn.o_proj", attn.o_proj),
+        post_attention_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=panel("mlp.gate_up_proj", mlp.gate_up_proj),
+        down=panel("mlp.down_proj", mlp.down_proj),
+    )

@@ -14,12 +14,10 @@ from torch import nn
 
 from tailserve.config import ModelConfig
 from tailserve.model.attention import AttentionBackend, AttentionMetadata
-from tailserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope
+from tailserve.model.layers import ApplyRope, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaAttention(nn.Module):
-    use_kernel: bool = False  # rope as one fused in-place op (prepare_cpu_kernels)
-
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -28,10 +26,11 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matmul: one weight read per step instead of three.
-        self.qkv_proj = Linear(
+        self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.apply_rope = ApplyRope()
         self.backend = backend
 
     def forward(
@@ -45,7 +44,7 @@ class LlamaAttention(nn.Module):
         num_tokens = qkv.shape[0]
         # Rope on q and k together: [num_tokens, num_heads + num_kv_heads, head_dim]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = apply_rope(qk, *rope, fused=self.use_kernel)
+        qk = self.apply_rope(qk, *rope)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -57,8 +56,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -19,9 +19,9 @@ from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph
-from tailserve.model.layers import prepare_cpu_kernels
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
+from tailserve.model.transforms import apply_cpu_kernels
 from tailserve.obs.profiling import span
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,7 +89,7 @@ class ModelRunner:
             param.data = param.data.to(self.dtype)
         self.model = model.eval()
         if self.device.type == "cpu":
-            prepare_cpu_kernels(self.model, self.cpu_kernels)
+            apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
         # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
         self.decode_graph = (
             None if args.enforce_eager or self.device.type != "cpu"

@@ -1,9 +1,23 @@
-// The torch.ops.tailserve kernels that other translation units call directly (C++ to C++,
-// without the dispatcher): see cpu_ops.cpp for what each computes.
+// The tailserve CPU kernels, registered as torch.ops.tailserve.* by bindings.cpp; decode_layers
+// also calls them directly (C++ to C++, without the dispatcher).
+//
+//   paged_decode_attention  attention.cpp    one query token per sequence against its paged
+//                                            K/V blocks, read in place
+//   panel_linear            linear.cpp       decode batches (1-128 rows) on a panel copy of W
+//   skinny_linear           linear.cpp       a few rows on W as stored (no panel copy)
+//   rms_norm, fused_add_rms_norm, silu_and_mul, rope_
+//                           elementwise.cpp  one pass each instead of several torch ops
+//   decode_layers           decode_layers.cpp  every decoder layer of a decode-only step
+//   set_kernel_spin_us      work_pool.cpp    how long idle workers spin before they sleep
+//
+// Parallel work runs on the kernels' own work pool (work_pool.h), handed out dynamically
+// through an atomic counter because decode contexts differ in length by 10x within one step.
 
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <cstdint>
 
 namespace tailserve_cpu {
 
@@ -12,9 +26,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                             double scale);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp,
                         const c10::optional<at::Tensor>& bias);
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
+                         const c10::optional<at::Tensor>& bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList weights, at::TensorList kv_caches,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, const at::Tensor& final_norm,
+                         int64_t num_heads, double eps, double scale);
 
 }  // namespace tailserve_cpu

@@ -4,12 +4,11 @@
 // A step in which each sequence decodes one token runs ~10 small ops per layer. Called from
 // Python, each costs a module call, argument parsing and a dispatch; over 30 layers that is
 // several milliseconds per step, a tenth of a single-stream token on a 2-core CPU. This runs
-// the same kernels in the same order as LlamaForCausalLM.forward with the CPU kernels on, so
-// its hidden states are bit-identical to the module forward's: the CPU counterpart of
-// replaying a captured CUDA graph.
+// the same kernels in the same order as LlamaForCausalLM.forward after apply_cpu_kernels
+// (model/transforms/), so its hidden states are bit-identical to the module forward's: the CPU
+// counterpart of replaying a captured CUDA graph. Registered in bindings.cpp.
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
@@ -21,7 +20,8 @@ namespace tailserve_cpu {
 namespace {
 
 // Per layer, in this order: input norm weight, qkv panels, qkv bias (empty when the model has
-// none), o panels, post-attention norm weight, gate_up panels, down panels.
+// none), o panels, post-attention norm weight, gate_up panels, down panels
+// (DecodeLayerWeights.op_args in model/cpu_decode.py).
 constexpr int64_t kWeightsPerLayer = 7;
 
 // K and V of this step's tokens into their slots: qkv rows are [q | k | v].
@@ -108,13 +108,3 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
 }
 
 }  // namespace tailserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(tailserve, m) {
-  m.def("decode_layers(Tensor(a!) embeds, Tensor cos, Tensor sin, Tensor[] weights, "
-        "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "Tensor final_norm, int num_heads, float eps, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
-  m.impl("decode_layers", &tailserve_cpu::decode_layers);
-}

@@ -1,0 +1,38 @@
+// Every torch.ops.tailserve schema and its CPU implementation, in one place; the kernels are
+// declared in cpu_ops.h and defined by concern in the other files of this folder.
+
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+#include "work_pool.h"
+
+TORCH_LIBRARY(tailserve, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()");
+  m.def("set_kernel_spin_us(int us) -> ()");
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("decode_layers(Tensor(a!) embeds, Tensor cos, Tensor sin, Tensor[] weights, "
+        "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "Tensor final_norm, int num_heads, float eps, float scale) -> Tensor");
+}
+
+// No tensor arguments: registered for every backend.
+TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
+  m.impl("set_kernel_spin_us", &tailserve_cpu::set_kernel_spin_us);
+}
+
+TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
+  m.impl("paged_decode_attention", &tailserve_cpu::paged_decode_attention);
+  m.impl("skinny_linear", &tailserve_cpu::skinny_linear);
+  m.impl("panel_linear", &tailserve_cpu::panel_linear);
+  m.impl("rms_norm", &tailserve_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &tailserve_cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", &tailserve_cpu::silu_and_mul);
+  m.impl("rope_", &tailserve_cpu::rope_);
+  m.impl("decode_layers", &tailserve_cpu::decode_layers);
+}

@@ -1,0 +1,136 @@
+// torch.ops.tailserve.rms_norm, fused_add_rms_norm, silu_and_mul and rope_: one pass each
+// instead of several torch ops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_ops.h"
+#include "simd.h"
+
+namespace tailserve_cpu {
+
+// ------------------------------------------------------------------ fused elementwise ops
+//
+// A decode step of one sequence runs ~300 small elementwise ops; in torch each costs a
+// dispatch plus, for some, a wake-up of the thread pool. These do the whole thing in one pass,
+// serially for few rows (no fork/join) and over rows in parallel for many.
+
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, const F& fn) {
+  if (rows * row_elems < (1 << 16)) {
+    for (int64_t r = 0; r < rows; ++r) fn(r);
+  } else {
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) fn(r);
+    });
+  }
+}
+
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": float32 CPU only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected [rows, n] with contiguous rows");
+}
+
+inline void rms_row(float* out, const float* in, const float* w, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += in[i] * in[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i] * inv * w[i];
+}
+
+// out = rms_norm(x) * weight
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "rms_norm: weight size");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  for_rows(rows, n, [&](int64_t r) { rms_row(op + r * n, xp + r * xs, wp, n, float(eps)); });
+  return out;
+}
+
+// residual += x, then x = rms_norm(residual) * weight; both in place (vLLM's fused form).
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "fused_add_rms_norm");
+  check_rows(residual, "fused_add_rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n, "fused_add_rms_norm: shapes");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "fused_add_rms_norm: weight size");
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  for_rows(rows, n, [&](int64_t r) {
+    float* xr = xp + r * xs;
+    float* rr = rp + r * rs;
+    for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
+    rms_row(xr, rr, wp, n, float(eps));
+  });
+}
+
+// [rows, 2 * I] -> [rows, I]: silu(gate) * up, gate the first half of each row.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  const int64_t rows = x.size(0), half = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, half}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  for_rows(rows, half, [&](int64_t r) {
+    const float* g = xp + r * xs;
+    const float* u = g + half;
+    float* o = op + r * half;
+    int64_t i = 0;
+#ifdef TS_AVX2
+    // silu(g) = g / (1 + exp(-g)); exp of -|g| keeps exp_neg in its domain:
+    // for g >= 0 that is exp(-g); for g < 0, g / (1 + 1/e) = g * e / (1 + e) with e = exp(g).
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= half; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 e = exp_neg(_mm256_min_ps(gv, _mm256_sub_ps(_mm256_setzero_ps(), gv)));
+      const __m256 pos = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+      const __m256 neg = _mm256_div_ps(_mm256_mul_ps(gv, e), _mm256_add_ps(one, e));
+      const __m256 silu = _mm256_blendv_ps(pos, neg, gv);  // sign bit of g selects
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < half; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  });
+  return out;
+}
+
+// Rotate-half rope, in place, on x [tokens, heads, head_dim] (head_dim contiguous);
+// cos, sin [tokens, head_dim / 2] float32.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 &&
+                  x.stride(2) == 1, "rope_: float32 CPU [tokens, heads, head_dim]");
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_: float32 tables");
+  TORCH_CHECK(cos.numel() == tokens * half && sin.numel() == tokens * half && cos.is_contiguous() &&
+                  sin.is_contiguous(), "rope_: cos/sin must be [tokens, head_dim / 2]");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  for_rows(tokens, heads * half * 2, [&](int64_t t) {
+    const float* c = cp + t * half;
+    const float* sn = sp + t * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* a = xp + t * s0 + h * s1;
+      float* b = a + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = a[i], x2 = b[i];
+        a[i] = x1 * c[i] - x2 * sn[i];
+        b[i] = x2 * c[i] + x1 * sn[i];
+      }
+    }
+  });
+}
+
+}  // namespace tailserve_cpu

@@ -1,0 +1,33 @@
+// The kernels' own work pool: parallel_dynamic hands items out one at a time to the calling
+// thread and the pool's workers (see work_pool.cpp for why not OpenMP).
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+
+namespace tailserve_cpu {
+
+// Runs fn(item) for item in [0, n) on the calling thread plus up to threads - 1 pool workers.
+void run_on_work_pool(int64_t n, int64_t threads, const std::function<void(int64_t)>& fn);
+
+// torch.ops.tailserve.set_kernel_spin_us: how long idle workers spin before they sleep.
+void set_kernel_spin_us(int64_t us);
+
+// Runs fn(item) for item in [0, n), in parallel over as many threads as torch uses.
+template <typename F>
+void parallel_dynamic(int64_t n, const F& fn) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  const std::function<void(int64_t)> job = [&fn](int64_t i) { fn(i); };
+  run_on_work_pool(n, threads, job);
+}
+
+}  // namespace tailserve_cpu
