@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "outputs": {"request"},
     "data": {"request", "sampling_params"},
     "config": {"errors"},
+    "request_limits": {"errors"},
     # torch-free engine parts and the edge renderers
     "kv": {"data", "request"},
     "obs": {"data", "errors"},
@@ -41,13 +42,13 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"config", "data", "errors", "kernels", "obs", "sampling_params"},
     "engine": {
         "config", "data", "errors", "kv", "model", "obs", "outputs", "request",
-        "sampling_params",
+        "request_limits", "sampling_params",
     },
     # the edge: server talks to the engine through engine.client and data records; kv only
     # for the pure ``usage_band_sizes`` the dashboard needs to draw the band heatmap
     "server": {
         "config", "data", "engine", "errors", "kv", "model", "obs", "outputs", "request",
-        "sampling_params", "tailserve",
+        "request_limits", "sampling_params", "tailserve",
     },
     "tailserve": {"config", "engine", "outputs", "sampling_params"},
     # tools
@@ -64,6 +65,7 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.driver",
     "tailserve.engine.messages",
     "tailserve.engine.client",
+    "tailserve.engine.input_processor",
 )
 TORCH_NAMES = {"torch", "triton"}
 
