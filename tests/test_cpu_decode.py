@@ -25,9 +25,12 @@ BLOCK_SIZE = 16
 
 def make_runner(path: str, **args: Any) -> ModelRunner:
     loaded = load_model(path)
-    engine_args = EngineArgs(model=path, dtype="float32", num_kv_blocks=128, **args)
-    runner = ModelRunner(loaded.config, loaded.weights, engine_args, 512, 512)
-    runner.allocate_kv_cache()
+    config = EngineArgs(
+        model=path, device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=512, **args
+    ).resolve(loaded.config)
+    runner = ModelRunner(config.model, config.runner, config.scheduler.max_model_len,
+                         loaded.weights)
+    runner.allocate_kv_cache(config.cache)
     return runner
 
 

@@ -82,7 +82,7 @@ def test_inproc_client_matches_offline_and_aborts(tiny_model_dir: str) -> None:
     async def scenario() -> None:
         client = InprocEngineClient(args)
         info = await client.start()
-        assert isinstance(info, Ready) and info.scheduler_config.max_queue_len == 4
+        assert isinstance(info, Ready) and info.config.scheduler.max_queue_len == 4
         q: asyncio.Queue[StreamItem] = asyncio.Queue()
         for i, p in enumerate(prompts):
             client.add_request(AddRequest(f"r{i}", p, greedy, 0.0), q)

@@ -343,7 +343,7 @@ class InprocEngineClient(EngineClient):
         from tailserve.engine.loop import EngineLoop
 
         self._aloop = asyncio.get_running_loop()
-        core = await asyncio.to_thread(EngineCore, self.engine_args, self._loaded)
+        core = await asyncio.to_thread(EngineCore.from_args, self.engine_args, self._loaded)
         engine_loop = EngineLoop(core, self._emit)
         self.info = engine_loop.ready_message()
         self._thread = threading.Thread(

@@ -39,7 +39,7 @@ class LLM:
 
     def _setup(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
         self.engine_args = args
-        self.engine = EngineCore(args, loaded)
+        self.engine = EngineCore.from_args(args, loaded)
         self.tokenizer = self.engine.loaded.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

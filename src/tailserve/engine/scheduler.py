@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from tailserve.config import SchedulerConfig
+from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits
 from tailserve.engine.outputs import (
     EngineOutput,
     RunnerOutput,
@@ -39,7 +39,9 @@ from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus
 
 
-def check_request_lengths(cfg: SchedulerConfig, n_prompt: int, max_tokens: int | None) -> int:
+def check_request_lengths(
+    cfg: SchedulerConfig, cache: CacheConfig, n_prompt: int, max_tokens: int | None
+) -> int:
     """Raise ``InvalidRequestError`` (with the numbers) for a request that can never be served;
     return ``max_tokens`` resolved (``None`` -> the room left under max_model_len).
 
@@ -61,11 +63,11 @@ def check_request_lengths(cfg: SchedulerConfig, n_prompt: int, max_tokens: int |
             f"{n_prompt + max_tokens} exceeds max_model_len ({cfg.max_model_len})",
             param="max_tokens",
         )
-    blocks_needed = cdiv(n_prompt + max_tokens, cfg.block_size)
-    if blocks_needed > cfg.num_kv_blocks:
+    blocks_needed = cdiv(n_prompt + max_tokens, cache.block_size)
+    if blocks_needed > cache.num_kv_blocks:
         raise InvalidRequestError(
             f"prompt + max_tokens = {n_prompt + max_tokens} tokens need {blocks_needed} KV "
-            f"blocks but the whole pool has {cfg.num_kv_blocks}",
+            f"blocks but the whole pool has {cache.num_kv_blocks}",
             param="input_tokens",
         )
     return max_tokens
@@ -113,13 +115,15 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+        check_pool_fits(config, cache)
         self.config = config
+        self.cache_config = cache
         self.kv = KVCacheManager(
-            config.num_kv_blocks,
-            config.block_size,
-            enable_caching=config.enable_prefix_caching,
-            watermark=config.watermark,
+            cache.num_kv_blocks,
+            cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            watermark=cache.watermark,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -133,7 +137,9 @@ class Scheduler:
     def validate(self, req: Request) -> None:
         """Reject what can never be served, with the numbers; resolves ``max_tokens=None``."""
         sp = req.sampling_params
-        sp.max_tokens = check_request_lengths(self.config, req.num_prompt_tokens, sp.max_tokens)
+        sp.max_tokens = check_request_lengths(
+            self.config, self.cache_config, req.num_prompt_tokens, sp.max_tokens
+        )
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
 
@@ -377,7 +383,7 @@ class Scheduler:
         for req in self.running:
             if req.request_id not in self.kv.req_to_blocks:
                 raise AssertionError(f"running request {req.request_id} holds no blocks")
-            need = cdiv(req.num_computed_tokens, self.config.block_size)
+            need = cdiv(req.num_computed_tokens, self.cache_config.block_size)
             if len(self.kv.req_to_blocks[req.request_id]) < need:
                 raise AssertionError(f"{req.request_id}: fewer blocks than computed tokens")
         waiting_ids = {r.request_id for r in self.waiting}

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
+
+from tailserve import envs
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,12 @@ def _build_dir() -> Path:
         digest.update(src.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(torch.__version__.encode())
-    root = os.environ.get("TAILSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "tailserve"
+    root = envs.TAILSERVE_KERNEL_CACHE.get() or Path.home() / ".cache" / "tailserve"
     return Path(root) / "kernels" / digest.hexdigest()[:16]
 
 
 def _enabled() -> bool:
-    return os.environ.get("TAILSERVE_CPU_KERNELS", "1") not in ("0", "false", "no")
+    return envs.TAILSERVE_CPU_KERNELS.get()
 
 
 def cpu_ops_available() -> bool:

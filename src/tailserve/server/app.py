@@ -100,7 +100,7 @@ def create_app(ctx: ServerContext) -> Any:
             "data": [{
                 "id": ctx.model_names[0], "object": "model", "created": int(ctx.started),
                 "owned_by": "tailserve", "root": ctx.client.info.model if ctx.client.info else None,
-                "max_model_len": ctx.scheduler_config.max_model_len,
+                "max_model_len": ctx.config.scheduler.max_model_len,
             }],
         }
 
@@ -140,15 +140,16 @@ def create_app(ctx: ServerContext) -> Any:
             ).input_ids)
         return {
             "tokens": ids, "count": len(ids),
-            "max_model_len": ctx.scheduler_config.max_model_len,
+            "max_model_len": ctx.config.scheduler.max_model_len,
         }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
+        vocab_size = ctx.config.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise bad_request(f"token ids must be in [0, {ctx.vocab_size}); got {bad[:5]}",
+            raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}",
                               "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from tailserve.config import SchedulerConfig
+from tailserve.config import EngineConfig
 from tailserve.engine.client import EngineClient
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.records import RequestRecord
@@ -81,8 +81,8 @@ class ServerContext:
         self.metrics = metrics
         self.timeline = timeline
         self.tracer = tracer
-        self.scheduler_config: SchedulerConfig = client.info.scheduler_config
-        self.vocab_size = client.info.vocab_size
+        # What the engine resolved: the limits requests are checked against.
+        self.config: EngineConfig = client.info.config
         self.draining = False
         self.exit_code = 0
         self.started = time.time()
@@ -111,7 +111,7 @@ class ServerContext:
             raise self.dead_error()
         if self.draining:
             raise unavailable("the server is shutting down", "draining")
-        cfg = self.scheduler_config
+        cfg = self.config.scheduler
         if cfg.max_queue_len is None:
             return
         capacity = cfg.max_num_seqs + cfg.max_queue_len

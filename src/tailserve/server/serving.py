@@ -140,7 +140,7 @@ class OpenAIServing:
         if not items:
             raise bad_request("prompt must not be empty", param="prompt")
         out: list[tuple[str | None, list[int]]] = []
-        vocab = self.ctx.vocab_size
+        vocab = self.ctx.config.model.vocab_size
         for item in items:
             if isinstance(item, str):
                 out.append((item, list(self.tokenizer(item).input_ids)))
@@ -187,7 +187,9 @@ class OpenAIServing:
         ctx = self.ctx
         for _, ids in prompts:
             try:
-                check_request_lengths(ctx.scheduler_config, len(ids), params.max_tokens)
+                check_request_lengths(
+                    ctx.config.scheduler, ctx.config.cache, len(ids), params.max_tokens
+                )
             except InvalidRequestError as exc:
                 raise bad_request(exc.message, exc.param) from None
         ctx.admit(len(prompts) * params.n)
