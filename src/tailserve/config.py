@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Default token budget per step (max_num_batched_tokens) by device type.
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 4096}
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,9 @@ class EngineArgs:
     )
     max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
     max_num_batched_tokens: int | None = field(
-        default=None, metadata={"help": "token budget per step; default 512 on CPU, 4096 on GPU"}
+        default=None, metadata={"help": "token budget per step; default "
+                                f"{DEFAULT_BATCHED_TOKENS['cpu']} on CPU, "
+                                f"{DEFAULT_BATCHED_TOKENS['cuda']} on GPU"}
     )
     block_size: int = 16
     kv_cache_memory: float = field(
@@ -262,9 +266,6 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
         )
 
-
-# Default token budget per step (max_num_batched_tokens) by device type.
-DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 4096}
 
 ServingDtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -71,7 +71,7 @@ StreamItem = tuple[float, EngineOutput] | BaseException
 class EngineClient:
     """Base: request bookkeeping, message dispatch, health. Subclasses move the bytes."""
 
-    def __init__(self, watchdog_timeout_s: float = 30.0) -> None:
+    def __init__(self, watchdog_timeout_s: float) -> None:
         self.info: Ready | None = None
         self.state: EngineState | None = None
         self.dead_reason: str | None = None
@@ -220,7 +220,7 @@ class MPEngineClient(EngineClient):
     def __init__(
         self,
         engine_args: EngineArgs,
-        watchdog_timeout_s: float = 30.0,
+        watchdog_timeout_s: float,  # ServerSettings.watchdog_timeout
         startup_timeout_s: float = 900.0,
         log_level: str = "INFO",
     ) -> None:

@@ -29,7 +29,7 @@ from tailserve.config import EngineArgs
 from tailserve.engine.client import EngineClient, EngineStartupError, MPEngineClient
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
-from tailserve.server.context import ServerContext, ServerSettings, served_names
+from tailserve.server.context import ServerContext, served_names
 from tailserve.server.dashboard import page_html
 from tailserve.server.errors import (
     APIError,
@@ -46,6 +46,7 @@ from tailserve.server.protocol import (
     TokenizeRequest,
 )
 from tailserve.server.serving import OpenAIServing
+from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger("tailserve.server")
 

@@ -8,7 +8,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -22,29 +21,11 @@ from tailserve.sampling_params import SamplingParams
 from tailserve.server.dashboard.feed import DashboardFeed
 from tailserve.server.errors import APIError, bad_request, unavailable
 from tailserve.server.protocol import ChatMessage
+from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_request_bytes: int = 4 << 20
-    max_header_bytes: int = 16 << 10
-    shutdown_timeout: float = 30.0
-    timeline: str | None = None
-    timeline_buffer: int = 20000
-    otlp_traces_endpoint: str | None = None
-    watchdog_timeout: float = 30.0
-    retry_after_s: int = 1
-    log_level: str = "info"
-    enable_profiling: bool = False
-    profile_dir: str | None = None  # None: <tmp>/tailserve-profiles
 
 
 def served_names(model: str | None, source: str, override: str | None) -> list[str]:
