@@ -17,8 +17,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DeviceType = Literal["cpu", "cuda"]
+ServingDtype = Literal["float32", "bfloat16", "float16"]
 # Default token budget per step (max_num_batched_tokens) by device type.
-DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 4096}
+DEFAULT_BATCHED_TOKENS: dict[DeviceType, int] = {"cpu": 512, "cuda": 4096}
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             # The default must hold every running decode, and whole prompts when not chunking.
-            budget = max(DEFAULT_BATCHED_TOKENS.get(runner.device, 512), self.max_num_seqs)
+            budget = max(DEFAULT_BATCHED_TOKENS[runner.device], self.max_num_seqs)
             if not self.enable_chunked_prefill:
                 budget = max(budget, max_model_len)
         scheduler = SchedulerConfig(
@@ -267,7 +269,6 @@ class EngineArgs:
         )
 
 
-ServingDtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -281,7 +282,7 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
 class RunnerConfig:
     """How the model runner runs: device and dtype resolved from ``auto`` to what is used."""
 
-    device: Literal["cpu", "cuda"]
+    device: DeviceType
     dtype: ServingDtype  # weights, activations and the KV cache
     seed: int = 0  # the sampler's generator for requests without their own seed
     enforce_eager: bool = False

@@ -6,14 +6,10 @@ imports it) stays torch-free.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from tailserve.config import DeviceType, ServingDtype
 from tailserve.errors import ConfigError
-
-DeviceType = Literal["cpu", "cuda"]
-DtypeName = Literal["float32", "bfloat16", "float16"]
 
 
 def detect_device(device: str) -> DeviceType:
@@ -26,7 +22,7 @@ def detect_device(device: str) -> DeviceType:
     return "cuda" if device == "cuda" else "cpu"
 
 
-def detect_dtype(dtype: str, device: DeviceType) -> DtypeName:
+def detect_dtype(dtype: str, device: DeviceType) -> ServingDtype:
     """``auto``: bfloat16 where the hardware computes it natively, else float32 (CPU) or
     float16 (CUDA).
 
@@ -47,7 +43,7 @@ def detect_dtype(dtype: str, device: DeviceType) -> DtypeName:
     return "bfloat16" if bf16_native else "float32"
 
 
-def torch_dtype(dtype: DtypeName) -> torch.dtype:
+def torch_dtype(dtype: ServingDtype) -> torch.dtype:
     dt = getattr(torch, dtype)
     assert isinstance(dt, torch.dtype)
     return dt
