@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import tailserve.engine.scheduler as scheduler_module
-from tailserve.config import SchedulerConfig
+from tailserve.config import CacheConfig, SchedulerConfig
 from tailserve.data.runner_output import RunnerOutput
 from tailserve.data.scheduler_output import SchedulerOutput
 from tailserve.engine.scheduler import Scheduler
@@ -147,19 +147,23 @@ class SimClock:
         return self.now
 
 
-def make_config(args: argparse.Namespace, watermark: float) -> SchedulerConfig:
-    return SchedulerConfig(
+Config = tuple[SchedulerConfig, CacheConfig]
+
+
+def make_config(args: argparse.Namespace, watermark: float) -> Config:
+    sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max(Workload.prompt_lens) + Workload.out_max,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        watermark=watermark,
     )
+    # block_bytes only sizes a real pool; the simulation allocates none.
+    cache = CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        block_bytes=1, watermark=watermark)
+    return sched, cache
 
 
 def simulate(
-    config: SchedulerConfig,
+    config: Config,
     step_model: StepModel,
     rate: float | None,
     num_requests: int,
@@ -173,7 +177,7 @@ def simulate(
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
     clock = SimClock()
-    sched = Scheduler(config)
+    sched = Scheduler(*config)
     requests: list[Request] = []
     next_arrival = 0
     computed_tokens = 0
@@ -270,7 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-Task = tuple[SchedulerConfig, StepModel, float | None, int, int]
+Task = tuple[Config, StepModel, float | None, int, int]
 
 
 def run_task(task: Task) -> RunResult:

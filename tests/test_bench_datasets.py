@@ -13,6 +13,7 @@ import pytest
 
 from tailserve.bench import BenchError
 from tailserve.bench.client import RequestResult, build_payload, describe_http_error
+from tailserve.bench.config import parse_goodput, parse_percentiles
 from tailserve.bench.datasets import (
     BenchRequest,
     DatasetOptions,
@@ -25,8 +26,6 @@ from tailserve.bench.metrics import (
     compute_metrics,
     max_concurrency,
     p_word,
-    parse_goodput,
-    parse_percentiles,
 )
 from tailserve.bench.observe import parse_metrics
 from tailserve.bench.run import arrival_times

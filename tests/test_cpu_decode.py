@@ -15,6 +15,7 @@ from tailserve.config import EngineArgs
 from tailserve.model.attention import AttentionMetadata
 from tailserve.model.attention.torch_ref import TorchAttentionBackend
 from tailserve.model.cpu_decode import CpuDecodeGraph
+from tailserve.model.device import detect_platform
 from tailserve.model.layers import SiluAndMul
 from tailserve.model.llama import LlamaDecoderLayer
 from tailserve.model.loader import load_model
@@ -29,9 +30,12 @@ BLOCK_SIZE = 16
 
 def make_runner(path: str, **args: Any) -> ModelRunner:
     loaded = load_model(path)
-    engine_args = EngineArgs(model=path, dtype="float32", num_kv_blocks=128, **args)
-    runner = ModelRunner(loaded.config, loaded.weights, engine_args, 512, 512)
-    runner.allocate_kv_cache()
+    config = EngineArgs(
+        model=path, device="cpu", dtype="float32", num_kv_blocks=128, max_model_len=512, **args
+    ).resolve(loaded.config, detect_platform())
+    runner = ModelRunner(config.model, config.runner, config.scheduler.max_model_len,
+                         loaded.weights)
+    runner.allocate_kv_cache(config.cache)
     return runner
 
 

@@ -88,14 +88,15 @@ def _idle(st: EngineState) -> bool:
     return st.num_running == 0 and st.num_waiting == 0 and st.free_blocks == st.total_blocks
 
 
-def test_start_returns_ready_with_the_scheduler_config(run: Callable[[Scenario], None],
+def test_start_returns_ready_with_the_resolved_config(run: Callable[[Scenario], None],
                                                        args: EngineArgs) -> None:
     async def scenario(client: InprocEngineClient) -> None:
         info = client.info
-        assert isinstance(info, Ready) and info.device == "cpu" and info.pid > 0
-        cfg = info.scheduler_config
-        assert (cfg.max_num_seqs, cfg.max_queue_len, cfg.block_size) == (2, 4, args.block_size)
-        assert info.vocab_size == 49152
+        assert isinstance(info, Ready) and info.config.runner.device == "cpu" and info.pid > 0
+        cfg = info.config.scheduler
+        assert (cfg.max_num_seqs, cfg.max_queue_len) == (2, 4)
+        assert info.config.cache.block_size == args.block_size
+        assert info.config.model.vocab_size == 49152
         assert client.healthy() and client.engine_alive() and client.num_inflight == 0
 
     run(scenario)
@@ -151,7 +152,7 @@ def test_idle_engine_sends_heartbeats(run: Callable[[Scenario], None]) -> None:
             await asyncio.sleep(0.01)
         assert len(states) >= 4, f"{len(states)} heartbeats in 5 s"
         assert client.info is not None
-        total = client.info.scheduler_config.num_kv_blocks
+        total = client.info.config.cache.num_kv_blocks
         for st in states:
             assert (st.num_running, st.num_waiting, st.free_blocks, st.total_blocks) == (
                 0, 0, total, total)

@@ -90,7 +90,9 @@ def _ts_logprobs(loaded: Any, dtype: str, prompts: list[list[int]]) -> list[dict
     from tailserve.engine.core import EngineCore
     from tailserve.request import Request
 
-    core = EngineCore(EngineArgs(dtype=dtype, num_kv_blocks=200, max_model_len=2048), loaded)
+    core = EngineCore.from_args(
+        EngineArgs(dtype=dtype, num_kv_blocks=200, max_model_len=2048), loaded
+    )
     for i, p in enumerate(prompts):
         core.add_request(
             Request(str(i), p, SamplingParams(max_tokens=1, temperature=0, logprobs=20))

@@ -202,8 +202,7 @@ def test_the_server_path_changes_no_params(tiny_model_dir: str) -> None:
         info = await client.start()
         try:
             tokenizer = load_tokenizer(tiny_model_dir)
-            inputs = InputProcessor(tokenizer, RequestLimits.of(info.scheduler_config,
-                                                                info.vocab_size))
+            inputs = InputProcessor(tokenizer, info.config.request_limits)
             for params in (SamplingParams(max_tokens=None, seed=1, ignore_eos=True),
                            SamplingParams(n=2, max_tokens=None, seed=1, ignore_eos=True)):
                 before = copy.deepcopy(params)

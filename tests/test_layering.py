@@ -32,29 +32,33 @@ ALLOWED: dict[str, set[str]] = {
     "request": {"sampling_params"},
     "outputs": {"request"},
     "data": {"request", "sampling_params"},
-    "config": {"errors"},
+    "envs": set(),
     "request_limits": {"errors"},
+    "config": {"errors", "request_limits"},
     # torch-free engine parts and the edge renderers
     "kv": {"data", "request"},
-    "obs": {"data", "errors"},
-    "kernels": set(),
+    "obs": {"data", "envs", "errors"},
+    "kernels": {"envs"},
     # the model side: reads configs and step data, never the engine
     "model": {"config", "data", "errors", "kernels", "obs", "sampling_params"},
     "engine": {
-        "config", "data", "errors", "kv", "model", "obs", "outputs", "request",
+        "config", "data", "envs", "errors", "kv", "model", "obs", "outputs", "request",
         "request_limits", "sampling_params",
     },
     # the edge: server talks to the engine through engine.client and data records; kv only
     # for the pure ``usage_band_sizes`` the dashboard needs to draw the band heatmap
     "server": {
         "config", "data", "engine", "errors", "kv", "model", "obs", "outputs", "request",
-        "request_limits", "sampling_params", "tailserve",
+        "sampling_params", "tailserve",
     },
     "tailserve": {"config", "engine", "outputs", "sampling_params"},
     # tools
     "bench": {"errors", "model", "tailserve"},
     "analyze": {"bench", "config", "errors", "model"},
-    "cli": {"analyze", "bench", "config", "engine", "sampling_params", "server"},
+    "cli_flags": set(),  # argparse flags from dataclass fields; knows no tailserve type
+    "cli": {
+        "analyze", "bench", "cli_flags", "config", "engine", "envs", "sampling_params", "server",
+    },
 }
 
 # Modules that must never load torch (the scheduler and block manager are tested on CPU with

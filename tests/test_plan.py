@@ -4,12 +4,12 @@ configs, the model sources it reads, and the --sweep on a tiny live model."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tailserve import envs
 from tailserve.analyze.plan import (
     PlanInputs,
     kv_bytes_per_token,
@@ -216,7 +216,7 @@ def test_sweep_grid_and_flags() -> None:
 # Two tailserve servers started and stopped one after the other take ~60 s on 2 shared cores
 # (each start ~20 s, each drain ~5 s), beyond this suite's budget: opt in to run it.
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("TAILSERVE_TEST_SWEEP"),
+@pytest.mark.skipif(not envs.TAILSERVE_TEST_SWEEP.get(),
                     reason="starts two live servers (~60 s); set TAILSERVE_TEST_SWEEP=1")
 def test_sweep_launches_a_server_per_combination(tiny_model_dir: str) -> None:
     from tailserve.analyze.sweep import SweepOptions, run_sweep

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_runner import EOS, FakeRunner, next_token
-from tailserve.config import SchedulerConfig
+from tailserve.config import CacheConfig, SchedulerConfig
 from tailserve.data.engine_output import EngineOutput
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError, InvalidRequestError, QueueFullError
@@ -21,12 +21,19 @@ from tailserve.sampling_params import SamplingParams
 
 
 def make(**kw: object) -> Scheduler:
+    """A scheduler over a pool of 64 blocks of 4 tokens; ``kw`` sets fields of either config."""
     base: dict[str, object] = dict(
         max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, block_size=4,
         num_kv_blocks=64, watermark=0.0,
     )
     base.update(kw)
-    return Scheduler(SchedulerConfig(**base))  # type: ignore[arg-type]
+    cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    cache = {k: v for k, v in base.items() if k in cache_fields}
+    sched = {k: v for k, v in base.items() if k not in cache_fields}
+    return Scheduler(
+        SchedulerConfig(**sched),  # type: ignore[arg-type]
+        CacheConfig(block_bytes=1024, **cache),  # type: ignore[arg-type]
+    )
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0,

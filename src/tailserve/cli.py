@@ -1,5 +1,6 @@
 """The ``tailserve`` command: ``serve``, ``generate``, ``bench``, ``diagnose``, ``compare`` and
-``plan``. Engine flags are generated from ``EngineArgs`` fields."""
+``plan``. The flags of ``serve``, ``generate`` and ``bench`` are generated from the fields of
+``EngineArgs``, ``ServerSettings``, ``SamplingParams`` and ``BenchConfig`` (cli_flags.py)."""
 
 from __future__ import annotations
 
@@ -8,57 +9,51 @@ import dataclasses
 import json
 import logging
 import sys
-import types
-import typing
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
+from tailserve import envs
+from tailserve.cli_flags import add_flags, from_namespace
 from tailserve.config import EngineArgs
 
-
-def _unwrap_optional(tp: Any) -> Any:
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
+# generate: the SamplingParams fields it has flags for, and where its defaults differ from
+# SamplingParams' own (one prompt from a terminal: greedy, with room for a paragraph).
+GENERATE_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+    "stop", "n", "ignore_eos",
+)
+GENERATE_SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+# Its own --seed is the engine's; the per-request one is --sample-seed.
+GENERATE_SAMPLING_RENAME = {"seed": "sample_seed"}
+GENERATE_SAMPLING_HELP = {"seed": "per-request sampling seed", "stop": "stop string (repeatable)"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per EngineArgs field: ``max_num_seqs`` -> ``--max-num-seqs``."""
-    hints = typing.get_type_hints(EngineArgs)
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
-            continue
-        tp = _unwrap_optional(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        default = f.default
-        if tp is bool:
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
-            )
-        elif get_origin(tp) is Literal:
-            group.add_argument(flag, choices=get_args(tp), default=default, help=help_text)
-        else:
-            group.add_argument(flag, type=tp, default=default,
-                               help=f"{help_text} (default: {default})".strip())
+    add_flags(parser, EngineArgs, skip=("model",), group="engine")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    return from_namespace(EngineArgs, ns)
+
+
+def _sampling_skip() -> tuple[str, ...]:
+    from tailserve.sampling_params import SamplingParams
+
+    return tuple(f.name for f in dataclasses.fields(SamplingParams)
+                 if f.name not in GENERATE_SAMPLING_FIELDS)
+
+
+def sampling_params_from(ns: argparse.Namespace) -> Any:
+    from tailserve.sampling_params import SamplingParams
+
+    return from_namespace(SamplingParams, ns, skip=_sampling_skip(),
+                          rename=GENERATE_SAMPLING_RENAME)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from tailserve.engine.llm import LLM
-    from tailserve.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-        min_p=ns.min_p, seed=ns.sample_seed, stop=ns.stop or [], n=ns.n,
-        ignore_eos=ns.ignore_eos, repetition_penalty=ns.repetition_penalty,
-    )
+    params = sampling_params_from(ns)
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     if ns.chat:
         outputs = llm.chat([{"role": "user", "content": ns.prompt}], params)
@@ -80,104 +75,64 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(ns: argparse.Namespace) -> int:
-    import os
+def _add_generate(sub: Any) -> None:
+    from tailserve.sampling_params import SamplingParams
 
+    gen = sub.add_parser("generate", help="complete one prompt with the offline engine")
+    gen.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print completions and timing as JSON")
+    add_flags(gen, SamplingParams, skip=_sampling_skip(), defaults=GENERATE_SAMPLING_DEFAULTS,
+              rename=GENERATE_SAMPLING_RENAME, help=GENERATE_SAMPLING_HELP, group="sampling")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+
+def server_settings_from(ns: argparse.Namespace) -> Any:
+    from tailserve.server.settings import ServerSettings
+
+    settings = from_namespace(ServerSettings, ns)
+    if not settings.api_key:
+        settings = dataclasses.replace(settings, api_key=envs.TAILSERVE_API_KEY.get())
+    return settings
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
     from tailserve.server.app import run_server
-    from tailserve.server.context import ServerSettings
 
     if ns.model_pos is not None:
         ns.model = ns.model_pos
-    settings = ServerSettings(
-        host=ns.host, port=ns.port,
-        api_key=ns.api_key or os.environ.get("TAILSERVE_API_KEY") or None,
-        served_model_name=ns.served_model_name, max_request_bytes=ns.max_request_bytes,
-        max_header_bytes=ns.max_header_bytes, shutdown_timeout=ns.shutdown_timeout,
-        timeline=ns.timeline, timeline_buffer=ns.timeline_buffer,
-        otlp_traces_endpoint=ns.otlp_traces_endpoint,
-        watchdog_timeout=ns.watchdog_timeout, log_level=ns.log_level,
-        enable_profiling=ns.enable_profiling, profile_dir=ns.profile_dir,
-    )
-    return run_server(engine_args_from(ns), settings)
+    return run_server(engine_args_from(ns), server_settings_from(ns))
 
 
 def _add_serve(sub: Any) -> None:
+    from tailserve.server.settings import ServerSettings
+
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                      help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     srv.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    g = srv.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (or set TAILSERVE_API_KEY)")
-    g.add_argument("--served-model-name", default=None, help="the name clients use as model")
-    g.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                   help="larger bodies get 413 (default: 4 MiB)")
-    g.add_argument("--max-header-bytes", type=int, default=16 << 10,
-                   help="larger headers get 431 (default: 16 KiB)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests before aborting them")
-    g.add_argument("--timeline", default=None, help="append step and request records (JSONL)")
-    g.add_argument("--timeline-buffer", type=int, default=20000,
-                   help="records kept in memory for GET /debug/timeline")
-    g.add_argument("--otlp-traces-endpoint", default=None,
-                   help="OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces")
-    g.add_argument("--watchdog-timeout", type=float, default=30.0,
-                   help="/health turns 503 after this long without engine progress")
-    g.add_argument("--enable-profiling", action="store_true",
-                   help="allow POST /debug/profile?seconds=N (torch.profiler trace of the engine)")
-    g.add_argument("--profile-dir", default=None,
-                   help="where profile traces go (default: <tmp>/tailserve-profiles)")
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    add_flags(srv, ServerSettings, group="server")
     add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
 
+def bench_config_from(ns: argparse.Namespace, argv: list[str] | None = None) -> Any:
+    from tailserve.bench.config import BenchConfig, DatasetOptions
+
+    cfg = from_namespace(BenchConfig, ns, dataset=from_namespace(DatasetOptions, ns),
+                         argv=list(argv if argv is not None else sys.argv))
+    if not cfg.api_key:
+        key = envs.OPENAI_API_KEY.get() or envs.TAILSERVE_API_KEY.get()
+        cfg = dataclasses.replace(cfg, api_key=key)
+    return cfg
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    import os
+    from tailserve.bench.run import run_bench
 
-    from tailserve.bench.datasets import DatasetOptions
-    from tailserve.bench.metrics import parse_goodput, parse_percentiles
-    from tailserve.bench.run import BenchConfig, run_bench
-
-    def rates(spec: str) -> list[float]:
-        try:
-            return [float(r) for r in spec.split(",") if r.strip()]
-        except ValueError:
-            raise ValueError(f"--request-rates wants numbers like 1,2,4,8; got {spec!r}") from None
-
-    extra = None
-    if ns.extra_body:
-        try:
-            extra = json.loads(ns.extra_body)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--extra-body is not JSON: {exc}") from None
-        if not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object")
-    cfg = BenchConfig(
-        base_url=ns.base_url, model=ns.model, endpoint=ns.endpoint,
-        api_key=ns.api_key or os.environ.get("OPENAI_API_KEY")
-        or os.environ.get("TAILSERVE_API_KEY") or None,
-        dataset=DatasetOptions(
-            name=ns.dataset, path=ns.dataset_path, num_prompts=ns.num_prompts,
-            input_len=ns.input_len, output_len=ns.output_len, range_ratio=ns.range_ratio,
-            mix=ns.mix, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes,
-        ),
-        request_rate=ns.request_rate,
-        request_rates=rates(ns.request_rates) if ns.request_rates else None,
-        sweep=ns.sweep, sweep_steps=ns.sweep_steps, burstiness=ns.burstiness,
-        max_concurrency=ns.max_concurrency, goodput=parse_goodput(ns.goodput),
-        percentiles=parse_percentiles(ns.percentiles), warmup=ns.warmup, seed=ns.seed,
-        save_result=ns.save_result, save_detailed=ns.save_detailed, label=ns.label,
-        timeout_s=ns.timeout if ns.timeout and ns.timeout > 0 else None,
-        tokenizer=ns.tokenizer, ignore_eos=ns.ignore_eos, extra_body=extra,
-        progress=not ns.no_progress, observe=not ns.no_observe,
-        metrics_interval_s=ns.metrics_interval, argv=sys.argv,
-        base_url_b=ns.base_url_b, split=ns.split, users=ns.users,
-        http_client=ns.http_client, busy_poll=ns.busy_poll,
-    )
+    cfg = bench_config_from(ns)
     try:
         steps = run_bench(cfg)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step started
@@ -189,7 +144,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: Any) -> None:
-    from tailserve.bench import DATASETS, DEFAULT_INPUT_LEN, DEFAULT_MIX
+    from tailserve.bench.config import BenchConfig, DatasetOptions
 
     b = sub.add_parser(
         "bench", help="open-loop load test of any OpenAI-compatible server",
@@ -198,80 +153,10 @@ def _add_bench(sub: Any) -> None:
         "tailserve. Ctrl-C stops sending and still reports what was sent. Exit status: 0; 1 if "
         "a step completed no request; 2 on a usage error; 130 when interrupted.",
     )
-    t = b.add_argument_group("target")
-    t.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="server root, with or without /v1 (default: %(default)s)")
-    t.add_argument("--base-url-b", default=None,
-                   help="canary split: a second server; --split of the users go to it and one "
-                   "result per arm is saved (PATH-A.json, PATH-B.json) for tailserve compare")
-    t.add_argument("--split", type=float, default=0.1,
-                   help="share of users sent to --base-url-b (default: %(default)s)")
-    t.add_argument("--users", type=int, default=100,
-                   help="synthetic users, each sticking to one arm by the FNV-1a hash of its "
-                   "id (default: %(default)s)")
-    t.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    t.add_argument("--model", default=None, help="model name (default: the server's first)")
-    t.add_argument("--api-key", default=None,
-                   help="Bearer key (default: $OPENAI_API_KEY or $TAILSERVE_API_KEY)")
-    t.add_argument("--http-client", choices=["lean", "aiohttp"], default="lean",
-                   help="lean: a minimal HTTP/1.1 client for http:// (lowest client-added "
-                   "latency); aiohttp: always aiohttp. https:// always uses aiohttp "
-                   "(default: %(default)s)")
-    t.add_argument("--busy-poll", action="store_true",
-                   help="spin instead of sleeping from 2 ms before each send and while 1-4 "
-                   "requests are in flight, so the OS's wake-up latency stays out of TTFT; "
-                   "for low-rate latency runs on a host where the client has a core to "
-                   "itself (costs up to one core while requests are in flight)")
-    t.add_argument("--timeout", type=float, default=600.0,
-                   help="per-request limit in seconds; 0 for none (default: %(default)s)")
-    t.add_argument("--extra-body", default=None, help="JSON merged into every request body")
-    t.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask for exactly max_tokens (default: on for random/mixed/prefix)")
-    d = b.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=DATASETS, default="random")
-    d.add_argument("--dataset-path", default=None, help="file for sharegpt / jsonl")
-    d.add_argument("--num-prompts", type=int, default=1000, help="requests per step")
-    d.add_argument("--input-len", type=int, default=DEFAULT_INPUT_LEN,
-                   help="prompt tokens (random, prefix: the part after the prefix)")
-    d.add_argument("--output-len", type=int, default=None,
-                   help="max_tokens (default: 128; sharegpt: the reply's length)")
-    d.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths uniform in L·[1-X, 1+X] (default: 0)")
-    d.add_argument("--mix", default=DEFAULT_MIX,
-                   help="mixed: LEN:WEIGHT or IN/OUT:WEIGHT items (default: %(default)s)")
-    d.add_argument("--prefix-len", type=int, default=256, help="prefix: shared tokens")
-    d.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct prefixes")
-    d.add_argument("--tokenizer", default=None,
-                   help="HF folder or .gguf for lengths, or 'default' for the bundled model "
-                   "(default: the server's /tokenize, else 4 chars/token)")
-    d.add_argument("--seed", type=int, default=0)
-    ld = b.add_argument_group("load")
-    ld.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="requests/s, or inf to send all at once (default: inf)")
-    ld.add_argument("--request-rates", default=None,
-                    help="stepped load: one step per rate, e.g. 1,2,4,8")
-    ld.add_argument("--sweep", action="store_true",
-                    help="synchronous and throughput steps, then rates in between")
-    ld.add_argument("--sweep-steps", type=int, default=4,
-                    help="interpolated rates in a sweep (default: 4)")
-    ld.add_argument("--burstiness", type=float, default=1.0,
-                    help="gamma shape of the gaps: 1 Poisson, <1 burstier, >1 steadier")
-    ld.add_argument("--max-concurrency", type=int, default=None,
-                    help="cap on requests in flight")
-    ld.add_argument("--warmup", type=int, default=0, help="unmeasured requests first")
-    o = b.add_argument_group("output")
-    o.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
-    o.add_argument("--percentiles", default="50,90,99,99.9", help="(default: %(default)s)")
-    o.add_argument("--save-result", default=None, metavar="PATH", help="write the result JSON")
-    o.add_argument("--save-detailed", action="store_true",
-                   help="also per-request lists (vLLM's input_lens, ttfts, itls, texts)")
-    o.add_argument("--label", default=None, help="a name stored in the result")
-    o.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    o.add_argument("--no-observe", action="store_true",
-                   help="do not sample /metrics or collect /debug/timeline")
-    o.add_argument("--metrics-interval", type=float, default=1.0,
-                   help="seconds between /metrics samples (default: %(default)s)")
+    groups = {title: b.add_argument_group(title) for title in ("target", "dataset", "load",
+                                                               "output")}
+    add_flags(b, DatasetOptions, group="dataset", groups=groups)
+    add_flags(b, BenchConfig, groups=groups)
     b.set_defaults(func=_cmd_bench)
 
 
@@ -451,23 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="LLM inference with steady tail latency under mixed traffic.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    gen = sub.add_parser("generate", help="complete one prompt with the offline engine")
-    gen.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--n", type=int, default=1)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", action="store_true", help="print completions and timing as JSON")
-    add_engine_args(gen)
-    gen.set_defaults(func=_cmd_generate)
+    _add_generate(sub)
     _add_serve(sub)
     _add_bench(sub)
     _add_diagnose(sub)

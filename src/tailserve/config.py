@@ -6,11 +6,12 @@ field becomes a ``--flag`` of the same name (``max_num_seqs`` ⇄ ``--max-num-se
 
 from __future__ import annotations
 
-import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.request_limits import RequestLimits
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -18,6 +19,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DeviceType = Literal["cpu", "cuda"]
+ServingDtype = Literal["float32", "bfloat16", "float16"]
+# Default token budget per step (max_num_batched_tokens) by device type.
+DEFAULT_BATCHED_TOKENS: dict[DeviceType, int] = {"cpu": 512, "cuda": 4096}
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,9 @@ class EngineArgs:
     )
     max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
     max_num_batched_tokens: int | None = field(
-        default=None, metadata={"help": "token budget per step; default 512 on CPU, 4096 on GPU"}
+        default=None, metadata={"help": "token budget per step; default "
+                                f"{DEFAULT_BATCHED_TOKENS['cpu']} on CPU, "
+                                f"{DEFAULT_BATCHED_TOKENS['cuda']} on GPU"}
     )
     block_size: int = 16
     kv_cache_memory: float = field(
@@ -194,21 +201,156 @@ class EngineArgs:
                 f"{self.steady_memory_tolerance} and {self.steady_memory_warmup}"
             )
 
-    def replace(self, **changes: Any) -> EngineArgs:
-        return dataclasses.replace(self, **changes)
+    def resolve(
+        self, model: ModelConfig, platform: Platform, kv_cache_bytes: int | None = None
+    ) -> EngineConfig:
+        """The one resolution of these arguments against a model: a frozen ``EngineConfig``.
+
+        ``kv_cache_bytes`` is the memory the KV pool may take where it has to be measured
+        (CUDA, see ``resolve_unsized``); on CPU it comes from ``kv_cache_memory``.
+        """
+        return self.resolve_unsized(model, platform).sized(kv_cache_bytes)
+
+    def resolve_unsized(self, model: ModelConfig, platform: Platform) -> UnsizedEngineConfig:
+        """Everything but the KV pool's size, which on CUDA needs a profiling forward of the
+        model built with this configuration (``UnsizedEngineConfig.needs_kv_measurement``)."""
+        max_model_len = self.max_model_len or model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len ({max_model_len}) exceeds the model's context length "
+                f"({model.max_position_embeddings})"
+            )
+        runner = self._resolve_runner(platform)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            # The default must hold every running decode, and whole prompts when not chunking.
+            budget = max(DEFAULT_BATCHED_TOKENS[runner.device], self.max_num_seqs)
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            admission_policy=self.admission_policy,
+            scheduling_policy=self.scheduling_policy,
+            max_queue_len=self.max_queue_len,
+        )
+        observability = ObservabilityConfig(
+            memory_alert=self.memory_alert,
+            assert_steady_memory=self.assert_steady_memory,
+            steady_memory_tolerance=self.steady_memory_tolerance,
+            steady_memory_warmup=self.steady_memory_warmup,
+        )
+        # CPU: the pool is given in GiB; CUDA: whatever the profiling forward leaves.
+        kv_bytes = None if runner.device == "cuda" else int(self.kv_cache_memory * (1 << 30))
+        return UnsizedEngineConfig(
+            model=model,
+            runner=runner,
+            scheduler=scheduler,
+            observability=observability,
+            block_size=self.block_size,
+            block_bytes=kv_block_bytes(model, self.block_size, runner.dtype),
+            watermark=self.watermark,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_bytes=kv_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+
+    def _resolve_runner(self, platform: Platform) -> RunnerConfig:
+        device = resolve_device(self.device, platform)
+        return RunnerConfig(
+            device=device,
+            dtype=resolve_dtype(self.dtype, device, platform),
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+        )
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this host offers, the facts ``auto`` is resolved against. Measured once with torch
+    by ``model.device.detect_platform``; a plain value here so that this module (imported by
+    the torch-free scheduler) needs no torch, and tests can state any host."""
+
+    cuda_available: bool
+    cuda_bf16: bool = False  # torch.cuda.is_bf16_supported()
+    cpu_bf16_native: bool = False  # AVX512-BF16 or AMX
+    cpu_kernels: bool = False  # tailserve's compiled CPU kernels are built and loaded
+
+
+def resolve_device(device: str, platform: Platform) -> DeviceType:
+    if device == "auto":
+        return "cuda" if platform.cuda_available else "cpu"
+    if device == "cuda" and not platform.cuda_available:
+        raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda, got {device!r}")
+    return "cuda" if device == "cuda" else "cpu"
+
+
+def resolve_dtype(dtype: str, device: DeviceType, platform: Platform) -> ServingDtype:
+    """``auto``: on CUDA bfloat16 where supported, else float16. On CPU float32 whenever the
+    compiled CPU kernels are there: they compute in float32 and are the fast path (SmolLM2-135M
+    on a 2-core AVX512-BF16 host, single stream: 11.0 ms/token in float32 with the kernels,
+    25.3 ms in bfloat16 through torch's own ops; benchmarks/RESULTS.md). Without the kernels,
+    bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32 (bf16 matmuls
+    are emulated on AVX2-only CPUs and slower than float32)."""
+    if dtype in ("float32", "bfloat16", "float16"):
+        return typing.cast(ServingDtype, dtype)
+    if dtype != "auto":
+        raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    if device == "cuda":
+        return "bfloat16" if platform.cuda_bf16 else "float16"
+    if platform.cpu_kernels or not platform.cpu_bf16_native:
+        return "float32"
+    return "bfloat16"
+
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer."""
+    return (model.num_hidden_layers * 2 * block_size * model.num_key_value_heads
+            * model.head_dim * DTYPE_BYTES[dtype])
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runner runs: device and dtype resolved from ``auto`` to what is used."""
+
+    device: DeviceType
+    dtype: ServingDtype  # weights, activations and the KV cache
+    seed: int = 0  # the sampler's generator for requests without their own seed
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: its shape (the runner allocates it) and its admission rules (the
+    block manager inside the scheduler applies them)."""
+
+    block_size: int
+    num_kv_blocks: int
+    block_bytes: int  # one block, all layers, K and V, in RunnerConfig.dtype
+    watermark: float = 0.05
+    enable_prefix_caching: bool = True
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.block_bytes
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The resolved, torch-free subset of EngineArgs the scheduler needs."""
+    """What the torch-free scheduler decides with (the pool's size is in ``CacheConfig``)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    watermark: float = 0.05
-    enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
     admission_policy: Literal["optimistic", "reserve"] = "optimistic"
@@ -226,10 +368,92 @@ class SchedulerConfig:
                 f"with chunked prefill disabled, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if blocks_per_seq > self.num_kv_blocks:
-            raise ConfigError(
-                f"one max_model_len={self.max_model_len} sequence needs {blocks_per_seq} KV blocks "
-                f"of {self.block_size} tokens but the pool has {self.num_kv_blocks}; raise "
-                f"kv_cache_memory / num_kv_blocks or lower max_model_len"
-            )
+
+
+def check_pool_fits(scheduler: SchedulerConfig, cache: CacheConfig) -> None:
+    """One max_model_len sequence must fit the pool, or a long request could wait forever."""
+    blocks_per_seq = -(-scheduler.max_model_len // cache.block_size)
+    if blocks_per_seq > cache.num_kv_blocks:
+        raise ConfigError(
+            f"one max_model_len={scheduler.max_model_len} sequence needs {blocks_per_seq} KV "
+            f"blocks of {cache.block_size} tokens but the pool has {cache.num_kv_blocks}; raise "
+            f"kv_cache_memory / num_kv_blocks or lower max_model_len"
+        )
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """The engine's own memory checks (obs/memory.py)."""
+
+    memory_alert: float = 0.95
+    assert_steady_memory: bool = False
+    steady_memory_tolerance: float = 64.0  # MiB
+    steady_memory_warmup: int = 32
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of one engine, resolved once (``EngineArgs.resolve``); the engine's
+    ``Ready`` message carries it to the API process."""
+
+    model: ModelConfig
+    runner: RunnerConfig
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    observability: ObservabilityConfig
+
+    def __post_init__(self) -> None:
+        # Checked here so that a pool too small fails before a byte of KV is allocated.
+        check_pool_fits(self.scheduler, self.cache)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What one request may be (vocabulary, lengths, pool): the input processor's checks."""
+        return RequestLimits(
+            vocab_size=self.model.vocab_size, max_model_len=self.scheduler.max_model_len,
+            block_size=self.cache.block_size, num_kv_blocks=self.cache.num_kv_blocks,
+        )
+
+
+@dataclass(frozen=True)
+class UnsizedEngineConfig:
+    """An ``EngineConfig`` but for the KV pool's size, which on CUDA depends on a profiling
+    forward of the model built from ``model``, ``runner`` and ``scheduler`` (see
+    ``ModelRunner.profile_kv_cache_bytes``). ``sized`` finishes the resolution."""
+
+    model: ModelConfig
+    runner: RunnerConfig
+    scheduler: SchedulerConfig
+    observability: ObservabilityConfig
+    block_size: int
+    block_bytes: int
+    watermark: float
+    enable_prefix_caching: bool
+    num_kv_blocks: int | None  # the user's override, which makes any measurement moot
+    kv_cache_bytes: int | None  # CPU: kv_cache_memory; CUDA: None, to be measured
+    gpu_memory_utilization: float  # what the CUDA measurement may fill
+
+    @property
+    def needs_kv_measurement(self) -> bool:
+        return self.num_kv_blocks is None and self.kv_cache_bytes is None
+
+    def sized(self, measured_kv_bytes: int | None = None) -> EngineConfig:
+        """Finish with the KV bytes a measurement found (only when ``needs_kv_measurement``)."""
+        if self.num_kv_blocks is not None:
+            num_blocks = self.num_kv_blocks
+        else:
+            available = self.kv_cache_bytes if measured_kv_bytes is None else measured_kv_bytes
+            if available is None:
+                raise ConfigError(
+                    f"the KV pool on {self.runner.device} is sized by a profiling forward: "
+                    f"pass its result (ModelRunner.profile_kv_cache_bytes) or set num_kv_blocks"
+                )
+            num_blocks = max(available, 0) // self.block_bytes
+        cache = CacheConfig(
+            block_size=self.block_size,
+            num_kv_blocks=num_blocks,
+            block_bytes=self.block_bytes,
+            watermark=self.watermark,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        return EngineConfig(self.model, self.runner, self.scheduler, cache, self.observability)

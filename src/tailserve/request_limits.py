@@ -17,8 +17,8 @@ from tailserve.errors import InvalidRequestError
 
 
 class LengthLimits(Protocol):
-    """The resolved engine limits a request's lengths are checked against (``SchedulerConfig``
-    and ``RequestLimits`` both carry them)."""
+    """The resolved engine limits a request's lengths are checked against (``RequestLimits``
+    and the scheduler's ``SequenceLimits`` both carry them)."""
 
     @property
     def max_model_len(self) -> int: ...
@@ -31,6 +31,15 @@ class LengthLimits(Protocol):
 
 
 @dataclass(frozen=True)
+class SequenceLimits:
+    """The lengths alone: what the scheduler checks (it has no vocabulary to check against)."""
+
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
 class RequestLimits:
     """Every limit a request is validated against, resolved by the engine at start-up."""
 
@@ -38,10 +47,6 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-
-    @classmethod
-    def of(cls, lengths: LengthLimits, vocab_size: int) -> RequestLimits:
-        return cls(vocab_size, lengths.max_model_len, lengths.block_size, lengths.num_kv_blocks)
 
 
 def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:

@@ -93,8 +93,8 @@ def _one(opts: SweepOptions, combo: dict[str, str]) -> dict[str, Any]:
     from rich.console import Console
 
     from tailserve.bench import BenchError
-    from tailserve.bench.datasets import DatasetOptions
-    from tailserve.bench.run import BenchConfig, run_bench
+    from tailserve.bench.config import BenchConfig, DatasetOptions
+    from tailserve.bench.run import run_bench
 
     port = _free_port()
     cmd = [sys.executable, "-m", "tailserve.cli", "serve",

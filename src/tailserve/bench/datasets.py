@@ -29,11 +29,10 @@ import numpy as np
 
 from tailserve.bench import (
     DATASETS,
-    DEFAULT_INPUT_LEN,
-    DEFAULT_MIX,
     DEFAULT_OUTPUT_LEN,
     BenchError,
 )
+from tailserve.bench.config import DatasetOptions
 from tailserve.bench.tokens import PromptSynth, TokenCounter
 
 # vLLM's ShareGPT filter (benchmarks/datasets.py is_valid_sequence).
@@ -69,21 +68,6 @@ class Dataset:
     skipped: dict[str, int] = field(default_factory=dict)  # malformed entries, by reason
     filtered: dict[str, int] = field(default_factory=dict)  # valid but outside the length rules
     notes: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class DatasetOptions:
-    name: str = "random"
-    path: str | None = None
-    num_prompts: int = 1000
-    input_len: int = DEFAULT_INPUT_LEN
-    output_len: int | None = None  # None: the dataset's own (ShareGPT replies, jsonl lines)
-    range_ratio: float = 0.0
-    mix: str = DEFAULT_MIX
-    prefix_len: int = 256
-    num_prefixes: int = 4
-    endpoint: str = "completions"
-    seed: int = 0
 
 
 def load_dataset(opts: DatasetOptions, counter: TokenCounter) -> Dataset:

@@ -26,36 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tailserve.bench import BenchError
 from tailserve.bench.client import RequestResult
-
-SLO_METRICS = ("ttft", "tpot", "e2el")
-
-
-def parse_percentiles(spec: str) -> list[float]:
-    try:
-        ps = [float(p) for p in spec.split(",") if p.strip()]
-    except ValueError:
-        raise BenchError(f"--percentiles wants numbers like 50,90,99,99.9; got {spec!r}") from None
-    if not ps or any(not 0 < p <= 100 for p in ps):
-        raise BenchError(f"--percentiles must be in (0, 100], got {spec!r}")
-    return ps
-
-
-def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
-    """``["ttft:500", "tpot:50"]`` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
-    slos: dict[str, float] = {}
-    for item in items or []:
-        name, _, value = item.partition(":")
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = -1.0
-        if name not in SLO_METRICS or ms <= 0:
-            raise BenchError(f"--goodput wants NAME:MS with NAME in {', '.join(SLO_METRICS)} "
-                             f"and MS > 0, e.g. ttft:500 tpot:50; got {item!r}")
-        slos[name] = ms
-    return slos
 
 
 def p_word(p: float) -> str:

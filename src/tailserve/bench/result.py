@@ -26,7 +26,7 @@ from tailserve.bench.report import write_svg_plot
 from tailserve.bench.tokens import TokenCounter
 
 if TYPE_CHECKING:
-    from tailserve.bench.run import BenchConfig
+    from tailserve.bench.config import BenchConfig
 
 INF = float("inf")
 

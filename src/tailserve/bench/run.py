@@ -28,6 +28,7 @@ import numpy as np
 
 from tailserve.bench import BenchError
 from tailserve.bench.client import ENDPOINT_PATHS, BenchClient, RequestResult, build_payload
+from tailserve.bench.config import BenchConfig
 from tailserve.bench.datasets import BenchRequest, DatasetOptions, load_dataset
 from tailserve.bench.http11 import HTTP_CLIENTS, LeanStreamClient, make_client
 from tailserve.bench.observe import ObserverProcess
@@ -71,44 +72,6 @@ def arrival_times(n: int, rate: float, burstiness: float,
         return np.zeros(n)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(0, n - 1))
     return np.concatenate([np.zeros(min(n, 1)), np.cumsum(gaps)])
-
-
-@dataclass
-class BenchConfig:
-    base_url: str
-    model: str | None = None
-    endpoint: str = "completions"
-    api_key: str | None = None
-    dataset: DatasetOptions = field(default_factory=DatasetOptions)
-    request_rate: float = INF
-    request_rates: list[float] | None = None
-    sweep: bool = False
-    sweep_steps: int = 4
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-    goodput: dict[str, float] = field(default_factory=dict)
-    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0, 99.9])
-    warmup: int = 0
-    seed: int = 0
-    save_result: str | None = None
-    save_detailed: bool = False
-    label: str | None = None
-    timeout_s: float | None = 600.0
-    tokenizer: str | None = None
-    ignore_eos: bool | None = None  # None: on for the synthetic datasets, off for files
-    extra_body: dict[str, Any] | None = None
-    progress: bool = True
-    observe: bool = True
-    metrics_interval_s: float = 1.0
-    # "lean": bench/http11.py for http:// URLs (aiohttp for https://); "aiohttp": always.
-    http_client: str = "lean"
-    # Spin instead of sleeping around each request (see _open_loop); off by default.
-    busy_poll: bool = False
-    argv: list[str] = field(default_factory=list)
-    # Canary split (bench/canary.py): a second server and the share of users sent to it.
-    base_url_b: str | None = None
-    split: float = 0.1
-    users: int = 100
 
 
 @dataclass(frozen=True)

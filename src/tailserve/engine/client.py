@@ -74,7 +74,7 @@ StreamItem = tuple[float, EngineOutput] | BaseException
 class EngineClient:
     """Base: request bookkeeping, message dispatch, health. Subclasses move the bytes."""
 
-    def __init__(self, watchdog_timeout_s: float = 30.0) -> None:
+    def __init__(self, watchdog_timeout_s: float) -> None:
         self.info: Ready | None = None
         self.state: EngineState | None = None
         self.dead_reason: str | None = None
@@ -223,7 +223,7 @@ class MPEngineClient(EngineClient):
     def __init__(
         self,
         engine_args: EngineArgs,
-        watchdog_timeout_s: float = 30.0,
+        watchdog_timeout_s: float,  # ServerSettings.watchdog_timeout
         startup_timeout_s: float = 900.0,
         log_level: str = "INFO",
     ) -> None:
@@ -346,7 +346,7 @@ class InprocEngineClient(EngineClient):
         from tailserve.engine.loop import EngineLoop
 
         self._aloop = asyncio.get_running_loop()
-        core = await asyncio.to_thread(EngineCore, self.engine_args, self._loaded)
+        core = await asyncio.to_thread(EngineCore.from_args, self.engine_args, self._loaded)
         engine_loop = EngineLoop(core, self._emit)
         self.info = engine_loop.ready_message()
         self._thread = threading.Thread(

@@ -6,14 +6,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tailserve.config import EngineArgs, SchedulerConfig
+from tailserve.config import EngineArgs, EngineConfig
 from tailserve.data.engine_output import EngineOutput
 from tailserve.data.scheduler_output import SchedulerOutput
 from tailserve.data.snapshot import SchedulerSnapshot
 from tailserve.data.step_stats import StepStats
 from tailserve.engine.scheduler import Scheduler
-from tailserve.errors import ConfigError
-from tailserve.model.runner import ModelRunner, resolve_device
+from tailserve.model.device import detect_platform
+from tailserve.model.runner import ModelRunner
 from tailserve.obs.profiling import span
 from tailserve.request import Request, RequestStatus
 from tailserve.request_limits import check_prompt_token_ids
@@ -23,60 +23,55 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 4096}
-
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
-        self.args = args
+    """An engine over a resolved ``EngineConfig``; ``from_args`` resolves one (and measures
+    the KV pool on CUDA with the runner it then keeps)."""
+
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner | None = None
+    ) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.loaded = loaded
+        self.model_config = config.model
+        if runner is None:
+            runner = ModelRunner(
+                config.model, config.runner, config.scheduler.max_model_len, loaded.weights
+            )
+        self.runner = runner
+        self.runner.allocate_kv_cache(config.cache)
+        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self._last_queries = 0
+        self._last_hits = 0
+        cache = config.cache
+        logger.info(
+            "engine ready in %.1fs: %s %s on %s, %d KV blocks x %d tokens (%.2f GiB), budget %d",
+            time.perf_counter() - t0, config.model.architecture, config.runner.dtype,
+            config.runner.device, cache.num_kv_blocks, cache.block_size,
+            cache.kv_cache_bytes / (1 << 30), config.scheduler.max_num_batched_tokens,
+        )
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> EngineCore:
+        """Load (unless ``loaded`` is given), resolve ``args`` against the model, build."""
         if loaded is None:
             from tailserve.model.loader import load_model
 
             loaded = load_model(args.model)
-        self.loaded = loaded
-        cfg = self.loaded.config
-        self.model_config = cfg
-        max_model_len = args.max_model_len or cfg.max_position_embeddings
-        if max_model_len > cfg.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len ({max_model_len}) exceeds the model's context length "
-                f"({cfg.max_position_embeddings})"
+        unsized = args.resolve_unsized(loaded.config, detect_platform())
+        runner = None
+        measured = None
+        if unsized.needs_kv_measurement:
+            runner = ModelRunner(
+                unsized.model, unsized.runner, unsized.scheduler.max_model_len, loaded.weights
             )
-        self.max_model_len = max_model_len
-        t0 = time.perf_counter()
-        device_type = resolve_device(args.device).type
-        budget = args.max_num_batched_tokens
-        if budget is None:
-            # The default must hold every running decode, and whole prompts when not chunking.
-            budget = max(DEFAULT_BATCHED_TOKENS.get(device_type, 512), args.max_num_seqs)
-            if not args.enable_chunked_prefill:
-                budget = max(budget, max_model_len)
-        self.runner = ModelRunner(cfg, self.loaded.weights, args, max_model_len, budget)
+            measured = runner.profile_kv_cache_bytes(
+                unsized.scheduler.max_num_batched_tokens, unsized.block_size,
+                unsized.gpu_memory_utilization,
+            )
         # Validates that one max_model_len sequence fits before a byte of KV is allocated.
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
-            block_size=args.block_size,
-            num_kv_blocks=self.runner.num_kv_blocks,
-            watermark=args.watermark,
-            enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            admission_policy=args.admission_policy,
-            scheduling_policy=args.scheduling_policy,
-            max_queue_len=args.max_queue_len,
-        )
-        self.runner.allocate_kv_cache()
-        self.scheduler = Scheduler(self.scheduler_config)
-        self._last_queries = 0
-        self._last_hits = 0
-        logger.info(
-            "engine ready in %.1fs: %s %s on %s, %d KV blocks x %d tokens (%.2f GiB), budget %d",
-            time.perf_counter() - t0, cfg.architecture, self.runner.dtype, self.runner.device,
-            self.runner.num_kv_blocks, args.block_size, self.runner.kv_cache_bytes / (1 << 30),
-            budget,
-        )
+        return cls(unsized.sized(measured), loaded, runner)
 
     def add_request(self, req: Request) -> None:
         """Validate and queue; raises ``InvalidRequestError`` / ``QueueFullError``.

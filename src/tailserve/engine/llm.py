@@ -23,7 +23,6 @@ from tailserve.errors import InvalidRequestError
 from tailserve.model.loader import LoadedModel
 from tailserve.outputs import RequestOutput
 from tailserve.request import Request, RequestStatus
-from tailserve.request_limits import RequestLimits
 from tailserve.sampling_params import SamplingParams
 
 
@@ -43,12 +42,9 @@ class LLM:
 
     def _setup(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
         self.engine_args = args
-        self.engine = EngineCore(args, loaded)
+        self.engine = EngineCore.from_args(args, loaded)
         self.tokenizer = self.engine.loaded.tokenizer
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            RequestLimits.of(self.engine.scheduler_config, self.engine.model_config.vocab_size),
-        )
+        self.input_processor = InputProcessor(self.tokenizer, self.engine.config.request_limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Recent per-step statistics, for tools that want to look at what the engine did.

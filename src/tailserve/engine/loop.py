@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 
+from tailserve import envs
 from tailserve.data.engine_state import EngineState
 from tailserve.engine.core import EngineCore
 from tailserve.engine.driver import EngineFatalError
@@ -35,44 +36,31 @@ from tailserve.request import Request
 
 logger = logging.getLogger(__name__)
 
-# Test-only fault injection: the forward raises at this step number (1-based), so tests can
-# check what users see when the model fails mid-flight. Read once, when the loop is built.
-FAULT_ENV = "TAILSERVE_TEST_FAIL_FORWARD_AT_STEP"
 
 
 class EngineLoop:
     def __init__(self, core: EngineCore, emit: Callable[[EngineMessage], None]) -> None:
         self.core = core
         self.emit = emit
-        self.device = str(core.runner.device)
+        config = core.config
+        self.device: str = config.runner.device
         self.num_steps = 0
         self.last_emit = time.monotonic()
-        self.memory = MemoryMonitor(
-            self.device, int(core.runner.kv_cache_bytes), core.args.memory_alert
-        )
-        args = core.args
+        obs = config.observability
+        self.memory = MemoryMonitor(self.device, config.cache.kv_cache_bytes, obs.memory_alert)
         self.steady = (
-            SteadyMemoryCheck(self.memory.is_cuda, args.steady_memory_tolerance * (1 << 20),
-                              args.steady_memory_warmup)
-            if args.assert_steady_memory else None
+            SteadyMemoryCheck(self.memory.is_cuda, obs.steady_memory_tolerance * (1 << 20),
+                              obs.steady_memory_warmup)
+            if obs.assert_steady_memory else None
         )
         self.num_finished = 0
         self.profile: ProfileCapture | None = None
-        fault = os.environ.get(FAULT_ENV)
-        self._fail_at_step = int(fault) if fault else None
+        # Read once, when the loop is built (see envs.py).
+        self._fail_at_step = envs.TAILSERVE_TEST_FAIL_FORWARD_AT_STEP.get()
 
     def ready_message(self) -> Ready:
         core = self.core
-        return Ready(
-            scheduler_config=core.scheduler_config,
-            model=core.loaded.source,
-            vocab_size=core.model_config.vocab_size,
-            eos_token_ids=core.model_config.eos_token_ids,
-            dtype=str(core.runner.dtype).removeprefix("torch."),
-            device=self.device,
-            kv_cache_bytes=int(core.runner.kv_cache_bytes),
-            pid=os.getpid(),
-        )
+        return Ready(config=core.config, model=core.loaded.source, pid=os.getpid())
 
     def state(self) -> EngineState:
         snap = self.core.snapshot()

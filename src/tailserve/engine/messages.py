@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from tailserve.config import SchedulerConfig
+from tailserve.config import EngineConfig
 from tailserve.data.engine_output import EngineOutput
 from tailserve.data.engine_state import EngineState
 from tailserve.data.step_stats import StepStats
@@ -65,13 +65,10 @@ class ProfileDone(msgspec.Struct, tag="profile_done"):
 
 
 class Ready(msgspec.Struct, tag="ready"):
-    scheduler_config: SchedulerConfig
-    model: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    device: str
-    kv_cache_bytes: int
+    """The engine is up; ``config`` is what it resolved (limits, pool size, device, dtype)."""
+
+    config: EngineConfig
+    model: str  # the weights' path
     pid: int
 
 

@@ -68,7 +68,7 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
     from tailserve.engine.loop import EngineLoop
 
     try:
-        core = EngineCore(EngineArgs(**engine_args))
+        core = EngineCore.from_args(EngineArgs(**engine_args))
     except Exception as exc:
         if isinstance(exc, ValueError):
             logger.error("engine start-up failed: %s", exc)

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from tailserve.config import SchedulerConfig
+from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits
 from tailserve.data.engine_output import EngineOutput
 from tailserve.data.runner_output import RunnerOutput
 from tailserve.data.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -35,7 +35,7 @@ from tailserve.data.snapshot import SchedulerSnapshot
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus
-from tailserve.request_limits import check_request_lengths
+from tailserve.request_limits import SequenceLimits, check_request_lengths
 
 
 class WaitingQueue:
@@ -80,13 +80,16 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+        check_pool_fits(config, cache)
         self.config = config
+        self.cache_config = cache
+        self._lengths = SequenceLimits(config.max_model_len, cache.block_size, cache.num_kv_blocks)
         self.kv = KVCacheManager(
-            config.num_kv_blocks,
-            config.block_size,
-            enable_caching=config.enable_prefix_caching,
-            watermark=config.watermark,
+            cache.num_kv_blocks,
+            cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            watermark=cache.watermark,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -100,7 +103,7 @@ class Scheduler:
         """Reject what can never be served, with the numbers; resolves ``max_tokens=None``
         into ``req.max_tokens`` (the caller's ``SamplingParams`` stay as they were given)."""
         req.max_tokens = check_request_lengths(
-            self.config, req.num_prompt_tokens, req.sampling_params.max_tokens
+            self._lengths, req.num_prompt_tokens, req.sampling_params.max_tokens
         )
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
@@ -344,7 +347,7 @@ class Scheduler:
         for req in self.running:
             if req.request_id not in self.kv.req_to_blocks:
                 raise AssertionError(f"running request {req.request_id} holds no blocks")
-            need = cdiv(req.num_computed_tokens, self.config.block_size)
+            need = cdiv(req.num_computed_tokens, self.cache_config.block_size)
             if len(self.kv.req_to_blocks[req.request_id]) < need:
                 raise AssertionError(f"{req.request_id}: fewer blocks than computed tokens")
         waiting_ids = {r.request_id for r in self.waiting}

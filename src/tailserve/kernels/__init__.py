@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import subprocess
 import threading
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tailserve import envs
 
 log = logging.getLogger(__name__)
 
@@ -62,22 +63,22 @@ def _build_dir() -> Path:
 
 def _cache_root() -> Path:
     """``TAILSERVE_KERNEL_CACHE``, else ``~/.cache/tailserve``."""
-    return Path(os.environ.get("TAILSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "tailserve")
+    return Path(envs.TAILSERVE_KERNEL_CACHE.get() or Path.home() / ".cache" / "tailserve")
 
 
 def _enabled() -> bool:
     """``TAILSERVE_CPU_KERNELS=0`` turns the kernels off (the torch paths serve)."""
-    return os.environ.get("TAILSERVE_CPU_KERNELS", "1") not in ("0", "false", "no")
+    return envs.TAILSERVE_CPU_KERNELS.get()
 
 
 def _required_by_env() -> bool:
     """``TAILSERVE_REQUIRE_CPU_KERNELS=1`` (set by ``.ci/run``): a missing build is an error."""
-    return os.environ.get("TAILSERVE_REQUIRE_CPU_KERNELS", "0") in ("1", "true", "yes")
+    return envs.TAILSERVE_REQUIRE_CPU_KERNELS.get()
 
 
 def cxx_compiler() -> str | None:
     """The C++ compiler torch's tooling would build with (``$CXX``, else ``c++``), if it runs."""
-    cxx = os.environ.get("CXX") or "c++"
+    cxx = envs.CXX.get() or "c++"
     path = shutil.which(cxx)
     if path is None:
         return None

@@ -12,46 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from tailserve.config import EngineArgs, ModelConfig
+from tailserve.config import CacheConfig, ModelConfig, RunnerConfig
 from tailserve.data.runner_output import RunnerOutput
 from tailserve.data.scheduler_output import ScheduledRequest, SchedulerOutput
-from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph
+from tailserve.model.device import torch_dtype
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.transforms import apply_cpu_kernels
 from tailserve.obs.profiling import span
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 where the hardware computes it natively, else float32.
-
-    On CPU that means AVX512-BF16 or AMX; on AVX2-only CPUs bf16 matmuls are emulated and
-    slower than float32, so float32 wins there.
-    """
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    bf16_native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if bf16_native else torch.float32
-
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 @dataclass
@@ -64,20 +35,21 @@ class _Batch:
 
 
 class ModelRunner:
+    """Built in two steps: the model (``__init__``), then the KV pool (``allocate_kv_cache``),
+    whose size on CUDA is what a profiling forward of that model leaves
+    (``profile_kv_cache_bytes``)."""
+
     def __init__(
         self,
         model_config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        args: EngineArgs,
+        config: RunnerConfig,
         max_model_len: int,
-        max_num_batched_tokens: int,
+        weights: dict[str, torch.Tensor],
     ) -> None:
         self.model_config = model_config
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
-        self.block_size = args.block_size
-        self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.dtype)
         # Compiled CPU kernels (built once per machine); the torch paths remain without them.
         self.cpu_kernels = self.device.type == "cpu" and cpu_ops_available()
         self.backend = backend = get_attention_backend(self.device.type, self.cpu_kernels)
@@ -92,53 +64,62 @@ class ModelRunner:
             apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
         # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
         self.decode_graph = (
-            None if args.enforce_eager or self.device.type != "cpu"
+            None if config.enforce_eager or self.device.type != "cpu"
             else CpuDecodeGraph.build(self.model)
         )
         self.scale = 1.0 / math.sqrt(model_config.head_dim)
-        self.num_kv_blocks = self._determine_num_blocks(args)
+        self.cache_config: CacheConfig | None = None
         self.kv_cache = torch.empty(0)
         self.kv_caches: list[torch.Tensor] = []
-        self._default_generator = torch.Generator(device=self.device).manual_seed(args.seed)
+        self._default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(model_config.vocab_size, self._default_generator)
         self._generators: dict[str, torch.Generator] = {}
 
-    def allocate_kv_cache(self) -> None:
+    def allocate_kv_cache(self, cache: CacheConfig) -> None:
         """The whole KV cache, once: [layers, 2, num_blocks, block_size, H_kv, D]."""
         cfg = self.model_config
+        self.cache_config = cache
         self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, 2, self.num_kv_blocks, self.block_size,
+            cfg.num_hidden_layers, 2, cache.num_kv_blocks, cache.block_size,
             cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     @property
+    def cache(self) -> CacheConfig:
+        if self.cache_config is None:
+            raise RuntimeError("the KV cache is not allocated yet (allocate_kv_cache)")
+        return self.cache_config
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.cache.num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def _determine_num_blocks(self, args: EngineArgs) -> int:
-        if args.num_kv_blocks is not None:
-            return args.num_kv_blocks
-        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype)
-        if self.device.type == "cuda":
-            return self._profile_cuda_blocks(args.gpu_memory_utilization, block_bytes)
-        return int(args.kv_cache_memory * (1 << 30)) // block_bytes
-
-    def _profile_cuda_blocks(self, utilization: float, block_bytes: int) -> int:
-        """Run one forward at the token budget, then give the KV pool what is left."""
+    def profile_kv_cache_bytes(self, num_tokens: int, block_size: int, utilization: float) -> int:
+        """CUDA: run one forward of ``num_tokens`` (the token budget) and return the bytes
+        left for the KV pool under ``utilization`` of the device's memory."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.max_num_batched_tokens
-        scratch = [torch.zeros(2, 1, self.block_size, self.model_config.num_key_value_heads,
-                               self.model_config.head_dim, dtype=self.dtype, device=self.device)
-                   for _ in range(self.model_config.num_hidden_layers)]
+        n = num_tokens
+        cfg = self.model_config
+        scratch = [torch.zeros(2, 1, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                               dtype=self.dtype, device=self.device)
+                   for _ in range(cfg.num_hidden_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             num_decodes=0, slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
             query_start_loc=[0, n], query_lens=[n], seq_lens_list=[n],
             seq_lens=torch.tensor([n], device=self.device),
             block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-            block_size=self.block_size, scale=self.scale,
+            block_size=block_size, scale=self.scale,
         )
         with torch.inference_mode():
             hidden = self.model(ids, torch.arange(n, device=self.device), scratch, meta)
@@ -147,8 +128,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * utilization - used_by_others - peak
-        return max(int(budget) // block_bytes, 0)
+        return max(int(total * utilization - used_by_others - peak), 0)
 
     # ------------------------------------------------------------------ one step
     def _prepare(self, sched: SchedulerOutput) -> _Batch:

@@ -33,6 +33,8 @@ from typing import Any
 
 import psutil
 
+from tailserve import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_ALERT_THRESHOLD = 0.95
@@ -87,7 +89,7 @@ def _cuda_index(device: str) -> int:
     """The NVML index of a torch device name (CUDA_VISIBLE_DEVICES renumbers devices)."""
     _, _, idx = device.partition(":")
     local = int(idx) if idx.isdigit() else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = envs.CUDA_VISIBLE_DEVICES.get()
     if visible:
         ids = [v.strip() for v in visible.split(",")]
         if local < len(ids) and ids[local].isdigit():

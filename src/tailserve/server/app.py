@@ -30,7 +30,7 @@ from tailserve.engine.client import EngineClient, EngineStartupError, MPEngineCl
 from tailserve.errors import InvalidRequestError
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
-from tailserve.server.context import ServerContext, ServerSettings, served_names
+from tailserve.server.context import ServerContext, served_names
 from tailserve.server.dashboard import page_html
 from tailserve.server.errors import (
     APIError,
@@ -48,6 +48,7 @@ from tailserve.server.protocol import (
     conversation,
 )
 from tailserve.server.serving import OpenAIServing
+from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger("tailserve.server")
 
@@ -107,7 +108,7 @@ def create_app(ctx: ServerContext) -> Any:
             "data": [{
                 "id": ctx.model_names[0], "object": "model", "created": int(ctx.started),
                 "owned_by": "tailserve", "root": ctx.client.info.model if ctx.client.info else None,
-                "max_model_len": ctx.scheduler_config.max_model_len,
+                "max_model_len": ctx.config.scheduler.max_model_len,
             }],
         }
 
@@ -147,15 +148,16 @@ def create_app(ctx: ServerContext) -> Any:
             ids = inputs.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         return {
             "tokens": ids, "count": len(ids),
-            "max_model_len": ctx.scheduler_config.max_model_len,
+            "max_model_len": ctx.config.scheduler.max_model_len,
         }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
+        vocab_size = ctx.config.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise bad_request(f"token ids must be in [0, {ctx.vocab_size}); got {bad[:5]}",
+            raise bad_request(f"token ids must be in [0, {vocab_size}); got {bad[:5]}",
                               "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 

@@ -9,45 +9,25 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
-from tailserve.config import SchedulerConfig
+from tailserve.config import EngineConfig
 from tailserve.data.request_record import RequestRecord
 from tailserve.engine.client import EngineClient
 from tailserve.engine.input_processor import InputProcessor
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 from tailserve.request import RequestStatus
-from tailserve.request_limits import RequestLimits
 from tailserve.sampling_params import SamplingParams
 from tailserve.server.dashboard.feed import DashboardFeed
 from tailserve.server.errors import APIError, unavailable
+from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_request_bytes: int = 4 << 20
-    max_header_bytes: int = 16 << 10
-    shutdown_timeout: float = 30.0
-    timeline: str | None = None
-    timeline_buffer: int = 20000
-    otlp_traces_endpoint: str | None = None
-    watchdog_timeout: float = 30.0
-    retry_after_s: int = 1
-    log_level: str = "info"
-    enable_profiling: bool = False
-    profile_dir: str | None = None  # None: <tmp>/tailserve-profiles
 
 
 def served_names(model: str | None, source: str, override: str | None) -> list[str]:
@@ -84,13 +64,10 @@ class ServerContext:
         self.metrics = metrics
         self.timeline = timeline
         self.tracer = tracer
-        # The engine's resolved limits, read here once: admission, /v1/models and the input
-        # processor (which shapes and validates every prompt) take them from these.
-        self.scheduler_config: SchedulerConfig = client.info.scheduler_config
-        self.vocab_size = client.info.vocab_size
-        self.input_processor = InputProcessor(
-            tokenizer, RequestLimits.of(self.scheduler_config, self.vocab_size)
-        )
+        # What the engine resolved, read here once: admission, /v1/models and the input
+        # processor (which shapes and validates every prompt) take their limits from it.
+        self.config: EngineConfig = client.info.config
+        self.input_processor = InputProcessor(tokenizer, self.config.request_limits)
         self.draining = False
         self.exit_code = 0
         self.started = time.time()
@@ -120,7 +97,7 @@ class ServerContext:
             raise self.dead_error()
         if self.draining:
             raise unavailable("the server is shutting down", "draining")
-        cfg = self.scheduler_config
+        cfg = self.config.scheduler
         if cfg.max_queue_len is None:
             return
         capacity = cfg.max_num_seqs + cfg.max_queue_len

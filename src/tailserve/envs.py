@@ -1,0 +1,84 @@
+"""Every environment variable tailserve reads, declared once: name, type, default, purpose.
+
+Nothing else in ``src/`` touches ``os.environ``; code reads a switch with ``envs.NAME.get()``,
+which looks at the environment at that moment (so tests can set one with monkeypatch). An
+unset or empty variable means the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def _flag(raw: str) -> bool:
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvSwitch(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    help: str
+    # Where it is read when not through get(): the C++ kernels read theirs themselves.
+    read_by: str = "python"
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        return self.default if not raw else self.parse(raw)
+
+
+TAILSERVE_API_KEY: EnvSwitch[str | None] = EnvSwitch(
+    "TAILSERVE_API_KEY", None, str,
+    "serve: the API key when --api-key is not given; bench: the key after $OPENAI_API_KEY",
+)
+OPENAI_API_KEY: EnvSwitch[str | None] = EnvSwitch(
+    "OPENAI_API_KEY", None, str,
+    "bench: the Bearer key when --api-key is not given (as the openai client reads it)",
+)
+TAILSERVE_KERNEL_CACHE: EnvSwitch[str | None] = EnvSwitch(
+    "TAILSERVE_KERNEL_CACHE", None, str,
+    "where the compiled CPU kernels are cached (default: ~/.cache/tailserve)",
+)
+TAILSERVE_CPU_KERNELS: EnvSwitch[bool] = EnvSwitch(
+    "TAILSERVE_CPU_KERNELS", True, _flag,
+    "0/false/no/off: never build or use the compiled CPU kernels (the torch paths run)",
+)
+TAILSERVE_REQUIRE_CPU_KERNELS: EnvSwitch[bool] = EnvSwitch(
+    "TAILSERVE_REQUIRE_CPU_KERNELS", False, _flag,
+    "1: a CPU-kernel build failure is an error even without a C++ compiler on PATH "
+    "(.ci/run sets it, so the fast path is never silently skipped)",
+)
+CXX: EnvSwitch[str | None] = EnvSwitch(
+    "CXX", None, str,
+    "the C++ compiler torch's extension builder uses for the CPU kernels (default: c++)",
+)
+TAILSERVE_KERNEL_SPIN_US: EnvSwitch[int] = EnvSwitch(
+    "TAILSERVE_KERNEL_SPIN_US", 200, int,
+    "microseconds the CPU kernels' workers spin after a job before sleeping (0: never spin)",
+    read_by="kernels/csrc/work_pool.cpp",
+)
+CUDA_VISIBLE_DEVICES: EnvSwitch[str | None] = EnvSwitch(
+    "CUDA_VISIBLE_DEVICES", None, str,
+    "CUDA's device renumbering; the memory monitor maps torch's index to NVML's through it",
+)
+TAILSERVE_TEST_FAIL_FORWARD_AT_STEP: EnvSwitch[int | None] = EnvSwitch(
+    "TAILSERVE_TEST_FAIL_FORWARD_AT_STEP", None, int,
+    "tests only: the engine's forward raises from this step (1-based) on, so tests can see "
+    "what users get when the model fails mid-flight",
+)
+TAILSERVE_TEST_SWEEP: EnvSwitch[bool] = EnvSwitch(
+    "TAILSERVE_TEST_SWEEP", False, _flag,
+    "tests only: run the slow `tailserve plan --sweep` test (it starts servers)",
+)
+
+SWITCHES: tuple[EnvSwitch[Any], ...] = (
+    TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
+    TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, CUDA_VISIBLE_DEVICES,
+    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SWEEP,
+)

@@ -1,0 +1,46 @@
+"""ServerSettings: the HTTP side of ``tailserve serve`` (FastAPI-free, so the CLI can build its
+flags without importing the server)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ServerSettings:
+    """The HTTP side of ``tailserve serve``; its flags are generated from these fields
+    (cli_flags.py), so each default lives here only."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(
+        default=None, metadata={"help": "require 'Authorization: Bearer KEY' (or set "
+                                "TAILSERVE_API_KEY)"})
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "the name clients use as model"})
+    max_request_bytes: int = field(
+        default=4 << 20, metadata={"help": "larger bodies get 413"})
+    max_header_bytes: int = field(
+        default=16 << 10, metadata={"help": "larger headers get 431"})
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds SIGTERM waits for in-flight requests before aborting them"})
+    timeline: str | None = field(
+        default=None, metadata={"help": "append step and request records (JSONL)"})
+    timeline_buffer: int = field(
+        default=20000, metadata={"help": "records kept in memory for GET /debug/timeline"})
+    otlp_traces_endpoint: str | None = field(
+        default=None,
+        metadata={"help": "OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces"})
+    watchdog_timeout: float = field(
+        default=30.0,
+        metadata={"help": "/health turns 503 after this long without engine progress"})
+    retry_after_s: int = field(default=1, metadata={"cli": False})
+    enable_profiling: bool = field(
+        default=False, metadata={"help": "allow POST /debug/profile?seconds=N (torch.profiler "
+                                 "trace of the engine)"})
+    profile_dir: str | None = field(
+        default=None,
+        metadata={"help": "where profile traces go (default: <tmp>/tailserve-profiles)"})
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
