@@ -36,7 +36,7 @@ import torch
 
 from roofline import decode_bytes, measure_bandwidth
 from tailserve import LLM, SamplingParams
-from tailserve.data.step_stats import StepStats
+from tailserve.data.step import StepStats
 
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     "dtype": "auto",

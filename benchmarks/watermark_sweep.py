@@ -35,8 +35,7 @@ import numpy as np
 
 import tailserve.engine.scheduler as scheduler_module
 from tailserve.config import CacheConfig, SchedulerConfig
-from tailserve.data.runner_output import RunnerOutput
-from tailserve.data.scheduler_output import SchedulerOutput
+from tailserve.data.step import RunnerOutput, SchedulerOutput
 from tailserve.engine.scheduler import Scheduler
 from tailserve.request import Request
 from tailserve.sampling_params import SamplingParams

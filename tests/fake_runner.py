@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import zlib
 
-from tailserve.data.runner_output import RunnerOutput
-from tailserve.data.scheduler_output import SchedulerOutput
+from tailserve.data.step import RunnerOutput, SchedulerOutput
 
 VOCAB = 50
 EOS = 0

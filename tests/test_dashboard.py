@@ -21,9 +21,8 @@ import httpx
 import pytest
 
 from server_util import ServerProcess
-from tailserve.data.engine_state import EngineState
-from tailserve.data.request_record import RequestRecord
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import EngineState, RequestRecord
+from tailserve.data.step import StepStats
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.server.dashboard import page_html
 from tailserve.server.dashboard.feed import DashboardFeed, percentile

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from tailserve.config import EngineArgs
-from tailserve.data.engine_output import EngineOutput
-from tailserve.data.engine_state import EngineState
+from tailserve.data.records import EngineState
+from tailserve.data.step import EngineOutput
 from tailserve.engine.client import EngineDeadError, InprocEngineClient, StreamItem
 from tailserve.engine.driver import HEARTBEAT_S
 from tailserve.engine.messages import AddRequest, Ready

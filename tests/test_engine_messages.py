@@ -6,9 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tailserve.data.engine_output import EngineOutput
-from tailserve.data.engine_state import EngineState
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import EngineState
+from tailserve.data.step import EngineOutput, StepStats
 from tailserve.engine.messages import (
     AddRequest,
     EngineDead,

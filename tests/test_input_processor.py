@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from tailserve.config import EngineArgs, SchedulerConfig
+from tailserve.config import EngineArgs, ModelConfig, Platform
 from tailserve.engine.input_processor import InputProcessor, ParentRequest, Prompt
 from tailserve.errors import InvalidRequestError
-from tailserve.request_limits import RequestLimits, check_request_lengths
+from tailserve.request import RequestLimits, check_request_lengths
 from tailserve.sampling_params import SamplingParams
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's
@@ -37,15 +37,21 @@ def processor(tokenizer: Any) -> InputProcessor:
 
 
 def test_input_processing_imports_no_torch() -> None:
-    code = ("import sys, tailserve.engine.input_processor, tailserve.request_limits; "
+    code = ("import sys, tailserve.engine.input_processor, tailserve.request; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_limits_are_read_from_the_engine_config() -> None:
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                          block_size=16, num_kv_blocks=4)
-    assert RequestLimits.of(cfg, VOCAB) == LIMITS
+    model = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    config = EngineArgs(device="cpu", dtype="float32", max_model_len=64, block_size=16,
+                        num_kv_blocks=4, max_num_seqs=4).resolve(model, Platform(False))
+    assert config.request_limits == LIMITS
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -89,6 +95,16 @@ def test_chat_applies_the_template_once(processor: InputProcessor, tokenizer: An
     bare = processor.chat(conv, add_generation_prompt=False)
     assert bare.text is not None and not bare.text.endswith("<|im_start|>assistant\n")
     assert p.text.startswith(bare.text)
+
+
+def test_chat_takes_openai_content_parts(processor: InputProcessor) -> None:
+    # What the server passes on (and LLM.chat accepts): text parts are joined, no content is "".
+    parts = [{"role": "system", "content": None},
+             {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                          {"type": "text", "text": "there"}]}]
+    plain = [{"role": "system", "content": ""}, {"role": "user", "content": "Hi there"}]
+    assert processor.chat(parts) == processor.chat(plain)
+    assert processor.chat(parts).text != processor.chat([plain[1]]).text
 
 
 def test_a_conversation_the_template_rejects(tokenizer: Any) -> None:

@@ -29,12 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     # the bottom layer: plain values and user-input checks
     "errors": set(),
     "sampling_params": {"errors"},
-    "request": {"sampling_params"},
+    "request": {"errors", "sampling_params"},
     "outputs": {"request"},
     "data": {"request", "sampling_params"},
     "envs": set(),
-    "request_limits": {"errors"},
-    "config": {"errors", "request_limits"},
+    "config": {"errors", "request"},
     # torch-free engine parts and the edge renderers
     "kv": {"data", "request"},
     "obs": {"data", "envs", "errors"},
@@ -43,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"config", "data", "errors", "kernels", "obs", "sampling_params"},
     "engine": {
         "config", "data", "envs", "errors", "kv", "model", "obs", "outputs", "request",
-        "request_limits", "sampling_params",
+        "sampling_params",
     },
     # the edge: server talks to the engine through engine.client and data records; kv only
     # for the pure ``usage_band_sizes`` the dashboard needs to draw the band heatmap
@@ -265,7 +264,7 @@ def test_torch_free_modules_load_no_torch() -> None:
     problems = torch_violations(_all_imports())
     assert not problems, "\n".join(problems)
     checked = {m for m in _module_files() if m.startswith(TORCH_FREE_PREFIXES)}
-    assert {"tailserve.kv.manager", "tailserve.kv.block_pool", "tailserve.data.snapshot"} <= checked
+    assert {"tailserve.kv.manager", "tailserve.kv.block_pool", "tailserve.data.records"} <= checked
 
 
 # The checks themselves must fail on a bad import: plant a few and read the messages.

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tailserve.config import EngineArgs
-from tailserve.data.engine_state import EngineState
+from tailserve.data.records import EngineState
 from tailserve.errors import ConfigError
 from tailserve.kv.block_pool import BlockPool, usage_band_sizes
 from tailserve.obs.memory import MemoryMonitor

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tailserve.data.engine_state import EngineState
-from tailserve.data.request_record import RequestRecord
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import EngineState, RequestRecord
+from tailserve.data.step import StepStats
 from tailserve.errors import ConfigError
 from tailserve.obs.memory import sample_memory
 from tailserve.obs.metrics import ServerMetrics

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from fake_runner import EOS, FakeRunner, next_token
 from tailserve.config import CacheConfig, SchedulerConfig
-from tailserve.data.engine_output import EngineOutput
+from tailserve.data.step import EngineOutput
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from tailserve.request import Request, RequestStatus

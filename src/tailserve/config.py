@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
-from tailserve.request_limits import RequestLimits
+from tailserve.request import RequestLimits
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

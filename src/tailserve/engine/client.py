@@ -32,9 +32,8 @@ import zmq
 import zmq.asyncio
 
 from tailserve.config import EngineArgs
-from tailserve.data.engine_output import EngineOutput
-from tailserve.data.engine_state import EngineState
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import EngineState
+from tailserve.data.step import EngineOutput, StepStats
 from tailserve.engine.driver import drive
 from tailserve.engine.messages import (
     AddRequest,

@@ -7,16 +7,13 @@ import time
 from typing import TYPE_CHECKING
 
 from tailserve.config import EngineArgs, EngineConfig
-from tailserve.data.engine_output import EngineOutput
-from tailserve.data.scheduler_output import SchedulerOutput
-from tailserve.data.snapshot import SchedulerSnapshot
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import SchedulerSnapshot
+from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
 from tailserve.engine.scheduler import Scheduler
 from tailserve.model.device import detect_platform
 from tailserve.model.runner import ModelRunner
 from tailserve.obs.profiling import span
-from tailserve.request import Request, RequestStatus
-from tailserve.request_limits import check_prompt_token_ids
+from tailserve.request import Request, RequestStatus, check_prompt_token_ids
 
 if TYPE_CHECKING:
     from tailserve.model.loader import LoadedModel

@@ -10,7 +10,7 @@ templated, checked and fanned out to ``n`` engine requests the same way on eithe
 ``prompt`` / ``chat`` check the token ids against the vocabulary; ``fan_out`` checks the lengths
 against max_model_len and the KV pool and makes the ``n`` children. A caller validates all of
 its prompts before it submits the first one, so a bad prompt leaves nothing queued. The engine
-runs the same checks again (``request_limits``): it stays the authority.
+runs the same checks again (``request.py``): it stays the authority.
 
 Torch-free: the tokenizer is a Hugging Face fast tokenizer, used as an object.
 """
@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailserve.errors import InvalidRequestError
-from tailserve.request_limits import RequestLimits, check_prompt_token_ids, check_request_lengths
+from tailserve.request import RequestLimits, check_prompt_token_ids, check_request_lengths
 from tailserve.sampling_params import SamplingParams
 
 # vLLM's prompt forms: a text, or {"prompt_token_ids": [...]} (with an optional "prompt" text).
 PromptType = str | Mapping[str, Any]
-Message = Mapping[str, str]
+# OpenAI's form: content is a string, a list of text parts ({"type": "text", "text": ...}),
+# or absent.
+Message = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class InputProcessor:
         tokens itself, so the text is tokenized without adding any."""
         try:
             text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False,
+                [_template_message(m) for m in messages], tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
         except Exception as exc:  # the template raises for conversations it does not accept
@@ -117,3 +119,11 @@ class InputProcessor:
                 child = dataclasses.replace(params, n=1, seed=seed)
             children[f"{request_id}-{i}"] = child
         return ParentRequest(request_id, prompt, children)
+
+
+def _template_message(message: Message) -> dict[str, str]:
+    """A message as chat templates take it: text parts joined, no content as ""."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(str(part.get("text", "")) for part in content)
+    return {"role": str(message.get("role")), "content": content or ""}

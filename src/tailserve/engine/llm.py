@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tailserve.config import EngineArgs
-from tailserve.data.step_stats import StepStats
+from tailserve.data.step import StepStats
 from tailserve.engine.core import EngineCore
 from tailserve.engine.input_processor import (
     InputProcessor,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from tailserve import envs
-from tailserve.data.engine_state import EngineState
+from tailserve.data.records import EngineState
 from tailserve.engine.core import EngineCore
 from tailserve.engine.driver import EngineFatalError
 from tailserve.engine.messages import (

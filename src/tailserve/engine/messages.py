@@ -15,9 +15,8 @@ from typing import Literal
 import msgspec
 
 from tailserve.config import EngineConfig
-from tailserve.data.engine_output import EngineOutput
-from tailserve.data.engine_state import EngineState
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import EngineState
+from tailserve.data.step import EngineOutput, StepStats
 from tailserve.request import RequestStatus
 from tailserve.sampling_params import SamplingParams
 

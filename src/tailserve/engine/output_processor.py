@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailserve.data.engine_output import EngineOutput
+from tailserve.data.step import EngineOutput
 from tailserve.model.tokenizer import IncrementalDetokenizer
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.sampling_params import SamplingParams

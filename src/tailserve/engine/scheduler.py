@@ -28,14 +28,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits
-from tailserve.data.engine_output import EngineOutput
-from tailserve.data.runner_output import RunnerOutput
-from tailserve.data.scheduler_output import ScheduledRequest, SchedulerOutput
-from tailserve.data.snapshot import SchedulerSnapshot
+from tailserve.data.records import SchedulerSnapshot
+from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
-from tailserve.request import Request, RequestStatus
-from tailserve.request_limits import SequenceLimits, check_request_lengths
+from tailserve.request import Request, RequestStatus, SequenceLimits, check_request_lengths
 
 
 class WaitingQueue:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tailserve.data.snapshot import KVCacheSnapshot
+from tailserve.data.records import KVCacheSnapshot
 from tailserve.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
 from tailserve.request import Request
 

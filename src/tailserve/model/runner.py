@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tailserve.config import CacheConfig, ModelConfig, RunnerConfig
-from tailserve.data.runner_output import RunnerOutput
-from tailserve.data.scheduler_output import ScheduledRequest, SchedulerOutput
+from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph

@@ -24,9 +24,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tailserve.data.engine_state import EngineState
-from tailserve.data.request_record import RequestRecord
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import EngineState, RequestRecord
+from tailserve.data.step import StepStats
 
 PREFIX = "tailserve:"
 # prometheus_client >= 0.22 labels its output "version=1.0.0" (UTF-8 names). Every name here is

@@ -17,8 +17,8 @@ import json
 from collections import deque
 from typing import IO, Any
 
-from tailserve.data.request_record import RequestRecord
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import RequestRecord
+from tailserve.data.step import StepStats
 
 Record = dict[str, Any]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tailserve.data.request_record import RequestRecord
+from tailserve.data.records import RequestRecord
 from tailserve.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -45,7 +45,6 @@ from tailserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    conversation,
 )
 from tailserve.server.serving import OpenAIServing
 from tailserve.server.settings import ServerSettings
@@ -142,7 +141,8 @@ def create_app(ctx: ServerContext) -> Any:
             raise bad_request("give exactly one of prompt or messages", "prompt")
         inputs = ctx.input_processor
         if body.messages is not None:
-            ids = inputs.chat(conversation(body.messages), body.add_generation_prompt).token_ids
+            messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+            ids = inputs.chat(messages, body.add_generation_prompt).token_ids
         else:
             assert body.prompt is not None
             ids = inputs.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from tailserve.config import EngineConfig
-from tailserve.data.request_record import RequestRecord
+from tailserve.data.records import RequestRecord
 from tailserve.engine.client import EngineClient
 from tailserve.engine.input_processor import InputProcessor
 from tailserve.obs.metrics import ServerMetrics

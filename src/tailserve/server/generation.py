@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailserve.data.engine_output import EngineOutput
-from tailserve.data.request_record import RequestRecord
+from tailserve.data.records import RequestRecord
+from tailserve.data.step import EngineOutput
 from tailserve.engine.client import EngineClient, EngineDeadError, StreamItem
 from tailserve.engine.input_processor import ParentRequest
 from tailserve.engine.messages import AddRequest

@@ -75,17 +75,6 @@ class ChatMessage(_Base):
     name: str | None = None
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template takes them: text parts joined, no content as ""."""
-    conv = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        conv.append({"role": m.role, "content": content or ""})
-    return conv
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None

@@ -28,7 +28,6 @@ from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
-    conversation,
 )
 
 
@@ -65,7 +64,8 @@ class OpenAIServing:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         if body.tools:
             raise bad_request("tools are not supported", param="tools")
-        prompt = self.inputs.chat(conversation(body.messages), body.add_generation_prompt)
+        messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
+        prompt = self.inputs.chat(messages, body.add_generation_prompt)
         max_tokens = (
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens

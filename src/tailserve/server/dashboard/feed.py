@@ -22,9 +22,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tailserve.data.engine_state import EngineState
-from tailserve.data.request_record import RequestRecord
-from tailserve.data.step_stats import StepStats
+from tailserve.data.records import EngineState, RequestRecord
+from tailserve.data.step import StepStats
 from tailserve.kv.block_pool import usage_band_sizes
 from tailserve.obs.metrics import ServerMetrics
 

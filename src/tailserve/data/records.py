@@ -1,0 +1,89 @@
+"""The engine and its requests as the edge sees them: frozen snapshots of the scheduler and
+block manager (the only way out of them), the gauges sent with every step and heartbeat, and
+one record per finished request (metrics, timeline, traces, dashboard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KVCacheSnapshot:
+    """Block counts and prefix-cache totals of one ``KVCacheManager``."""
+
+    num_blocks: int
+    # Blocks no request holds, including those that still hold a reusable cached prefix.
+    num_free_blocks: int
+    # Blocks in use per band of consecutive block ids (``kv.block_pool.usage_band_sizes``).
+    band_used: tuple[int, ...]
+    # Since start, in tokens (as vLLM counts): prompt tokens looked up, and found cached.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """Queue lengths and preemption total of one ``Scheduler``, with its block manager's."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    kv: KVCacheSnapshot
+
+
+@dataclass
+class EngineState:
+    """Gauges of the engine at one instant (sent with every step and with idle heartbeats)."""
+
+    t: float  # wall clock, time.time()
+    num_running: int
+    num_waiting: int
+    free_blocks: int
+    total_blocks: int
+    num_preemptions_total: int
+    # Engine-process memory, bytes (keys: ``obs.memory``'s docstring): rss_bytes always;
+    # torch_*, device_* where a device has them; host_* on CPU; memory_alerts_total a count.
+    memory: dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
+    # KV blocks in use per band of consecutive block ids (``kv.block_pool.usage_band_sizes``
+    # gives the band sizes); the dashboard draws it as a heatmap.
+    kv_band_used: list[int] = field(default_factory=list)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of blocks in use (reusable prefix-cache blocks count as free)."""
+        if self.total_blocks == 0:
+            return 0.0
+        return 1.0 - self.free_blocks / self.total_blocks
+
+
+@dataclass
+class RequestRecord:
+    """One finished (or failed / rejected-after-admission) request, as the timeline stores it.
+
+    ``finish_reason`` is OpenAI's word (stop, length, abort, error). ``error_type`` is set when
+    the request failed (e.g. ``engine_error``). ``timing`` is the ``tailserve_timing`` dict of
+    DESIGN.md (None when the engine never saw the request). ``itl_s`` are the gaps between the
+    request's streamed token batches as the API process saw them (engine-stamped step ends).
+    """
+
+    t: float  # wall clock at finish
+    request_id: str
+    finish_reason: str | None
+    prompt_tokens: int
+    output_tokens: int
+    timing: dict[str, Any] | None = None
+    error_type: str | None = None
+    http_status: int = 200
+    arrival_time: float | None = None  # wall clock
+    first_token_time: float | None = None  # wall clock
+    finished_time: float | None = None  # wall clock
+    itl_s: list[float] = field(default_factory=list)
+    model: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d.pop("itl_s")
+        return d

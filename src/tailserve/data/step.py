@@ -1,0 +1,104 @@
+"""What one engine step hands from stage to stage, in order:
+
+    Scheduler.schedule()          -> SchedulerOutput (ScheduledRequest per request)
+    ModelRunner.execute(...)      -> RunnerOutput
+    Scheduler.update_from_output  -> list[EngineOutput]  (+ StepStats from the core)
+
+Plain dataclasses in the bottom layer: the scheduler, the runner, the engine and the edge all
+import them without importing one another (``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailserve.request import FinishReason, RequestTimestamps
+from tailserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: ``token_ids`` start at position ``num_computed_tokens``.
+
+    ``sample`` is true when the chunk ends at the request's last known token, so the runner
+    draws the next token for it; a prefill chunk that stops short of the end samples nothing.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    is_prefill: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    # Requests preempted while building this step (their blocks are already freed).
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that finished or were aborted since the previous step: the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Why the head of the waiting queue was not admitted this step, if it was not:
+    # "kv_cache" (free blocks / watermark), "max_num_seqs", "token_budget", "preemption" or None.
+    admission_blocked_by: str | None = None
+
+
+@dataclass
+class RunnerOutput:
+    # request_id -> the token sampled for it this step (only requests with ``sample``).
+    sampled_token_ids: dict[str, int]
+    # request_id -> {token_id: logprob} for requests that asked for logprobs.
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one request. ``finish_reason`` set means it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    # The stop token id that ended the request (None for EOS or length).
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    timestamps: RequestTimestamps | None = None
+    timing: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepStats:
+    """One engine step (Prometheus, timeline, dashboard read it; the core never renders it)."""
+
+    t: float  # wall-clock (time.time()) at the end of the step, to join with client clocks
+    step_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_scheduled_seqs: int
+    num_running: int
+    num_waiting: int
+    free_blocks: int
+    total_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_finished: int
+    admission_blocked_by: str | None = None
+    # Engine-process memory sampled at the end of the step (keys as ``EngineState.memory``).
+    memory: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
