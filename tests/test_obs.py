@@ -17,7 +17,7 @@ from tailserve.obs.memory import sample_memory
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 
-# DESIGN.md "Interfaces others rely on" -> Prometheus, as rendered (family names after the
+# docs/DESIGN.md "Interfaces others rely on" -> Prometheus, as rendered (family names after the
 # parser strips a counter's _total, so the rendered sample names are checked separately).
 GAUGES = [
     "num_requests_running",
