@@ -65,8 +65,8 @@ class RequestRecord:
 
     ``finish_reason`` is OpenAI's word (stop, length, abort, error). ``error_type`` is set when
     the request failed (e.g. ``engine_error``). ``timing`` is the ``tailserve_timing`` dict of
-    docs/DESIGN.md (None when the engine never saw the request). ``itl_s`` are the gaps between the
-    request's streamed token batches as the API process saw them (engine-stamped step ends).
+    docs/DESIGN.md (None when the engine never saw the request). ``itl_s`` are the gaps between
+    the request's streamed token batches as the API process saw them (engine-stamped step ends).
     """
 
     t: float  # wall clock at finish
