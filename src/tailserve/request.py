@@ -128,7 +128,7 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def timing(self) -> dict[str, Any]:
-        """The ``tailserve_timing`` dict (docs/DESIGN.md, "Per-request timing"), from the engine's timestamps."""
+        """The ``tailserve_timing`` dict (docs/DESIGN.md), from the engine's timestamps."""
         ts = self.timestamps
         end = ts.finished if ts.finished is not None else time.monotonic()
         queue_s = (ts.first_scheduled - ts.arrival) if ts.first_scheduled is not None else (
