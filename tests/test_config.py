@@ -14,15 +14,13 @@ from tailserve.config import (
     EngineArgs,
     EngineConfig,
     ModelConfig,
-    Platform,
     RunnerConfig,
     SchedulerConfig,
-    resolve_device,
-    resolve_dtype,
 )
 from tailserve.engine.messages import Ready, message_decoder, message_encoder
 from tailserve.errors import ConfigError
 from tailserve.model.device import detect_platform
+from tailserve.platforms import Platform, resolve_device, resolve_dtype
 
 # 2 layers x 2 KV heads x head_dim 16: one 16-token block is 2*2*16*2*16 = 2048 elements.
 MODEL = ModelConfig(

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from tailserve.config import EngineArgs, ModelConfig, Platform
+from tailserve.config import EngineArgs, ModelConfig
 from tailserve.engine.input_processor import InputProcessor, ParentRequest, Prompt
 from tailserve.errors import InvalidRequestError
+from tailserve.platforms import Platform
 from tailserve.request import RequestLimits, check_request_lengths
 from tailserve.sampling_params import SamplingParams
 

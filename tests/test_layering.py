@@ -33,13 +33,14 @@ ALLOWED: dict[str, set[str]] = {
     "outputs": {"request"},
     "data": {"request", "sampling_params"},
     "envs": set(),
-    "config": {"errors", "request"},
+    "platforms": {"errors"},
+    "config": {"errors", "platforms", "request"},
     # torch-free engine parts and the edge renderers
     "kv": {"data", "request"},
     "obs": {"data", "envs", "errors"},
     "kernels": {"envs"},
     # the model side: reads configs and step data, never the engine
-    "model": {"config", "data", "errors", "kernels", "obs", "sampling_params"},
+    "model": {"config", "data", "errors", "kernels", "obs", "platforms", "sampling_params"},
     "engine": {
         "config", "data", "envs", "errors", "kv", "model", "obs", "outputs", "request",
         "sampling_params",

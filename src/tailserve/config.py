@@ -6,11 +6,11 @@ field becomes a ``--flag`` of the same name (``max_num_seqs`` ⇄ ``--max-num-se
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.platforms import DeviceType, Platform, ServingDtype, resolve_device, resolve_dtype
 from tailserve.request import RequestLimits
 
 SUPPORTED_ARCHITECTURES = (
@@ -19,8 +19,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DeviceType = Literal["cpu", "cuda"]
-ServingDtype = Literal["float32", "bfloat16", "float16"]
 # Default token budget per step (max_num_batched_tokens) by device type.
 DEFAULT_BATCHED_TOKENS: dict[DeviceType, int] = {"cpu": 512, "cuda": 4096}
 
@@ -267,46 +265,6 @@ class EngineArgs:
             seed=self.seed,
             enforce_eager=self.enforce_eager,
         )
-
-
-@dataclass(frozen=True)
-class Platform:
-    """What this host offers, the facts ``auto`` is resolved against. Measured once with torch
-    by ``model.device.detect_platform``; a plain value here so that this module (imported by
-    the torch-free scheduler) needs no torch, and tests can state any host."""
-
-    cuda_available: bool
-    cuda_bf16: bool = False  # torch.cuda.is_bf16_supported()
-    cpu_bf16_native: bool = False  # AVX512-BF16 or AMX
-    cpu_kernels: bool = False  # tailserve's compiled CPU kernels are built and loaded
-
-
-def resolve_device(device: str, platform: Platform) -> DeviceType:
-    if device == "auto":
-        return "cuda" if platform.cuda_available else "cpu"
-    if device == "cuda" and not platform.cuda_available:
-        raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be auto, cpu or cuda, got {device!r}")
-    return "cuda" if device == "cuda" else "cpu"
-
-
-def resolve_dtype(dtype: str, device: DeviceType, platform: Platform) -> ServingDtype:
-    """``auto``: on CUDA bfloat16 where supported, else float16. On CPU float32 whenever the
-    compiled CPU kernels are there: they compute in float32 and are the fast path (SmolLM2-135M
-    on a 2-core AVX512-BF16 host, single stream: 11.0 ms/token in float32 with the kernels,
-    25.3 ms in bfloat16 through torch's own ops; benchmarks/RESULTS.md). Without the kernels,
-    bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32 (bf16 matmuls
-    are emulated on AVX2-only CPUs and slower than float32)."""
-    if dtype in ("float32", "bfloat16", "float16"):
-        return typing.cast(ServingDtype, dtype)
-    if dtype != "auto":
-        raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    if device == "cuda":
-        return "bfloat16" if platform.cuda_bf16 else "float16"
-    if platform.cpu_kernels or not platform.cpu_bf16_native:
-        return "float32"
-    return "bfloat16"
 
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tailserve.config import Platform, ServingDtype
 from tailserve.kernels import cpu_ops_available
+from tailserve.platforms import Platform, ServingDtype
 
 
 def detect_platform() -> Platform:
