@@ -141,9 +141,10 @@ class ServerContext:
             headers={"Retry-After": str(self.settings.retry_after_s)},
         )
 
-    def dead_error(self) -> APIError:
-        reason = self.client.gone_reason or "the engine has stopped"
-        return unavailable(f"the engine is not running: {reason}", "engine_dead")
+    def dead_error(self, reason: str | None = None) -> APIError:
+        """503 engine_dead; ``reason`` defaults to why the client says the engine is gone."""
+        why = reason or self.client.gone_reason or "the engine has stopped"
+        return unavailable(f"the engine is not running: {why}", "engine_dead")
 
     # ---------------------------------------------------------------- sinks
     def _on_step(self, stats: Any) -> None:

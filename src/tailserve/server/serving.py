@@ -172,9 +172,9 @@ class OpenAIServing:
         )
         try:
             gen.submit()
-        except EngineDeadError:
+        except EngineDeadError as exc:
             # Died between the admission and a child's send: nothing of it is left in flight.
-            raise ctx.dead_error() from None
+            raise ctx.dead_error(str(exc)) from None
         return gen
 
     # ---------------------------------------------------------------- running it
