@@ -51,6 +51,8 @@ class OpenAIServing:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         prompts = self._completion_prompts(body.prompt)
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        # Built before the hand-off: from _start on, only code that aborts the generation on
+        # failure runs, so no error can strand its engine requests.
         fmt = CompletionFormatter(
             self.tokenizer, self.ctx.model_name(), params.logprobs or 0
         )
@@ -88,7 +90,7 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         params = self._sampling_params(body, max_tokens, logprobs)
         fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0)
-        gen = self._start(http, [prompt], params, arrival, body.priority)
+        gen = self._start(http, [prompt], params, arrival, body.priority)  # as in completions
         return await self._respond(gen, http, body, fmt)
 
     async def _respond(
