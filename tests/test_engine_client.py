@@ -16,7 +16,7 @@ from tailserve.data.records import EngineState
 from tailserve.data.step import EngineOutput
 from tailserve.engine.client import EngineDeadError, InprocEngineClient, StreamItem
 from tailserve.engine.driver import HEARTBEAT_S
-from tailserve.engine.messages import AddRequest, Ready
+from tailserve.engine.messages import AddRequest, Ready, Shutdown
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.request import FinishReason, RequestStatus
 from tailserve.sampling_params import SamplingParams
@@ -281,5 +281,73 @@ def test_a_dead_engine_fails_streams_and_refuses_new_requests(
             client.add_request(AddRequest("late", [1], GREEDY, 0.0))
         # Finishing after death sends nothing and raises nothing.
         client.finish(["inflight"], RequestStatus.FINISHED_ABORTED, deliver_final=True)
+
+    run(scenario)
+
+
+def test_a_failed_send_registers_nothing(
+    run: Callable[[Scenario], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A send that raises (msgpack refusing a field, a closed socket) hands nothing over, so
+    the request must not stay counted in flight: no output would ever come to end it."""
+
+    async def scenario(client: InprocEngineClient) -> None:
+        real = client._send
+
+        def refuse(msg: Any) -> None:
+            raise UnicodeEncodeError("utf-8", "\udfff", 0, 1, "surrogates not allowed")
+
+        monkeypatch.setattr(client, "_send", refuse)
+        with pytest.raises(UnicodeEncodeError):
+            client.add_request(AddRequest("lost", [1, 2], GREEDY, 0.0))
+        assert client.num_inflight == 0 and client.inflight_request_ids == []
+        monkeypatch.setattr(client, "_send", real)
+        # The id is free again, and the engine never saw the first attempt.
+        outs = await _until_finished(client.add_request(AddRequest("lost", [1, 2], GREEDY, 0.0)))
+        assert len([t for o in outs for t in o.new_token_ids]) == 8
+        assert client.num_inflight == 0
+
+    run(scenario)
+
+
+def test_a_stopped_engine_refuses_before_any_death_notice(
+    run: Callable[[Scenario], None],
+) -> None:
+    """The engine is gone but nothing has said so yet (the watchdog ticks every 0.25 s): a
+    new request is refused at once instead of waiting on an engine that will never answer."""
+
+    async def scenario(client: InprocEngineClient) -> None:
+        client._send(Shutdown())  # the engine thread ends; no EngineDead is sent
+        assert client._thread is not None
+        await asyncio.to_thread(client._thread.join, 10)
+        assert client.dead_reason is None and not client.engine_alive()
+        assert client.gone_reason == "the engine thread has stopped"
+        with pytest.raises(EngineDeadError, match=r"^the engine thread has stopped$"):
+            client.add_request(AddRequest("late", [1], GREEDY, 0.0))
+        assert client.num_inflight == 0 and not client.healthy()
+
+    run(scenario)
+
+
+def test_a_rejected_add_leaves_the_engine_counts_as_they_were(
+    run: Callable[[Scenario], None],
+) -> None:
+    """Rejections (too long, a reused id) take no place in the engine: afterwards the whole
+    max_num_seqs 2 + max_queue_len 4 is still taken by a burst, and a seventh is refused."""
+
+    async def scenario(client: InprocEngineClient) -> None:
+        for rid in ("toolong1", "toolong2"):
+            q = client.add_request(AddRequest(rid, [1] * 600, GREEDY, 0.0))
+            assert isinstance(await asyncio.wait_for(q.get(), 10), InvalidRequestError)
+        assert client.num_inflight == 0
+        queues = {f"b{i}": client.add_request(AddRequest(f"b{i}", [5, 6], LONG, 0.0))
+                  for i in range(7)}
+        err = await asyncio.wait_for(queues["b6"].get(), 10)
+        assert isinstance(err, QueueFullError), err
+        st = await _state_where(client, lambda s: s.num_running == 2)
+        assert st.num_waiting == 4
+        assert sorted(client.inflight_request_ids) == [f"b{i}" for i in range(6)]
+        client.finish(list(queues), RequestStatus.FINISHED_ABORTED, deliver_final=False)
+        await _state_where(client, _idle)
 
     run(scenario)

@@ -120,6 +120,56 @@ def test_a_conversation_the_template_rejects(tokenizer: Any) -> None:
                                "must alternate user/assistant")
 
 
+# ------------------------------------------------------------------------------ lone surrogates
+# JSON's "\ud800" decodes to a str no UTF-8 can hold: the fast tokenizer raises TypeError on
+# it, so each text field refuses it by name before the tokenizer sees it.
+@pytest.mark.parametrize(("call", "message", "param"), [
+    (lambda p: p.prompt("\ud800"),
+     "prompt contains a lone surrogate (U+D800) at index 0; text must be valid Unicode",
+     "prompt"),
+    (lambda p: p.prompt("ok \udfff", what="prompt[2]"),
+     "prompt[2] contains a lone surrogate (U+DFFF) at index 3; text must be valid Unicode",
+     "prompt"),
+    (lambda p: p.tokenize("ab\udc00c"),
+     "prompt contains a lone surrogate (U+DC00) at index 2; text must be valid Unicode",
+     "prompt"),
+    (lambda p: p.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "\ud83d"}]),
+     "messages[1].content contains a lone surrogate (U+D83D) at index 0; text must be valid "
+     "Unicode", "messages"),
+    (lambda p: p.chat([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "text", "text": "b\ud800"}]}]),
+     "messages[0].content[1].text contains a lone surrogate (U+D800) at index 1; text must be "
+     "valid Unicode", "messages"),
+    (lambda p: p.chat([{"role": "us\ud800er", "content": "hi"}]),
+     "messages[0].role contains a lone surrogate (U+D800) at index 2; text must be valid "
+     "Unicode", "messages"),
+])
+def test_a_lone_surrogate_is_refused_by_name(
+    processor: InputProcessor, call: Any, message: str, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        call(processor)
+    assert (e.value.message, e.value.param) == (message, param)
+
+
+def test_a_surrogate_pair_is_valid_text(processor: InputProcessor, tokenizer: Any) -> None:
+    # What JSON's "\ud83d\ude00" decodes to: one code point, U+1F600.
+    text = "smile \U0001F600"
+    assert processor.prompt(text) == Prompt(text, list(tokenizer(text).input_ids))
+
+
+def test_a_lone_surrogate_in_a_stop_string_is_refused() -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(stop=["fine", "x\udfff"])
+    assert e.value.param == "stop"
+    assert e.value.message == ("stop[1] contains a lone surrogate (U+DFFF) at index 1; text "
+                               "must be valid Unicode")
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(stop=["ok", 3])  # type: ignore[list-item]
+    assert (e.value.message, e.value.param) == ("stop[1] must be a string, got int", "stop")
+    assert SamplingParams(stop=["\U0001F600"]).stop == ["\U0001F600"]
+
+
 # ------------------------------------------------------------------------------ fan-out
 def test_one_completion_keeps_the_parent_id_and_params(processor: InputProcessor) -> None:
     prompt = Prompt(None, [5] * 10)

@@ -365,6 +365,52 @@ def test_oversized_headers_are_431(err_server: ServerProcess) -> None:
     check_error_body(payload.decode())
 
 
+# ------------------------------------------------------------------------------ lone surrogates
+# Valid JSON, no valid Unicode: "\ud800" decodes to a lone surrogate, which the tokenizer and
+# msgpack refuse (a TypeError, a 500). json.dumps writes it as the escape, as a client would.
+SURROGATE_CASES = [
+    ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2},
+     "prompt contains a lone surrogate (U+D800) at index 0", "prompt"),
+    ("/v1/completions", {"prompt": ["fine", "bad \udbff"], "max_tokens": 2},
+     "prompt[1] contains a lone surrogate (U+DBFF) at index 4", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["\udfff"]},
+     "stop[0] contains a lone surrogate (U+DFFF) at index 0", "stop"),
+    ("/v1/chat/completions", _chat("x\ud800", max_tokens=2),
+     "messages[0].content contains a lone surrogate (U+D800) at index 1", "messages"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages[0].content[0].text contains a lone surrogate (U+DC00) at index 0", "messages"),
+    ("/v1/chat/completions", _chat(stop="ab\ud800"),
+     "stop[0] contains a lone surrogate (U+D800) at index 2", "stop"),
+    ("/tokenize", {"prompt": "\ud800"},
+     "prompt contains a lone surrogate (U+D800) at index 0", "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]},
+     "messages[0].content contains a lone surrogate (U+DFFF) at index 0", "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "fragment", "param"), SURROGATE_CASES)
+def test_a_lone_surrogate_is_400_naming_the_field(
+    client: httpx.Client, path: str, body: dict[str, Any], fragment: str, param: str
+) -> None:
+    raw = json.dumps(body)
+    assert "\\ud" in raw  # sent as the JSON escape
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400, param)
+    assert err["type"] == "invalid_request_error"
+    assert err["message"] == f"{fragment}; text must be valid Unicode", err
+
+
+def test_a_surrogate_pair_is_served(client: httpx.Client) -> None:
+    # "\ud83d\ude00" is one code point (U+1F600), valid text.
+    raw = json.dumps({"prompt": "smile \U0001F600", "max_tokens": 2, "ignore_eos": True})
+    assert "\\ud83d\\ude00" in raw
+    r = client.post("/v1/completions", content=raw,
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
 # ------------------------------------------------------------------------------ afterwards
 def test_server_healthy_after_the_errors(
     client: httpx.Client, err_server: ServerProcess

@@ -347,6 +347,106 @@ def test_overload_sheds_with_429(tiny_model_dir: str) -> None:
     assert health == 200
 
 
+# ---------------------------------------------------------------------------- bounded
+# Issue 18: a failed hand-off leaks no slot, an impossible request is a 400 (not a 429 clients
+# retry forever). max_num_seqs 4 + max_queue_len 8: twelve sequences at once.
+BOUNDED_CAPACITY = 12
+
+
+def post_raw(client: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+    """JSON as a client writes it (``\\udfff`` stays an escape; httpx's own encoder would
+    refuse the lone surrogate before sending)."""
+    return client.post(path, content=json.dumps(body),
+                       headers={"content-type": "application/json"})
+
+
+@pytest.fixture(scope="module")
+def bounded_server(tiny_model_dir: str) -> Iterator[ServerProcess]:
+    with serving(["--max-num-seqs", "4", "--max-queue-len", "8"], tiny_model_dir) as srv:
+        yield srv
+        # Nothing is left counted in flight, so SIGTERM has nothing to wait for (a leaked
+        # request held it for the whole 30 s shutdown_timeout, then 5 s more).
+        engine_pid = engine_process(srv).pid
+        t0 = time.monotonic()
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(timeout=30) == 0, srv.output()
+        assert time.monotonic() - t0 < 10.0
+        assert_no_engine_left(srv, engine_pid)
+
+
+def assert_all_slots_free(client: httpx.Client) -> None:
+    """Idle, healthy, and one request of exactly the whole capacity is admitted and served."""
+    text = client.get("/metrics").text
+    assert engine_idle(text), idle_summary(text)
+    assert client.get("/health").status_code == 200
+    r = client.post("/v1/completions", json={**completion(2), "n": BOUNDED_CAPACITY})
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == list(range(BOUNDED_CAPACITY))
+    assert r.json()["usage"]["completion_tokens"] == 2 * BOUNDED_CAPACITY
+
+
+def test_requests_that_can_never_be_admitted_are_400(bounded_server: ServerProcess) -> None:
+    """More sequences than max_num_seqs + max_queue_len is a 400 naming the numbers, on an
+    idle server, with no Retry-After; exactly the capacity is served; the openai SDK gets a
+    BadRequestError at once instead of retrying."""
+    import openai
+
+    limit = ("this server holds at most 12 sequences at once (max_num_seqs 4 + max_queue_len "
+             "8), so the request can never be admitted")
+    with httpx.Client(base_url=bounded_server.url, timeout=60) as client:
+        cases = [
+            ("/v1/completions", {**completion(2), "n": 13}, "n", f"n is 13 but {limit}"),
+            ("/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 16},
+             "n", f"n is 16 but {limit}"),
+            ("/v1/completions", {**completion(2), "prompt": ["a", "b", "c"], "n": 5}, "prompt",
+             f"3 prompts with n 5 make 15 sequences but {limit}"),
+        ]
+        for path, body, param, message in cases:
+            r = client.post(path, json=body)
+            assert r.status_code == 400, r.text
+            assert "retry-after" not in r.headers, dict(r.headers)
+            assert_openai_error(r.json(), "invalid_request_error")
+            assert (r.json()["error"]["param"], r.json()["error"]["message"]) == (param, message)
+        sdk = openai.OpenAI(base_url=bounded_server.url + "/v1", api_key="unused", max_retries=5)
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.completions.create(model="llama", prompt="hi", n=13, max_tokens=2)
+        assert e.value.status_code == 400
+        assert_all_slots_free(client)
+        text = client.get("/metrics").text
+    assert metric_value(
+        text, "tailserve:requests_rejected_total", {"reason": "queue_full"}
+    ) in (None, 0)
+
+
+def test_a_failed_hand_off_leaks_no_slot(bounded_server: ServerProcess) -> None:
+    """Twelve requests at once with a lone surrogate as stop string: each is a 400 naming
+    "stop" (it used to be a 500 that left its slot counted, so every later request got 429);
+    afterwards all twelve slots are free."""
+    async def burst() -> list[httpx.Response]:
+        body = json.dumps({**completion(8), "stop": ["\udfff"]})
+        async with httpx.AsyncClient(base_url=bounded_server.url, timeout=60) as client:
+            return list(await asyncio.gather(*[
+                client.post("/v1/completions", content=body,
+                            headers={"content-type": "application/json"})
+                for _ in range(BOUNDED_CAPACITY)
+            ]))
+
+    for r in asyncio.run(burst()):
+        assert r.status_code == 400, r.text
+        assert_openai_error(r.json(), "invalid_request_error")
+        assert r.json()["error"]["param"] == "stop"
+        assert r.json()["error"]["message"] == (
+            "stop[0] contains a lone surrogate (U+DFFF) at index 0; text must be valid Unicode"
+        )
+    with httpx.Client(base_url=bounded_server.url, timeout=60) as client:
+        r = client.post("/v1/completions", json=completion(4))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert_all_slots_free(client)
+    assert "Traceback" not in bounded_server.output(), bounded_server.output()
+
+
 # ---------------------------------------------------------------------------- SIGTERM drain
 def test_sigterm_drain(long_model_dir: str) -> None:
     """SIGTERM with --shutdown-timeout 3: new work gets 503 and /health 503 at once; in-flight
@@ -439,6 +539,32 @@ def test_engine_does_not_outlive_a_killed_server(long_model_dir: str) -> None:
             engine.wait(timeout=10)  # not our child: psutil polls for it to be gone
         except psutil.TimeoutExpired:
             pytest.fail(f"the engine {engine.pid} kept running after its server was killed")
+
+
+# ---------------------------------------------------------------------------- engine death
+def test_requests_after_the_engine_died_are_503_at_once(tiny_model_dir: str) -> None:
+    """The engine process is killed. As soon as /health reports it gone (the process has
+    exited), new requests are refused with 503 engine_dead, also before the watchdog's next
+    tick declares the death (they used to be admitted, sent into the void and answered 500
+    engine_error a moment later)."""
+    with serving([], tiny_model_dir) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        assert client.post("/v1/completions", json=completion(2)).status_code == 200
+        engine = engine_process(srv)
+        engine.kill()
+        # The kernel takes a moment to tear a many-threaded process down; /health sees the
+        # exit as soon as the server can reap it.
+        deadline = time.monotonic() + 10.0
+        while client.get("/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        refused = [client.post("/v1/completions", json=completion(2)) for _ in range(3)]
+        code = srv.wait(timeout=30)
+    for r in refused:
+        assert r.status_code == 503, [x.text for x in refused]
+        assert_openai_error(r.json(), "service_unavailable", "engine_dead")
+        assert r.json()["error"]["message"] == (
+            "the engine is not running: the engine process exited (exit code -9)"
+        )
+    assert code == 1
 
 
 # ---------------------------------------------------------------------------- engine fault

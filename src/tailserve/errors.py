@@ -27,3 +27,21 @@ class ConfigError(ValueError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_queue_len``: shed load (HTTP 429) instead of queueing."""
+
+
+def check_valid_unicode(text: str, what: str, param: str | None) -> None:
+    """Refuse a text holding a lone UTF-16 surrogate (JSON's ``"\\ud800"`` decodes to one).
+
+    Such a string is a valid Python ``str`` but no valid Unicode: the tokenizer raises
+    ``TypeError`` on it and msgpack cannot encode it as UTF-8, so it must be stopped where the
+    request is built. ``what`` names the field in the message (``"stop[1]"``).
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Only surrogates fail to encode as UTF-8; exc.start is their index in ``text``.
+        raise InvalidRequestError(
+            f"{what} contains a lone surrogate (U+{ord(text[exc.start]):04X}) at index "
+            f"{exc.start}; text must be valid Unicode",
+            param=param,
+        ) from None

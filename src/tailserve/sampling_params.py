@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tailserve.errors import InvalidRequestError
+from tailserve.errors import InvalidRequestError, check_valid_unicode
 
 # Top-N logprobs are computed with one topk over the vocabulary; the cap keeps that op bounded.
 MAX_LOGPROBS = 20
@@ -100,6 +100,12 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", param="stop")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str):
+                raise InvalidRequestError(
+                    f"stop[{i}] must be a string, got {type(s).__name__}", param="stop"
+                )
+            check_valid_unicode(s, f"stop[{i}]", "stop")
 
     @property
     def greedy(self) -> bool:

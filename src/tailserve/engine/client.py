@@ -90,6 +90,7 @@ class EngineClient:
         raise NotImplementedError
 
     def _send(self, msg: EngineInput) -> None:
+        """Hand ``msg`` to the engine. Contract: when it raises, nothing was handed over."""
         raise NotImplementedError
 
     async def shutdown(self, timeout_s: float = 10.0) -> int | None:
@@ -98,6 +99,23 @@ class EngineClient:
 
     def engine_alive(self) -> bool:
         raise NotImplementedError
+
+    def _gone_message(self) -> str:
+        """Why the engine is not running, once ``engine_alive()`` is False."""
+        raise NotImplementedError
+
+    @property
+    def gone_reason(self) -> str | None:
+        """Why no request can be served now, or None while the engine runs.
+
+        The death notice once there is one; before it, a process or thread found gone (the
+        watchdog notices only at its next tick, and a request sent meanwhile would be lost).
+        """
+        if self.dead_reason is not None:
+            return self.dead_reason
+        if not self.engine_alive():
+            return self._gone_message()
+        return None
 
     # ------------------------------------------------------------------ requests
     @property
@@ -111,15 +129,29 @@ class EngineClient:
     def add_request(
         self, msg: AddRequest, q: asyncio.Queue[StreamItem] | None = None
     ) -> asyncio.Queue[StreamItem]:
-        """Send a request; its outputs arrive on ``q`` (several requests may share one)."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+        """Send a request; its outputs arrive on ``q`` (several requests may share one).
+
+        All or nothing: when it raises (``EngineDeadError``, a reused id, a failed send),
+        the request is neither registered nor in the engine, so ``num_inflight`` (which
+        admission counts) is what it was before the call.
+        """
+        gone = self.gone_reason
+        if gone is not None:
+            raise EngineDeadError(gone)
         if msg.request_id in self._streams:
             raise InvalidRequestError(f"request_id {msg.request_id!r} is already in use")
         if q is None:
             q = asyncio.Queue()
+        # Registered before the send: the engine's first output may be dispatched as soon as
+        # the message is out, and must find its queue.
         self._streams[msg.request_id] = q
-        self._send(msg)
+        try:
+            self._send(msg)
+        except BaseException:
+            # A failed send handed nothing over (``_send``'s contract): no output will ever
+            # come to finish this entry, so it goes now or the slot is lost for good.
+            del self._streams[msg.request_id]
+            raise
         return q
 
     def finish(
@@ -278,8 +310,10 @@ class MPEngineClient(EngineClient):
         return msg
 
     def _send(self, msg: EngineInput) -> None:
+        # Encoded first, so a message that cannot be encoded raises before a byte is queued;
         # PUSH on a connected IPC pipe: non-blocking unless the high-water mark is hit.
-        self._in.send(input_encoder.encode(msg), copy=False)
+        data = input_encoder.encode(msg)
+        self._in.send(data, copy=False)
 
     async def _reader(self) -> None:
         while True:
@@ -292,7 +326,7 @@ class MPEngineClient(EngineClient):
             if not self._proc.is_alive():
                 # Let the reader deliver an EngineDead that was sent just before the exit.
                 await asyncio.sleep(0.1)
-                self._die(f"the engine process exited (exit code {self._proc.exitcode})")
+                self._die(self._gone_message())
             elif time.monotonic() - self.last_seen > self.watchdog_timeout_s:
                 self._die(
                     f"the engine loop made no progress for {self.watchdog_timeout_s:.0f} s"
@@ -300,6 +334,11 @@ class MPEngineClient(EngineClient):
 
     def engine_alive(self) -> bool:
         return self._proc is not None and bool(self._proc.is_alive())
+
+    def _gone_message(self) -> str:
+        if self._proc is None:
+            return "the engine process was not started"
+        return f"the engine process exited (exit code {self._proc.exitcode})"
 
     @property
     def exitcode(self) -> int | None:
@@ -384,6 +423,11 @@ class InprocEngineClient(EngineClient):
 
     def engine_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def _gone_message(self) -> str:
+        if self._thread is None:
+            return "the engine thread was not started"
+        return "the engine thread has stopped"
 
     async def shutdown(self, timeout_s: float = 10.0) -> int | None:
         self._send(Shutdown())

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tailserve.errors import InvalidRequestError
+from tailserve.errors import InvalidRequestError, check_valid_unicode
 from tailserve.request import RequestLimits, check_prompt_token_ids, check_request_lengths
 from tailserve.sampling_params import SamplingParams
 
@@ -61,10 +61,11 @@ class InputProcessor:
         self.limits = limits
 
     # ---------------------------------------------------------------- prompts
-    def prompt(self, prompt: PromptType) -> Prompt:
-        """A text (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids."""
+    def prompt(self, prompt: PromptType, what: str = "prompt") -> Prompt:
+        """A text (tokenized with the tokenizer's special tokens, e.g. BOS) or token ids.
+        ``what`` names the prompt in error messages (``prompt[2]`` of a list)."""
         if isinstance(prompt, str):
-            return Prompt(prompt, self.tokenize(prompt))
+            return Prompt(prompt, self.tokenize(prompt, what=what, param="prompt"))
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = [int(t) for t in prompt["prompt_token_ids"]]
             check_prompt_token_ids(ids, self.limits.vocab_size)
@@ -77,6 +78,20 @@ class InputProcessor:
     def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Prompt:
         """One conversation through the model's chat template; the template writes the special
         tokens itself, so the text is tokenized without adding any."""
+        for i, message in enumerate(messages):
+            role = message.get("role")
+            if isinstance(role, str):  # the server allows five roles; LLM.chat any text
+                check_valid_unicode(role, f"messages[{i}].role", "messages")
+            content = message.get("content")
+            if isinstance(content, str):
+                check_valid_unicode(content, f"messages[{i}].content", "messages")
+            elif isinstance(content, list):
+                for j, part in enumerate(content):
+                    text = part.get("text")
+                    if isinstance(text, str):
+                        check_valid_unicode(
+                            text, f"messages[{i}].content[{j}].text", "messages"
+                        )
         try:
             text = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in messages], tokenize=False,
@@ -86,9 +101,17 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"the chat template rejected these messages: {str(exc)[:200]}", param="messages"
             ) from None
-        return Prompt(text, self.tokenize(text, add_special_tokens=False))
+        return Prompt(
+            text, self.tokenize(text, add_special_tokens=False, what="messages", param="messages")
+        )
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special_tokens: bool = True, *, what: str = "prompt",
+        param: str = "prompt",
+    ) -> list[int]:
+        """``what`` names the text in an error message, ``param`` the request field it is."""
+        # The fast tokenizer raises TypeError on a lone surrogate: a 400 naming the field.
+        check_valid_unicode(text, what, param)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     # ---------------------------------------------------------------- requests

@@ -86,11 +86,13 @@ class EngineLoop:
         running = True
         for msg in inputs:
             if isinstance(msg, AddRequest):
-                req = Request(
-                    msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                    arrival_time=msg.arrival_time, priority=msg.priority,
-                )
+                # A refused add is answered with Rejected and leaves nothing behind: the
+                # scheduler registers a request only after every check has passed.
                 try:
+                    req = Request(
+                        msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                        arrival_time=msg.arrival_time, priority=msg.priority,
+                    )
                     self.core.add_request(req)
                 except QueueFullError as exc:
                     self._send(Rejected(msg.request_id, "queue_full", str(exc)))

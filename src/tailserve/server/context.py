@@ -22,7 +22,7 @@ from tailserve.obs.timeline import Timeline
 from tailserve.request import RequestStatus
 from tailserve.sampling_params import SamplingParams
 from tailserve.server.dashboard.feed import DashboardFeed
-from tailserve.server.errors import APIError, unavailable
+from tailserve.server.errors import APIError, bad_request, unavailable
 from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -91,22 +91,49 @@ class ServerContext:
         """The name responses carry: the first served name, whichever alias was asked for."""
         return self.model_names[0]
 
-    def admit(self, num_engine_requests: int) -> None:
-        """Shed load before any work is done: 503 while draining or dead, 429 when full."""
-        if self.client.dead_reason is not None:
+    def admit(self, num_prompts: int, n: int) -> None:
+        """Shed load before any work is done, for a request of ``num_prompts`` x ``n`` engine
+        requests: 400 when no amount of waiting could admit it, 503 while dead or draining,
+        429 when full.
+
+        Admission counts the client's in-flight requests, which ``EngineClient.add_request``
+        and ``finish`` keep exact on every path: nothing is reserved here that a failed
+        hand-off would have to give back.
+        """
+        cfg = self.config.scheduler
+        capacity = None
+        if cfg.max_queue_len is not None:
+            capacity = cfg.max_num_seqs + cfg.max_queue_len
+            self._check_admissible(num_prompts, n, capacity)
+        if self.client.gone_reason is not None:
             raise self.dead_error()
         if self.draining:
             raise unavailable("the server is shutting down", "draining")
-        cfg = self.config.scheduler
-        if cfg.max_queue_len is None:
+        if capacity is None:
             return
-        capacity = cfg.max_num_seqs + cfg.max_queue_len
         inflight = self.client.num_inflight
-        if inflight + num_engine_requests > capacity:
+        if inflight + num_prompts * n > capacity:
             raise self.queue_full_error(
                 f"the server is at capacity ({inflight} requests in flight; "
                 f"max_num_seqs {cfg.max_num_seqs} + max_queue_len {cfg.max_queue_len})"
             )
+
+    def _check_admissible(self, num_prompts: int, n: int, capacity: int) -> None:
+        """A request larger than the whole capacity is a 400: a 429 would have clients (the
+        openai SDK among them) retry it forever."""
+        total = num_prompts * n
+        if total <= capacity:
+            return
+        cfg = self.config.scheduler
+        limit = (f"this server holds at most {capacity} sequences at once (max_num_seqs "
+                 f"{cfg.max_num_seqs} + max_queue_len {cfg.max_queue_len}), so the request "
+                 "can never be admitted")
+        if num_prompts == 1:
+            raise bad_request(f"n is {n} but {limit}", param="n")
+        raise bad_request(
+            f"{num_prompts} prompts with n {n} make {total} sequences but {limit}",
+            param="n" if n > capacity else "prompt",
+        )
 
     def queue_full_error(self, message: str) -> APIError:
         return APIError(
@@ -114,8 +141,10 @@ class ServerContext:
             headers={"Retry-After": str(self.settings.retry_after_s)},
         )
 
-    def dead_error(self) -> APIError:
-        return unavailable(f"the engine is not running: {self.client.dead_reason}", "engine_dead")
+    def dead_error(self, reason: str | None = None) -> APIError:
+        """503 engine_dead; ``reason`` defaults to why the client says the engine is gone."""
+        why = reason or self.client.gone_reason or "the engine has stopped"
+        return unavailable(f"the engine is not running: {why}", "engine_dead")
 
     # ---------------------------------------------------------------- sinks
     def _on_step(self, stats: Any) -> None:

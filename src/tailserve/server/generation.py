@@ -93,6 +93,13 @@ class Generation:
 
     # ---------------------------------------------------------------- submit
     def submit(self) -> None:
+        """Send every engine request of this HTTP request, or none.
+
+        A failure at any child (a dead engine, a failed send) finishes the children already
+        sent, in the engine too, and re-raises: nothing of this request stays in flight, so
+        admission counts what it counted before. ``add_request`` itself leaves nothing behind
+        for the child that failed.
+        """
         added: list[str] = []
         index = 0
         try:
@@ -111,7 +118,7 @@ class Generation:
                         self.queue,
                     )
                     added.append(child_id)
-        except Exception:
+        except BaseException:
             self.client.finish(added, RequestStatus.FINISHED_ABORTED, deliver_final=False)
             raise
 

@@ -51,10 +51,12 @@ class OpenAIServing:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         prompts = self._completion_prompts(body.prompt)
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
-        gen = self._start(http, prompts, params, arrival, body.priority)
+        # Built before the hand-off: from _start on, only code that aborts the generation on
+        # failure runs, so no error can strand its engine requests.
         fmt = CompletionFormatter(
             self.tokenizer, self.ctx.model_name(), params.logprobs or 0
         )
+        gen = self._start(http, prompts, params, arrival, body.priority)
         return await self._respond(gen, http, body, fmt)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -87,8 +89,8 @@ class OpenAIServing:
         elif body.top_logprobs is not None:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         params = self._sampling_params(body, max_tokens, logprobs)
-        gen = self._start(http, [prompt], params, arrival, body.priority)
         fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0)
+        gen = self._start(http, [prompt], params, arrival, body.priority)  # as in completions
         return await self._respond(gen, http, body, fmt)
 
     async def _respond(
@@ -112,15 +114,19 @@ class OpenAIServing:
         lists) as one list of prompts, tokenized and checked by the input processor."""
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
+            whats = ["prompt"]
         elif prompt and all(isinstance(p, int) for p in prompt):
             items = [list(prompt)]
+            whats = ["prompt"]
         else:
             items = list(prompt)
+            # A list names its items in error messages: "prompt[2] contains ...".
+            whats = [f"prompt[{i}]" for i in range(len(items))]
         if not items:
             raise bad_request("prompt must not be empty", param="prompt")
         return [
-            self.inputs.prompt(item if isinstance(item, str) else {"prompt_token_ids": item})
-            for item in items
+            self.inputs.prompt(item if isinstance(item, str) else {"prompt_token_ids": item}, what)
+            for item, what in zip(items, whats, strict=True)
         ]
 
     def _sampling_params(
@@ -159,15 +165,18 @@ class OpenAIServing:
             self.inputs.fan_out(f"{engine_id}-{p}", prompt, params, always_suffix=True)
             for p, prompt in enumerate(prompts)
         ]
-        ctx.admit(sum(len(parent.children) for parent in parents))
+        # No await from here to the end of submit(): no other request is admitted between
+        # the count and the registrations, and submit() is all or nothing.
+        ctx.admit(len(parents), params.n)
         gen = Generation(
             ctx.client, self.tokenizer, parents, params, arrival, priority,
             ctx.on_choice_finished(http, params), record_id=http.state.request_id,
         )
         try:
             gen.submit()
-        except EngineDeadError:
-            raise ctx.dead_error() from None
+        except EngineDeadError as exc:
+            # Died between the admission and a child's send: nothing of it is left in flight.
+            raise ctx.dead_error(str(exc)) from None
         return gen
 
     # ---------------------------------------------------------------- running it
