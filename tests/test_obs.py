@@ -136,6 +136,17 @@ def test_every_design_metric_is_rendered_with_the_prefix() -> None:
         assert samples[("tailserve:request_success_total", (("finished_reason", reason),))] == 0
 
 
+def test_ready_reports_the_idle_pool_before_any_heartbeat() -> None:
+    m = ServerMetrics()
+    m.on_ready(2912)
+    s = scrape(m)
+    assert s[("tailserve:kv_cache_total_blocks", ())] == 2912
+    assert s[("tailserve:kv_cache_free_blocks", ())] == 2912
+    assert s[("tailserve:kv_cache_usage_perc", ())] == 0.0
+    assert s[("tailserve:num_requests_running", ())] == 0
+    assert s[("tailserve:num_requests_waiting", ())] == 0
+
+
 def test_engine_state_sets_gauges_and_device_memory() -> None:
     m = ServerMetrics()
     m.on_engine_state(

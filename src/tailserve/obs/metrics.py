@@ -191,6 +191,16 @@ class ServerMetrics:
 
     # -- inputs ---------------------------------------------------------------------------------
 
+    def on_ready(self, num_kv_blocks: int) -> None:
+        """The engine is up and idle: its pool is known from the resolved configuration, so the
+        gauges say so from the first scrape, not only after the first heartbeat (a router that
+        scrapes a fresh replica must not read a zero-block pool)."""
+        self.num_requests_running.set(0)
+        self.num_requests_waiting.set(0)
+        self.kv_cache_free_blocks.set(num_kv_blocks)
+        self.kv_cache_total_blocks.set(num_kv_blocks)
+        self.kv_cache_usage_perc.set(0.0)
+
     def on_engine_state(self, state: EngineState) -> None:
         self._device = state.device
         self.num_requests_running.set(state.num_running)

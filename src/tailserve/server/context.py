@@ -77,6 +77,10 @@ class ServerContext:
         self.dashboard = DashboardFeed(metrics, lambda: client.state)
         client.step_listeners.append(self.dashboard.on_step)
         client.state_listeners.append(metrics.on_engine_state)
+        if client.state is None:
+            metrics.on_ready(self.config.cache.num_kv_blocks)
+        else:
+            metrics.on_engine_state(client.state)
         client.death_listeners.append(self._on_engine_death)
 
     # ---------------------------------------------------------------- checks
