@@ -106,7 +106,9 @@ def create_app(ctx: ServerContext) -> Any:
             "object": "list",
             "data": [{
                 "id": ctx.model_names[0], "object": "model", "created": int(ctx.started),
-                "owned_by": "tailserve", "root": ctx.client.info.model if ctx.client.info else None,
+                # The served name, never the weights' install path (which tells a client
+                # nothing it may use and tells an attacker where things live).
+                "owned_by": "tailserve", "root": ctx.model_names[0],
                 "max_model_len": ctx.config.scheduler.max_model_len,
             }],
         }
