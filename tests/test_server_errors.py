@@ -804,3 +804,102 @@ def test_fuzz_server_healthy_afterwards(fuzz_server: ServerProcess) -> None:
     assert metric_value(metrics, "tailserve:num_requests_waiting") == 0
     out = fuzz_server.output()
     assert "Traceback" not in out, out
+
+
+# ------------------------------------------------------------------------------ slow clients
+HEADER_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_model_dir: str) -> Iterator[ServerProcess]:
+    with ServerProcess(["--header-timeout", str(HEADER_TIMEOUT_S)], model=tiny_model_dir,
+                       env=NO_KEY_ENV) as srv:
+        yield srv
+
+
+def _drip(sock: socket.socket, data: bytes, every_s: float) -> float:
+    """Send ``data`` a byte every ``every_s`` until the server closes; return when it did
+    (seconds after the first byte)."""
+    import time
+
+    start = time.monotonic()
+    for b in data:
+        try:
+            sock.sendall(bytes([b]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        sock.settimeout(every_s)
+        try:
+            sock.recv(65536, socket.MSG_PEEK)  # returns once the server answered or closed
+            break
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            break
+    return time.monotonic() - start
+
+
+def test_headers_sent_a_byte_a_second_are_cut_off(slow_server: ServerProcess) -> None:
+    import time
+
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=30) as s:
+        start = time.monotonic()
+        elapsed = _drip(s, head, 1.0)
+        s.settimeout(5)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        closed_after = time.monotonic() - start
+    assert elapsed < HEADER_TIMEOUT_S + 1.0
+    assert HEADER_TIMEOUT_S - 0.1 <= closed_after <= HEADER_TIMEOUT_S + 1.0, closed_after
+    assert data.startswith(b"HTTP/1.1 408 "), data
+    check_error_body(data.partition(b"\r\n\r\n")[2].decode())
+
+
+def test_normal_and_slow_body_requests_are_unaffected(slow_server: ServerProcess) -> None:
+    """The bound is on the headers: a body that takes longer than it, and a second request on
+    a kept-alive connection after a pause shorter than it, are served; a second request whose
+    headers drip is cut off like the first."""
+    import time
+
+    payload = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode())
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=30) as s:
+        s.sendall(head)
+        for i in range(0, len(payload), len(payload) // 4 + 1):  # the body over ~3 s
+            time.sleep(0.75)
+            s.sendall(payload[i : i + len(payload) // 4 + 1])
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 "), first
+        while b"}}" not in first and b'"usage"' not in first:
+            first += s.recv(65536)
+        time.sleep(HEADER_TIMEOUT_S / 2)
+        s.sendall(head + payload)
+        second = s.recv(65536)
+        assert second.startswith(b"HTTP/1.1 200 "), second
+        time.sleep(0.2)
+        while True:  # drain the rest of the second response
+            s.settimeout(0.5)
+            try:
+                if not s.recv(65536):
+                    break
+            except TimeoutError:
+                break
+        start = time.monotonic()
+        _drip(s, head, 1.0)
+        s.settimeout(5)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - start <= HEADER_TIMEOUT_S + 1.0
+        assert b"408" in data, data
+    r = httpx.get(slow_server.url + "/health", timeout=5)
+    assert r.status_code == 200

@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -39,6 +40,7 @@ from tailserve.server.errors import (
     error_body,
     error_response,
 )
+from tailserve.server.header_timeout import header_timeout_protocol
 from tailserve.server.middleware import EdgeMiddleware
 from tailserve.server.protocol import (
     ChatCompletionRequest,
@@ -288,6 +290,8 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     config = uvicorn.Config(
         create_app(ctx), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+        # uvicorn never closes a connection that drips its headers (slowloris).
+        http=header_timeout_protocol(AutoHTTPProtocol, settings.header_timeout),
         # Our middleware answers oversized headers with 431; the parser must let them through.
         h11_max_incomplete_event_size=max(settings.max_header_bytes * 4, 64 << 10),
     )
