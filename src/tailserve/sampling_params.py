@@ -27,8 +27,8 @@ class SamplingParams:
     are copied on construction, so the caller's lists are not shared either.
 
     ``temperature == 0`` (or below 1e-5) means greedy. ``top_k == 0`` (or -1, as vLLM users
-    write it) disables top-k; below -1 is an error. ``seed`` makes the request's draws reproducible regardless of its
-    batch mates.
+    write it) disables top-k; below -1 is an error. ``seed`` makes the request's draws
+    reproducible regardless of its batch mates.
     """
 
     n: int = 1

@@ -18,12 +18,12 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import tailserve
 from tailserve.config import EngineArgs
