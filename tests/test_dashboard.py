@@ -64,6 +64,9 @@ def test_sample_joins_state_steps_requests_and_counters() -> None:
     feed.on_request(RequestRecord(10.0, "old", "stop", 4, 3, timing={"ttft_s": 9.0}))
     metrics.request_errors.labels(type="engine_error").inc(2)
     metrics.on_rejected("queue_full")
+    for i in range(3):
+        metrics.on_request_finished(RequestRecord(99.0, f"a{i}", "abort", 4, 1,
+                                                  abort_reason="client_disconnect"))
 
     s = feed.sample(now=100.0)
     assert (s["running"], s["waiting"], s["total_blocks"]) == (3, 2, 100)
@@ -76,6 +79,7 @@ def test_sample_joins_state_steps_requests_and_counters() -> None:
     assert s["itl_n"] == 8 and s["itl_p50"] == 0.01 and s["itl_p99"] == 0.03
     assert s["preemptions_total"] == 1
     assert s["errors"] == {"engine_error": 2.0} and s["rejected"] == {"queue_full": 1.0}
+    assert s["aborts"] == {"client_disconnect": 3.0}  # an abort storm shows as such
     json.dumps(s)  # what the stream sends
 
 

@@ -22,7 +22,8 @@ from tailserve.sampling_params import SamplingParams
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's
 # 64 tokens in 4 blocks of 16 fit the pool; a 5th block does not exist.
-LIMITS = RequestLimits(vocab_size=VOCAB, max_model_len=64, block_size=16, num_kv_blocks=4)
+LIMITS = RequestLimits(vocab_size=VOCAB, max_model_len=64, block_size=16, num_kv_blocks=4,
+                       max_request_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +228,67 @@ def test_check_request_lengths_resolves_max_tokens() -> None:
     assert check_request_lengths(LIMITS, 10, None) == 54
     assert check_request_lengths(LIMITS, 10, 54) == 54
     assert check_request_lengths(LIMITS, 63, 1) == 1
+    # n sequences share the per-request cap (64 tokens here, the pool's total): None gives
+    # each of 4 sequences of 10 prompt tokens 64 // 4 - 10 = 6 output tokens.
+    assert check_request_lengths(LIMITS, 10, None, n=4) == 6
+
+
+@pytest.mark.parametrize(("n", "n_prompt", "max_tokens", "message", "param"), [
+    (4, 10, 7, "n (4) x (prompt (10 tokens) + max_tokens (7)) = 68 tokens exceeds "
+     "max_request_tokens (64)", "n"),
+    (16, 4, None, "n (16) x (prompt (4 tokens) + 1 output token) = 80 tokens exceeds "
+     "max_request_tokens (64)", "n"),
+])
+def test_n_times_the_tokens_beyond_the_cap_is_refused(
+    n: int, n_prompt: int, max_tokens: int | None, message: str, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        check_request_lengths(LIMITS, n_prompt, max_tokens, n=n)
+    assert (e.value.message, e.value.param) == (message, param)
+    assert check_request_lengths(LIMITS, 10, 6, n=4) == 6  # 4 x 16 = 64: the boundary fits
+
+
+def test_a_configured_cap_applies_to_one_sequence_too() -> None:
+    limits = dataclasses.replace(LIMITS, max_request_tokens=20)
+    with pytest.raises(InvalidRequestError) as e:
+        check_request_lengths(limits, 10, 11)
+    assert (e.value.message, e.value.param) == (
+        "n (1) x (prompt (10 tokens) + max_tokens (11)) = 21 tokens exceeds "
+        "max_request_tokens (20)", "max_tokens")
+    assert check_request_lengths(limits, 10, None) == 10
+
+
+def test_fan_out_resolves_a_missing_max_tokens_for_all_children(
+    processor: InputProcessor,
+) -> None:
+    parent = processor.fan_out("m", Prompt(None, [5] * 10), SamplingParams(n=4, max_tokens=None))
+    assert [c.max_tokens for c in parent.children.values()] == [6, 6, 6, 6]
+
+
+def test_stop_token_ids_outside_the_vocabulary(processor: InputProcessor) -> None:
+    for bad in ([VOCAB], [-1, 3]):
+        with pytest.raises(InvalidRequestError) as e:
+            processor.fan_out("s", Prompt(None, [5]), SamplingParams(stop_token_ids=bad))
+        assert e.value.param == "stop_token_ids"
+        assert e.value.message == f"stop_token_ids must be in [0, {VOCAB}); got {bad[:1]}"
+    assert processor.fan_out("s", Prompt(None, [5]), SamplingParams(stop_token_ids=[VOCAB - 1]))
+
+
+@pytest.mark.parametrize(("kwargs", "param", "message"), [
+    ({"top_k": -2}, "top_k", "top_k must be -1 or 0 (disabled) or a positive number, got -2"),
+    ({"seed": 2**63 - 1, "n": 2}, "seed",
+     f"seed must be in [{-(2**63)}, {2**63 - 2}] with n 2, got {2**63 - 1}"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty",
+     "repetition_penalty must be a finite number > 0, got 0.0"),
+])
+def test_sampling_params_outside_their_ranges(
+    kwargs: dict[str, Any], param: str, message: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert (e.value.message, e.value.param) == (message, param)
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
 
 
 # ------------------------------------------------------------------------------ frozen params
@@ -257,8 +319,8 @@ def test_fan_out_changes_no_params(processor: InputProcessor) -> None:
 
 def test_the_server_path_changes_no_params(tiny_model_dir: str) -> None:
     """Input processor + Generation + an in-process engine (which shares the params objects):
-    the request's params and every child's are as given after the run, max_tokens=None
-    included (the engine resolves it into its Request, not into the params)."""
+    the request's params are as given after the run, max_tokens=None included; the children
+    carry the budget the input processor resolved for all n of them."""
     from tailserve.engine.client import InprocEngineClient
     from tailserve.model.loader import load_tokenizer
     from tailserve.server.generation import Generation
@@ -283,10 +345,10 @@ def test_the_server_path_changes_no_params(tiny_model_dir: str) -> None:
                 while not gen.done:
                     await asyncio.wait_for(gen.next_outputs(), 60)
                 assert params == before
-                assert all(c.max_tokens is None for c in children)
-                # max_tokens=None ran to max_model_len, so the engine did resolve it.
+                # max_tokens=None ran to max_model_len (the pool is far larger than n x 64).
                 for c in gen.ordered_choices():
                     n_prompt = len(parents[c.prompt_index].prompt.token_ids)
+                    assert children[c.index].max_tokens == 64 - n_prompt
                     assert len(c.out.token_ids) == 64 - n_prompt
                     assert c.out.finish_reason == "length"
         finally:

@@ -26,6 +26,8 @@ from schemathesis.checks import not_a_server_error
 from server_util import ServerProcess, metric_value
 
 MAX_REQUEST_BYTES = 20000
+# n x (prompt + max_tokens) per request: four sequences of the tiny model's 512 tokens.
+MAX_REQUEST_TOKENS = 2048
 API_KEY = "sekret"
 # Set to "" so a TAILSERVE_API_KEY in the developer's shell cannot turn auth on where a test
 # expects it off (the CLI treats an empty value as unset).
@@ -98,8 +100,9 @@ def raw_http(port: int, head: bytes, body: bytes = b"", send_chunks: list[bytes]
 @pytest.fixture(scope="module")
 def err_server(tiny_model_dir: str) -> Iterator[ServerProcess]:
     """Default max_model_len (512, the tiny model's) and a small body limit; no API key."""
-    with ServerProcess(["--max-request-bytes", str(MAX_REQUEST_BYTES)], model=tiny_model_dir,
-                       env=NO_KEY_ENV) as srv:
+    with ServerProcess(["--max-request-bytes", str(MAX_REQUEST_BYTES),
+                        "--max-request-tokens", str(MAX_REQUEST_TOKENS)],
+                       model=tiny_model_dir, env=NO_KEY_ENV) as srv:
         yield srv
 
 
@@ -246,7 +249,8 @@ def test_out_of_range_numbers_are_400(
     {"seed": -(2**63)},
     {"seed": 2**63 - 1},
     {"priority": -(2**63)},
-    {"stop_token_ids": [2**63 - 1, -(2**63)]},
+    {"stop_token_ids": [0]},
+    {"top_k": -1},
     {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1e300},
     {"n": 16, "logprobs": 20, "stream": True},
 ])
@@ -282,6 +286,57 @@ def test_token_ids_out_of_vocabulary(client: httpx.Client) -> None:
         assert re.search(r"\[0, \d+\)", err["message"]), err  # states the valid range
     r = client.post("/detokenize", json={"tokens": [1, 10**9]})
     assert_openai_error(r, 400, "tokens", (10**9,))
+
+
+def test_stop_token_ids_outside_the_vocabulary(client: httpx.Client) -> None:
+    for bad in (10**9, -1, 2**63 - 1):
+        r = client.post("/v1/completions",
+                        json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": [1, bad]})
+        err = assert_openai_error(r, 400, "stop_token_ids", (bad,))
+        assert re.search(r"\[0, \d+\)", err["message"]), err
+
+
+@pytest.mark.parametrize(("body", "param", "numbers"), [
+    ({"top_k": -2}, "top_k", (-2,)),
+    ({"top_k": -(2**63)}, "top_k", (-(2**63),)),
+    ({"seed": 2**63 - 1, "n": 3}, "seed", (2**63 - 3, 3)),
+    ({"presence_penalty": -2.5}, "presence_penalty", (-2.5,)),
+    ({"frequency_penalty": 3.0}, "frequency_penalty", (3.0,)),
+    ({"repetition_penalty": -1.0}, "repetition_penalty", (-1.0,)),
+])
+def test_sampling_fields_outside_their_ranges(
+    client: httpx.Client, body: dict[str, Any], param: str, numbers: tuple[Any, ...]
+) -> None:
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+    assert_openai_error(r, 400, param, numbers)
+
+
+def test_n_times_max_tokens_beyond_the_request_cap(client: httpx.Client) -> None:
+    """n=16 x (10 + 200) = 3360 tokens > the cap of 2048: refused before anything runs."""
+    r = client.post("/v1/completions",
+                    json={"prompt": [5] * 10, "n": 16, "max_tokens": 200})
+    assert_openai_error(r, 400, "n", (16, 10, 200, 3360, MAX_REQUEST_TOKENS))
+    r = client.post("/v1/chat/completions", json=_chat(n=16, max_tokens=200))
+    assert_openai_error(r, 400, "n", (16, 200, MAX_REQUEST_TOKENS))
+    # The boundary is allowed: 4 x (12 + 500) = 2048.
+    r = client.post("/v1/completions", json={"prompt": [5] * 12, "n": 4, "max_tokens": 500,
+                                             "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2000
+
+
+def test_null_max_tokens_runs_to_max_model_len_under_the_cap(client: httpx.Client) -> None:
+    # One sequence: 512 - 10 = 502 tokens (vLLM's reading of null, the cap not binding).
+    r = client.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": None,
+                                             "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 502
+    # Eight sequences share 2048 tokens: 2048 // 8 - 10 = 246 each.
+    r = client.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": None, "n": 8,
+                                             "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8 * 246
+    assert {c["finish_reason"] for c in r.json()["choices"]} == {"length"}
 
 
 def test_empty_prompts_are_400(client: httpx.Client) -> None:
@@ -749,3 +804,102 @@ def test_fuzz_server_healthy_afterwards(fuzz_server: ServerProcess) -> None:
     assert metric_value(metrics, "tailserve:num_requests_waiting") == 0
     out = fuzz_server.output()
     assert "Traceback" not in out, out
+
+
+# ------------------------------------------------------------------------------ slow clients
+HEADER_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_model_dir: str) -> Iterator[ServerProcess]:
+    with ServerProcess(["--header-timeout", str(HEADER_TIMEOUT_S)], model=tiny_model_dir,
+                       env=NO_KEY_ENV) as srv:
+        yield srv
+
+
+def _drip(sock: socket.socket, data: bytes, every_s: float) -> float:
+    """Send ``data`` a byte every ``every_s`` until the server closes; return when it did
+    (seconds after the first byte)."""
+    import time
+
+    start = time.monotonic()
+    for b in data:
+        try:
+            sock.sendall(bytes([b]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        sock.settimeout(every_s)
+        try:
+            sock.recv(65536, socket.MSG_PEEK)  # returns once the server answered or closed
+            break
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            break
+    return time.monotonic() - start
+
+
+def test_headers_sent_a_byte_a_second_are_cut_off(slow_server: ServerProcess) -> None:
+    import time
+
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=30) as s:
+        start = time.monotonic()
+        elapsed = _drip(s, head, 1.0)
+        s.settimeout(5)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        closed_after = time.monotonic() - start
+    assert elapsed < HEADER_TIMEOUT_S + 1.0
+    assert HEADER_TIMEOUT_S - 0.1 <= closed_after <= HEADER_TIMEOUT_S + 1.0, closed_after
+    assert data.startswith(b"HTTP/1.1 408 "), data
+    check_error_body(data.partition(b"\r\n\r\n")[2].decode())
+
+
+def test_normal_and_slow_body_requests_are_unaffected(slow_server: ServerProcess) -> None:
+    """The bound is on the headers: a body that takes longer than it, and a second request on
+    a kept-alive connection after a pause shorter than it, are served; a second request whose
+    headers drip is cut off like the first."""
+    import time
+
+    payload = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode())
+    with socket.create_connection(("127.0.0.1", slow_server.port), timeout=30) as s:
+        s.sendall(head)
+        for i in range(0, len(payload), len(payload) // 4 + 1):  # the body over ~3 s
+            time.sleep(0.75)
+            s.sendall(payload[i : i + len(payload) // 4 + 1])
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 "), first
+        while b"}}" not in first and b'"usage"' not in first:
+            first += s.recv(65536)
+        time.sleep(HEADER_TIMEOUT_S / 2)
+        s.sendall(head + payload)
+        second = s.recv(65536)
+        assert second.startswith(b"HTTP/1.1 200 "), second
+        time.sleep(0.2)
+        while True:  # drain the rest of the second response
+            s.settimeout(0.5)
+            try:
+                if not s.recv(65536):
+                    break
+            except TimeoutError:
+                break
+        start = time.monotonic()
+        _drip(s, head, 1.0)
+        s.settimeout(5)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - start <= HEADER_TIMEOUT_S + 1.0
+        assert b"408" in data, data
+    r = httpx.get(slow_server.url + "/health", timeout=5)
+    assert r.status_code == 200

@@ -258,6 +258,78 @@ def test_abort_storm_frees_everything(long_server: ServerProcess) -> None:
     assert httpx.get(url + "/health", timeout=5).status_code == 200
 
 
+def aborts(text: str, reason: str) -> float | None:
+    return metric_value(text, "tailserve:request_aborts_total", {"reason": reason})
+
+
+def success(text: str, finish_reason: str) -> float | None:
+    return metric_value(
+        text, "tailserve:request_success_total", {"finished_reason": finish_reason}
+    )
+
+
+def test_a_disconnect_storm_is_counted_and_recorded(long_model_dir: str) -> None:
+    """40 streaming clients that hang up after their first chunk: exactly 40 aborts by
+    client_disconnect in /metrics (and in request_success_total{finished_reason="abort"}),
+    40 timeline records with their timing, and every block free afterwards."""
+    n = 40
+    with serving(["--max-num-seqs", "8"], long_model_dir) as srv:
+        url = srv.url
+
+        async def run() -> tuple[list[StreamResult], str]:
+            limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+                results = await asyncio.gather(*[
+                    stream_completion(client, url, completion(LONG_CONTEXT - 64, stream=True),
+                                      cancel_after=1)
+                    for _ in range(n)
+                ])
+                text = await poll_metrics(
+                    client, url,
+                    lambda t: engine_idle(t) and aborts(t, "client_disconnect") == n,
+                    timeout=10.0,
+                )
+            return list(results), text
+
+        results, text = asyncio.run(run())
+        assert all(r.status == 200 and r.cancelled for r in results)
+        assert engine_idle(text), idle_summary(text)
+        assert aborts(text, "client_disconnect") == n
+        assert success(text, "abort") == n
+        assert success(text, "length") == 0 and success(text, "stop") == 0
+        for reason in ("stop_string", "drain", "engine_error", "server_error"):
+            assert aborts(text, reason) == 0, reason
+        records = [
+            r for r in httpx.get(url + "/debug/timeline", timeout=10).json()["records"]
+            if r["kind"] == "request"
+        ]
+        assert len(records) == n
+        for r in records:
+            assert (r["finish_reason"], r["abort_reason"]) == ("abort", "client_disconnect")
+            assert r["output_tokens"] >= 1 and r["prompt_tokens"] >= 1
+            # Its timing, from the API's clock: arrival <= first token <= the hang-up.
+            assert r["arrival_time"] <= r["first_token_time"] <= r["finished_time"], r
+
+
+def test_a_stop_string_is_counted_as_the_reason_its_request_ended(
+    long_server: ServerProcess,
+) -> None:
+    """A stop string matched in the text ends the engine request from the API: finish_reason
+    "stop" (it succeeded), request_aborts_total{reason="stop_string"} counts it."""
+    url = long_server.url
+    before = httpx.get(url + "/metrics", timeout=10).text
+    # The tiny model's greedy text for this prompt, then a stop at one of its characters.
+    body = completion(24)
+    text = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    stop = text[3:5]
+    r = httpx.post(url + "/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop", r
+    after = httpx.get(url + "/metrics", timeout=10).text
+    assert aborts(after, "stop_string") == (aborts(before, "stop_string") or 0) + 1
+    assert success(after, "stop") == (success(before, "stop") or 0) + 1
+    assert aborts(after, "client_disconnect") == aborts(before, "client_disconnect")
+
+
 def test_non_streamed_disconnect_aborts_in_engine(long_server: ServerProcess) -> None:
     """A non-streamed request whose client hangs up is aborted in the engine (blocks freed)
     while it still has thousands of tokens to go."""
@@ -292,8 +364,11 @@ def test_non_streamed_disconnect_aborts_in_engine(long_server: ServerProcess) ->
             later = (await client.get(url + "/metrics")).text
         return after, idle_after, later
 
+    before = httpx.get(url + "/metrics", timeout=10).text
     after, idle_after, later = asyncio.run(run())
     assert engine_idle(after), idle_summary(after)
+    # Counted once, as the client's doing.
+    assert aborts(after, "client_disconnect") == (aborts(before, "client_disconnect") or 0) + 1
     assert idle_after < 1.0, f"the engine ran the request {idle_after:.2f} s past the hang-up"
     generated = metric_value(later, "tailserve:generation_tokens_total")
     assert generated == metric_value(after, "tailserve:generation_tokens_total")
@@ -448,14 +523,16 @@ def test_a_failed_hand_off_leaks_no_slot(bounded_server: ServerProcess) -> None:
 
 
 # ---------------------------------------------------------------------------- SIGTERM drain
-def test_sigterm_drain(long_model_dir: str) -> None:
+def test_sigterm_drain(long_model_dir: str, tmp_path: Any) -> None:
     """SIGTERM with --shutdown-timeout 3: new work gets 503 and /health 503 at once; in-flight
     requests that end within the timeout finish normally ("length", every token); the ones
     still running at the timeout end with finish_reason "abort" and [DONE]; the server exits
     0 and leaves no engine behind. The engine gets its SIGTERM too, as from a supervisor that
     signals the whole service (systemd's KillMode=control-group): the drain must survive it."""
     timeout_s, short_tokens, long_tokens = 3.0, 32, LONG_CONTEXT - 64
-    with serving(["--shutdown-timeout", str(timeout_s)], long_model_dir) as srv:
+    timeline = tmp_path / "timeline.jsonl"
+    with serving(["--shutdown-timeout", str(timeout_s), "--timeline", str(timeline)],
+                 long_model_dir) as srv:
         url = srv.url
         engine = engine_process(srv)
         engine_pid = engine.pid
@@ -510,6 +587,11 @@ def test_sigterm_drain(long_model_dir: str) -> None:
         assert res.events[-1]["tailserve_timing"]["output_tokens"] == usage["completion_tokens"]
     # The long streams ran until the shutdown timeout, not less.
     assert min(ended_after[0::2]) >= timeout_s - 0.1, ended_after
+    # The timeline says why each request ended: the two long ones by the drain.
+    records = [json.loads(line) for line in timeline.read_text().splitlines()]
+    ends = sorted((r["finish_reason"], r["abort_reason"]) for r in records
+                  if r["kind"] == "request")
+    assert ends == [("abort", "drain")] * 2 + [("length", None)] * 2, ends
     assert code == 0
     assert "Traceback" not in log
     assert_no_engine_left(srv, engine_pid)

@@ -162,6 +162,41 @@ def test_logprobs(client: openai.OpenAI) -> None:
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
 
 
+def test_streamed_logprobs_offsets_continue_across_chunks(client: openai.OpenAI) -> None:
+    """text_offset counts from the start of the completion in every chunk, as in the body;
+    logprobs=0 names the sampled token in each entry (no empty dicts)."""
+    for k in (0, 2):
+        full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                         temperature=0, logprobs=k)
+        chunks = list(client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=k, stream=True,
+        ))
+        offsets: list[int] = []
+        tops: list[dict[str, float]] = []
+        tokens: list[str] = []
+        for c in chunks:
+            lp = c.choices[0].logprobs if c.choices else None
+            if lp is not None:
+                offsets += lp.text_offset or []
+                tops += lp.top_logprobs or []
+                tokens += lp.tokens or []
+        body = full.choices[0].logprobs
+        assert body is not None and body.tokens is not None
+        assert len(chunks) > 2  # more than one chunk carried tokens
+        assert tokens == body.tokens
+        assert offsets == body.text_offset
+        expected, pos = [], 0
+        for t in body.tokens:
+            expected.append(pos)
+            pos += len(t)
+        assert offsets == expected
+        assert tops == body.top_logprobs
+        assert [len(t) for t in tops] == [max(k, 1)] * 8
+        if k == 0:
+            assert [list(t) for t in tops] == [[t] for t in body.tokens]
+            assert [t[s] for t, s in zip(tops, body.tokens, strict=True)] == body.token_logprobs
+
+
 def test_token_id_prompt_and_list_of_prompts(client: openai.OpenAI, server: ServerProcess) -> None:
     ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
@@ -176,6 +211,9 @@ def test_token_id_prompt_and_list_of_prompts(client: openai.OpenAI, server: Serv
 def test_models_version_tokenize_detokenize(server: ServerProcess, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # The served name, not where the weights are installed.
+    raw = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert raw["root"] == MODEL
     assert httpx.get(server.url + "/version").json()["version"]
     tok = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0

@@ -137,6 +137,11 @@ class EngineArgs:
     max_queue_len: int | None = field(
         default=None, metadata={"help": "waiting requests beyond which new ones are rejected"}
     )
+    max_request_tokens: int | None = field(
+        default=None,
+        metadata={"help": "most tokens one request may ask for, n x (prompt + max_tokens); "
+                  "default: the KV pool's total (num_kv_blocks x block_size)"},
+    )
     tensor_parallel_size: int = 1
     enforce_eager: bool = field(
         default=False,
@@ -189,6 +194,11 @@ class EngineArgs:
                 "long_prefill_token_threshold must be >= 1, "
                 f"got {self.long_prefill_token_threshold}"
             )
+        if self.max_request_tokens is not None and self.max_request_tokens < 2:
+            raise ConfigError(
+                f"max_request_tokens must be >= 2 (one prompt and one output token), got "
+                f"{self.max_request_tokens}"
+            )
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if not 0.0 < self.memory_alert <= 1.0:
@@ -234,6 +244,7 @@ class EngineArgs:
             admission_policy=self.admission_policy,
             scheduling_policy=self.scheduling_policy,
             max_queue_len=self.max_queue_len,
+            max_request_tokens=self.max_request_tokens,
         )
         observability = ObservabilityConfig(
             memory_alert=self.memory_alert,
@@ -314,6 +325,8 @@ class SchedulerConfig:
     admission_policy: Literal["optimistic", "reserve"] = "optimistic"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_queue_len: int | None = None
+    # None: the pool's total tokens (CacheConfig), see ``request_limits``.
+    max_request_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -370,7 +383,15 @@ class EngineConfig:
         return RequestLimits(
             vocab_size=self.model.vocab_size, max_model_len=self.scheduler.max_model_len,
             block_size=self.cache.block_size, num_kv_blocks=self.cache.num_kv_blocks,
+            max_request_tokens=max_request_tokens(self.scheduler, self.cache),
         )
+
+
+def max_request_tokens(scheduler: SchedulerConfig, cache: CacheConfig) -> int:
+    """The per-request token cap: the user's, else every token the pool holds."""
+    if scheduler.max_request_tokens is not None:
+        return scheduler.max_request_tokens
+    return cache.num_kv_blocks * cache.block_size
 
 
 @dataclass(frozen=True)

@@ -175,14 +175,19 @@ class LengthLimits(Protocol):
     @property
     def num_kv_blocks(self) -> int: ...
 
+    @property
+    def max_request_tokens(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class SequenceLimits:
-    """The lengths alone: what the scheduler checks (it has no vocabulary to check against)."""
+    """The lengths alone: what the scheduler checks (it has no vocabulary to check against).
+    The scheduler sees one sequence at a time, so it applies ``max_request_tokens`` with n=1."""
 
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    max_request_tokens: int
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,21 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    # The most tokens one request may ask for, n x (prompt + max_tokens): by default the
+    # pool's total, so a request whose sequences could never all be in the pool at once (and
+    # would run for as long as several requests in a row) is refused up front.
+    max_request_tokens: int
+
+
+def check_stop_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise ``InvalidRequestError`` (param ``stop_token_ids``) for ids outside the vocabulary:
+    the model can never sample them, so the stop could never fire."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}",
+            param="stop_token_ids",
+        )
 
 
 def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
@@ -205,12 +225,16 @@ def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
         )
 
 
-def check_request_lengths(limits: LengthLimits, n_prompt: int, max_tokens: int | None) -> int:
-    """Raise ``InvalidRequestError`` (with the numbers) for a request that can never be served;
-    return ``max_tokens`` resolved (``None`` -> the room left under max_model_len)."""
+def check_request_lengths(
+    limits: LengthLimits, n_prompt: int, max_tokens: int | None, n: int = 1
+) -> int:
+    """Raise ``InvalidRequestError`` (with the numbers) for a request of ``n`` sequences that
+    can never be served; return ``max_tokens`` resolved (``None`` -> the room left under
+    max_model_len and under ``max_request_tokens`` shared by the ``n`` sequences)."""
     if n_prompt == 0:
         raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
     max_model_len = limits.max_model_len
+    cap = limits.max_request_tokens
     if n_prompt >= max_model_len:
         raise InvalidRequestError(
             f"the prompt has {n_prompt} tokens but max_model_len is {max_model_len}; "
@@ -218,7 +242,15 @@ def check_request_lengths(limits: LengthLimits, n_prompt: int, max_tokens: int |
             param="input_tokens",
         )
     if max_tokens is None:
-        max_tokens = max_model_len - n_prompt
+        # vLLM's reading of a missing budget (up to max_model_len), bounded by the per-request
+        # cap so that a careless client cannot hold the engine for minutes.
+        max_tokens = min(max_model_len - n_prompt, cap // n - n_prompt)
+        if max_tokens < 1:
+            raise InvalidRequestError(
+                f"n ({n}) x (prompt ({n_prompt} tokens) + 1 output token) = "
+                f"{n * (n_prompt + 1)} tokens exceeds max_request_tokens ({cap})",
+                param="n" if n > 1 else "input_tokens",
+            )
     elif n_prompt + max_tokens > max_model_len:
         raise InvalidRequestError(
             f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
@@ -231,5 +263,13 @@ def check_request_lengths(limits: LengthLimits, n_prompt: int, max_tokens: int |
             f"prompt + max_tokens = {n_prompt + max_tokens} tokens need {blocks_needed} KV "
             f"blocks but the whole pool has {limits.num_kv_blocks}",
             param="input_tokens",
+        )
+    total = n * (n_prompt + max_tokens)
+    if total > cap:
+        raise InvalidRequestError(
+            f"n ({n}) x (prompt ({n_prompt} tokens) + max_tokens ({max_tokens})) = {total} "
+            f"tokens exceeds max_request_tokens ({cap})",
+            # n is the field to lower when one sequence alone would fit.
+            param="n" if n > 1 and n_prompt + max_tokens <= cap else "max_tokens",
         )
     return max_tokens

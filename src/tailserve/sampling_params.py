@@ -10,6 +10,8 @@ from tailserve.errors import InvalidRequestError, check_valid_unicode
 # Top-N logprobs are computed with one topk over the vocabulary; the cap keeps that op bounded.
 MAX_LOGPROBS = 20
 MAX_N = 16
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
 # Temperatures below this sample greedily (as vLLM does): logits / 1e-40 overflow to inf and
 # the softmax turns to NaN, which would pick token 0 every step.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -25,8 +27,8 @@ class SamplingParams:
     are copied on construction, so the caller's lists are not shared either.
 
     ``temperature == 0`` (or below 1e-5) means greedy. ``top_k == 0`` (or -1, as vLLM users
-    write it) disables top-k. ``seed`` makes the request's draws reproducible regardless of its
-    batch mates.
+    write it) disables top-k; below -1 is an error. ``seed`` makes the request's draws
+    reproducible regardless of its batch mates.
     """
 
     n: int = 1
@@ -52,13 +54,26 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
-        if self.top_k is None or self.top_k < 0:
+        # -1 is how vLLM users write "disabled"; below it is a mistake (checked in _validate).
+        if self.top_k is None or self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
 
     def _validate(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.top_k < 0:
+            raise InvalidRequestError(
+                f"top_k must be -1 or 0 (disabled) or a positive number, got {self.top_k}",
+                param="top_k",
+            )
+        # The n children of a seeded request draw with seed + i; every one of them must still
+        # be an int64 (the wire format and torch.Generator.manual_seed both take one).
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            raise InvalidRequestError(
+                f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] with n {self.n}, "
+                f"got {self.seed}", param="seed",
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"

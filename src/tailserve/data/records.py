@@ -59,6 +59,13 @@ class EngineState:
         return 1.0 - self.free_blocks / self.total_blocks
 
 
+# Why the API ended an engine request before the engine finished it (``abort_reason``):
+# the client went away; a stop string matched in the detokenized text (finish_reason "stop":
+# the choice succeeded, the engine was told to stop); SIGTERM's drain ran out of time; the
+# engine died under it (finish_reason "error"); our own code failed while streaming it.
+ABORT_REASONS = ("client_disconnect", "stop_string", "drain", "engine_error", "server_error")
+
+
 @dataclass
 class RequestRecord:
     """One finished (or failed / rejected-after-admission) request, as the timeline stores it.
@@ -82,6 +89,8 @@ class RequestRecord:
     finished_time: float | None = None  # wall clock
     itl_s: list[float] = field(default_factory=list)
     model: str | None = None
+    # One of ABORT_REASONS when the API ended the engine request early, else None.
+    abort_reason: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

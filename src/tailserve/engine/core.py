@@ -13,7 +13,12 @@ from tailserve.engine.scheduler import Scheduler
 from tailserve.model.device import detect_platform
 from tailserve.model.runner import ModelRunner
 from tailserve.obs.profiling import span
-from tailserve.request import Request, RequestStatus, check_prompt_token_ids
+from tailserve.request import (
+    Request,
+    RequestStatus,
+    check_prompt_token_ids,
+    check_stop_token_ids,
+)
 
 if TYPE_CHECKING:
     from tailserve.model.loader import LoadedModel
@@ -76,6 +81,7 @@ class EngineCore:
         The input processor ran these checks already; the engine runs them again because it
         stays the authority for whatever reaches it (the scheduler checks the lengths)."""
         check_prompt_token_ids(req.prompt_token_ids, self.model_config.vocab_size)
+        check_stop_token_ids(req.sampling_params.stop_token_ids, self.model_config.vocab_size)
         if not req.eos_token_ids:
             req.eos_token_ids = self.model_config.eos_token_ids
         self.scheduler.add_request(req)

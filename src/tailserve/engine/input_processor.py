@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailserve.errors import InvalidRequestError, check_valid_unicode
-from tailserve.request import RequestLimits, check_prompt_token_ids, check_request_lengths
+from tailserve.request import (
+    RequestLimits,
+    check_prompt_token_ids,
+    check_request_lengths,
+    check_stop_token_ids,
+)
 from tailserve.sampling_params import SamplingParams
 
 # vLLM's prompt forms: a text, or {"prompt_token_ids": [...]} (with an optional "prompt" text).
@@ -128,9 +133,17 @@ class InputProcessor:
         differ from each other and still reproduce). A single child keeps ``request_id``
         itself unless ``always_suffix`` (the server's ids always carry the index).
 
-        ``params`` is never changed; with ``n == 1`` the child shares it (it is frozen).
+        ``params`` is never changed; with ``n == 1`` the child shares it (it is frozen), or a
+        copy with ``max_tokens=None`` resolved.
         """
-        check_request_lengths(self.limits, len(prompt.token_ids), params.max_tokens)
+        check_stop_token_ids(params.stop_token_ids, self.limits.vocab_size)
+        max_tokens = check_request_lengths(
+            self.limits, len(prompt.token_ids), params.max_tokens, params.n
+        )
+        if params.max_tokens is None:
+            # The engine sees one child at a time and would resolve None to its own room;
+            # the children carry the budget resolved for all n of them under the cap.
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         n = params.n
         if n == 1 and not always_suffix:
             return ParentRequest(request_id, prompt, {request_id: params})

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits
+from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits, max_request_tokens
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.errors import InvalidRequestError, QueueFullError
@@ -81,7 +81,10 @@ class Scheduler:
         check_pool_fits(config, cache)
         self.config = config
         self.cache_config = cache
-        self._lengths = SequenceLimits(config.max_model_len, cache.block_size, cache.num_kv_blocks)
+        self._lengths = SequenceLimits(
+            config.max_model_len, cache.block_size, cache.num_kv_blocks,
+            max_request_tokens(config, cache),
+        )
         self.kv = KVCacheManager(
             cache.num_kv_blocks,
             cache.block_size,

@@ -24,7 +24,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tailserve.data.records import EngineState, RequestRecord
+from tailserve.data.records import ABORT_REASONS, EngineState, RequestRecord
 from tailserve.data.step import StepStats
 
 PREFIX = "tailserve:"
@@ -136,6 +136,10 @@ class ServerMetrics:
         self.request_errors = counter(
             "request_errors_total", "Failed requests by error type.", ("type",)
         )
+        self.request_aborts = counter(
+            "request_aborts_total",
+            "Engine requests the API ended before the engine finished them, by why.", ("reason",),
+        )
         self.num_preemptions = counter("num_preemptions_total", "Preemptions (recompute).")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
@@ -151,6 +155,8 @@ class ServerMetrics:
             self.request_success.labels(finished_reason=reason)
         for reason in REJECT_REASONS:
             self.requests_rejected.labels(reason=reason)
+        for reason in ABORT_REASONS:
+            self.request_aborts.labels(reason=reason)
 
         fast, slow, tokens = FAST_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS
         self.time_to_first_token = histogram(
@@ -229,6 +235,8 @@ class ServerMetrics:
     def on_request_finished(self, rec: RequestRecord) -> None:
         self.prompt_tokens.inc(rec.prompt_tokens)
         self.generation_tokens.inc(rec.output_tokens)
+        if rec.abort_reason is not None:
+            self.request_aborts.labels(reason=rec.abort_reason).inc()
         if rec.error_type is not None:
             self.request_errors.labels(type=rec.error_type).inc()
         elif rec.finish_reason in SUCCESS_REASONS:

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import tailserve
 from tailserve.config import EngineArgs
@@ -39,6 +40,7 @@ from tailserve.server.errors import (
     error_body,
     error_response,
 )
+from tailserve.server.header_timeout import header_timeout_protocol
 from tailserve.server.middleware import EdgeMiddleware
 from tailserve.server.protocol import (
     ChatCompletionRequest,
@@ -106,7 +108,9 @@ def create_app(ctx: ServerContext) -> Any:
             "object": "list",
             "data": [{
                 "id": ctx.model_names[0], "object": "model", "created": int(ctx.started),
-                "owned_by": "tailserve", "root": ctx.client.info.model if ctx.client.info else None,
+                # The served name, never the weights' install path (which tells a client
+                # nothing it may use and tells an attacker where things live).
+                "owned_by": "tailserve", "root": ctx.model_names[0],
                 "max_model_len": ctx.config.scheduler.max_model_len,
             }],
         }
@@ -286,6 +290,8 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     config = uvicorn.Config(
         create_app(ctx), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+        # uvicorn never closes a connection that drips its headers (slowloris).
+        http=header_timeout_protocol(AutoHTTPProtocol, settings.header_timeout),
         # Our middleware answers oversized headers with 431; the parser must let them through.
         h11_max_incomplete_event_size=max(settings.max_header_bytes * 4, 64 << 10),
     )

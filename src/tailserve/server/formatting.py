@@ -101,28 +101,52 @@ class CompletionFormatter(OpenAIFormatter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
+    def __init__(self, tokenizer: Any, model: str, top_logprobs: int) -> None:
+        super().__init__(tokenizer, model, top_logprobs)
+        # Per choice index: where its next streamed token starts in the choice's text, so
+        # text_offset counts from the start of the completion in every chunk, as it does in
+        # the non-streamed body.
+        self._offsets: dict[int, int] = {}
+
     def choice_fields(self, c: Choice) -> dict[str, Any]:
-        return {"text": c.out.text, "logprobs": self.logprobs(c.out.token_ids, c.out.logprobs)}
+        return {
+            "text": c.out.text, "logprobs": self.logprobs(c.out.token_ids, c.out.logprobs)[0]
+        }
 
     def delta_fields(self, d: Delta, first: bool) -> dict[str, Any]:
-        return {"text": d.text, "logprobs": self.logprobs(d.token_ids, d.logprobs)}
+        index = d.choice.index
+        logprobs, end = self.logprobs(d.token_ids, d.logprobs, self._offsets.get(index, 0))
+        self._offsets[index] = end
+        return {"text": d.text, "logprobs": logprobs}
 
     def logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]] | None
-    ) -> dict[str, Any] | None:
+        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, start: int = 0
+    ) -> tuple[dict[str, Any] | None, int]:
+        """The legacy logprobs of ``token_ids`` whose text begins at offset ``start``, and the
+        offset after them."""
         if logprobs is None:
-            return None
+            return None, start
         tokens = [self.token_text(t) for t in token_ids]
-        offsets, pos = [], 0
+        offsets, pos = [], start
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
+        token_logprobs = [lp.get(t) for t, lp in zip(token_ids, logprobs, strict=False)]
+        if self.k == 0:
+            # logprobs=0 asks for the sampled tokens' logprobs only: each entry names the
+            # sampled token (as vLLM answers), never an empty dict that names nothing.
+            top = [
+                {text: value} for text, value in zip(tokens, token_logprobs, strict=False)
+                if value is not None
+            ]
+        else:
+            top = [{self.token_text(i): v for i, v in self.top(lp)} for lp in logprobs]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs, strict=False)],
-            "top_logprobs": [{self.token_text(i): v for i, v in self.top(lp)} for lp in logprobs],
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
             "text_offset": offsets,
-        }
+        }, pos
 
 
 class ChatFormatter(OpenAIFormatter):

@@ -48,6 +48,7 @@ class Choice:
     sent_chars: int = 0
     sent_tokens: int = 0
     last_t: float | None = None
+    first_t: float | None = None  # engine-stamped, when its first token's step ended
     itl_s: list[float] = field(default_factory=list)
     timing: dict[str, Any] | None = None
     finished: bool = False
@@ -88,6 +89,9 @@ class Generation:
         self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.choices: dict[str, Choice] = {}
         self._disconnect_checked = time.monotonic()
+        # Children the output processor found a stop string in: their engine requests were
+        # ended from here, and their records say so.
+        self._stopped_by_string: set[str] = set()
         # Streaming holds back the last characters that could begin a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
@@ -131,12 +135,29 @@ class Generation:
                 rec = self._record(choice, None)
                 rec.error_type = error_type
                 rec.http_status = 500
+                rec.abort_reason = "engine_error"
                 self.on_choice_finished(rec)
 
-    def abort(self) -> None:
-        """Abort every unfinished choice; nothing more arrives for them."""
-        unfinished = [cid for cid, c in self.choices.items() if not c.finished]
-        self.client.finish(unfinished, RequestStatus.FINISHED_ABORTED, deliver_final=False)
+    def abort(self, reason: str | None) -> None:
+        """Abort every unfinished choice; nothing more arrives for them.
+
+        With ``reason`` (one of ``ABORT_REASONS``) each is recorded as finished with
+        finish_reason "abort", so metrics and the timeline count it; ``None`` for a request the
+        engine rejected, which is counted as a rejection where its error status is chosen.
+        """
+        unfinished = [c for c in self.choices.values() if not c.finished]
+        self.client.finish(
+            [c.engine_id for c in unfinished], RequestStatus.FINISHED_ABORTED,
+            deliver_final=False,
+        )
+        if reason is None:
+            return
+        for choice in unfinished:
+            choice.finished = True
+            choice.out.finish_reason = FinishReason.ABORT.value
+            rec = self._record(choice, None)
+            rec.abort_reason = reason
+            self.on_choice_finished(rec)
 
     @property
     def done(self) -> bool:
@@ -159,7 +180,7 @@ class Generation:
             if isinstance(it, BaseException):
                 if isinstance(it, EngineDeadError):
                     self.fail("engine_error")
-                self.abort()
+                self.abort(None)  # a rejection (or nothing left after fail)
                 raise it
             t, eo = it
             choice = self.choices.get(eo.request_id)
@@ -179,7 +200,7 @@ class Generation:
             if now - self._disconnect_checked >= DISCONNECT_POLL_S:
                 self._disconnect_checked = now
                 if await is_disconnected():
-                    self.abort()
+                    self.abort("client_disconnect")
                     raise ClientGone()
             if not self.queue.empty():
                 return self.queue.get_nowait()
@@ -192,19 +213,30 @@ class Generation:
         if eo.new_token_ids:
             if choice.last_t is not None:
                 choice.itl_s.append(t - choice.last_t)
+            else:
+                choice.first_t = t
             choice.last_t = t
         _, to_stop = self.processor.process([eo])
         if to_stop:
             # Their final outputs (finish_reason "stop") still come, and finish the choices.
+            self._stopped_by_string.update(to_stop)
             self.client.finish(to_stop, RequestStatus.FINISHED_STOPPED, deliver_final=True)
         if eo.finished:
             choice.finished = True
             choice.timing = eo.timing
-            self.on_choice_finished(self._record(choice, eo))
+            rec = self._record(choice, eo)
+            if choice.engine_id in self._stopped_by_string:
+                rec.abort_reason = "stop_string"
+            elif rec.finish_reason == FinishReason.ABORT.value:
+                # The only abort the engine delivers a final output for is the drain's
+                # (ServerContext.drain); every other one is recorded in abort().
+                rec.abort_reason = "drain"
+            self.on_choice_finished(rec)
 
     def _record(self, choice: Choice, eo: EngineOutput | None) -> RequestRecord:
         ts = eo.timestamps if eo is not None else None
-        first = ts.first_token if ts is not None else None
+        # Without a final output (an abort from here) the API's own stamps stand in.
+        first = ts.first_token if ts is not None else choice.first_t
         finished = ts.finished if ts is not None and ts.finished is not None else time.monotonic()
         return RequestRecord(
             t=time.time(),

@@ -7,6 +7,7 @@ endpoint's formatter (``formatting.py``), to the one path that answers in one bo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -191,8 +192,12 @@ class OpenAIServing:
             return await gen.next_outputs(http.is_disconnected)
         except ClientGone:
             raise APIError(499, "client closed the request", "client_closed") from None
+        except asyncio.CancelledError:
+            # The server cancels the handler of a connection that went away.
+            gen.abort("client_disconnect")
+            raise
         except BaseException as exc:
-            gen.abort()
+            gen.abort(None)  # the engine's rejection or death, accounted where it is mapped
             raise self._map(exc) from None
 
     def _map(self, exc: BaseException) -> BaseException:
@@ -219,6 +224,9 @@ class OpenAIServing:
         async def events() -> AsyncIterator[str]:
             changed = first
             started: set[int] = set()
+            # Why the stream ended early, if it did: a client gone cancels this task (or
+            # closes the generator); anything else is a failure of ours.
+            reason = "server_error"
             try:
                 while True:
                     deltas = []
@@ -240,10 +248,13 @@ class OpenAIServing:
             except EngineDeadError as exc:
                 err = engine_error(f"the engine failed: {exc}")
                 yield _sse(error_body(err.message, err.type, None, err.code))
+            except (asyncio.CancelledError, GeneratorExit):
+                reason = "client_disconnect"
+                raise
             finally:
-                # Client gone (the task is cancelled here) or any failure: free the blocks.
+                # Client gone or any failure: free the blocks, and record why.
                 if not gen.done:
-                    gen.abort()
+                    gen.abort(reason)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(

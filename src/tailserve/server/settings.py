@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tailserve.errors import ConfigError
+
 
 @dataclass
 class ServerSettings:
@@ -23,6 +25,10 @@ class ServerSettings:
         default=4 << 20, metadata={"help": "larger bodies get 413"})
     max_header_bytes: int = field(
         default=16 << 10, metadata={"help": "larger headers get 431"})
+    header_timeout: float = field(
+        default=10.0,
+        metadata={"help": "seconds a connection may take to send a request's headers; slower "
+                  "ones get 408 and are closed"})
     shutdown_timeout: float = field(
         default=30.0,
         metadata={"help": "seconds SIGTERM waits for in-flight requests before aborting them"})
@@ -44,3 +50,7 @@ class ServerSettings:
         default=None,
         metadata={"help": "where profile traces go (default: <tmp>/tailserve-profiles)"})
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    def __post_init__(self) -> None:
+        if not self.header_timeout > 0:  # written so that NaN fails it too
+            raise ConfigError(f"header_timeout must be > 0 seconds, got {self.header_timeout}")

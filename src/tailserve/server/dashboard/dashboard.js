@@ -158,7 +158,7 @@
 
   function renderErrors(s, first) {
     const rows = [];
-    for (const [group, prefix] of [["errors", ""], ["rejected", "rejected: "]]) {
+    for (const [group, prefix] of [["errors", ""], ["rejected", "rejected: "], ["aborts", "aborted: "]]) {
       const now = s[group] || {};
       const then = first[group] || {};
       for (const type of Object.keys(now).sort()) {

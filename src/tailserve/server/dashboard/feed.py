@@ -111,6 +111,7 @@ class DashboardFeed:
         out["preemptions_total"] = self._preemptions_total
         out["errors"] = self._counts(self.metrics.request_errors, "type")
         out["rejected"] = self._counts(self.metrics.requests_rejected, "reason")
+        out["aborts"] = self._counts(self.metrics.request_aborts, "reason")
         return out
 
     @staticmethod
