@@ -286,6 +286,57 @@ def test_finished_requests_feed_latency_histograms_and_counters() -> None:
     assert s[("tailserve:request_generation_tokens_sum", ())] == 6
 
 
+ROUTED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+
+
+def routed_pairs(m: ServerMetrics) -> list[tuple[float, float]]:
+    """(tailserve: value, vllm: value) of each gauge routers read."""
+    s = scrape(m)
+    return [(s[("tailserve:" + n, ())], s[("vllm:" + n, (("model_name", "smol"),))])
+            for n in ROUTED]
+
+
+def test_vllm_aliases_equal_their_tailserve_twins_at_every_input() -> None:
+    m = ServerMetrics(model_name="smol")
+    m.on_ready(640)  # before any heartbeat: the idle pool under both names
+    assert routed_pairs(m) == [(0, 0), (0, 0), (0.0, 0.0)]
+    m.on_step(step(num_running=3, num_waiting=2, free_blocks=75, total_blocks=100))
+    assert routed_pairs(m) == [(3, 3), (2, 2), (0.25, 0.25)]
+    m.on_engine_state(EngineState(
+        t=2.0, num_running=1, num_waiting=4, free_blocks=40, total_blocks=100,
+        num_preemptions_total=0, device="cpu", memory={},
+    ))
+    assert routed_pairs(m) == [(1, 1), (4, 4), (0.6, 0.6)]
+    body = m.render()[0].decode()
+    for n in ROUTED:
+        assert f"# TYPE vllm:{n} gauge" in body
+
+
+def test_cache_config_info_is_an_info_gauge_with_the_pool_in_its_labels() -> None:
+    m = ServerMetrics(model_name="smol")
+    m.on_cache_config(block_size=16, num_kv_blocks=640, enable_prefix_caching=True,
+                      cache_dtype="float32")
+    info = {k: v for k, v in scrape(m).items() if k[0] == "vllm:cache_config_info"}
+    assert info == {("vllm:cache_config_info", (
+        ("block_size", "16"), ("cache_dtype", "float32"), ("enable_prefix_caching", "True"),
+        ("num_gpu_blocks", "640"),
+    )): 1.0}
+    assert "# TYPE vllm:cache_config_info gauge" in m.render()[0].decode()
+
+
+def test_vllm_aliases_off_leaves_no_vllm_family() -> None:
+    m = ServerMetrics(model_name="smol", enable_vllm_metrics=False)
+    m.on_ready(640)
+    m.on_cache_config(block_size=16, num_kv_blocks=640, enable_prefix_caching=True,
+                      cache_dtype="float32")
+    m.on_step(step(num_running=3, num_waiting=2, free_blocks=75, total_blocks=100))
+    body = m.render()[0].decode()
+    assert "vllm:" not in body
+    s = scrape(m)
+    assert s[("tailserve:num_requests_running", ())] == 3
+    assert s[("tailserve:kv_cache_usage_perc", ())] == 0.25
+
+
 def test_rejections_are_counted_by_reason() -> None:
     m = ServerMetrics()
     m.on_rejected("queue_full")

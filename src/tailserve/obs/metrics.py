@@ -9,6 +9,12 @@ Quirks of prometheus_client that shape the code below:
   ``tailserve:iteration_tokens_total_bucket/_sum/_count``.
 - Each ServerMetrics owns its registry: several servers (or tests) in one process must not
   collide in the global ``REGISTRY``.
+
+Routers (the Gateway API Inference Extension's endpoint picker, llm-d, vllm-router) read vLLM's
+own names, so the gauges they schedule on are also rendered as ``vllm:`` aliases
+(``enable_vllm_metrics``): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` labelled ``model_name`` as vLLM labels them, and the info gauge
+``vllm:cache_config_info`` (value 1, the pool's configuration in its labels).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from tailserve.data.records import ABORT_REASONS, EngineState, RequestRecord
 from tailserve.data.step import StepStats
 
 PREFIX = "tailserve:"
+VLLM_PREFIX = "vllm:"
 # prometheus_client >= 0.22 labels its output "version=1.0.0" (UTF-8 names). Every name here is
 # a classic one (letters, digits, "_", ":"), so the body is the 0.0.4 text format byte for byte;
 # saying so keeps older scrapers and proxies that check the version happy.
@@ -49,16 +56,36 @@ TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(16))
 
 # finish_reason values that count as success; "error" goes to request_errors_total.
 SUCCESS_REASONS = ("stop", "length", "abort")
+# vllm:cache_config_info's labels that tailserve knows truthfully; vLLM's others (swap space,
+# CPU offload, sliding window, ...) describe features tailserve does not have.
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
 REJECT_REASONS = (
     "queue_full", "invalid_request", "draining", "engine_dead", "unauthorized", "too_large",
 )  # fmt: skip
 
 
-class ServerMetrics:
-    """The ``/metrics`` page of one server: feed it engine states, steps and finished requests."""
+class _Twin:
+    """A ``tailserve:`` gauge and its ``vllm:`` alias set in one call, so the two can never
+    disagree (not even at start-up, before the first heartbeat)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *gauges: Gauge) -> None:
+        self._gauges = gauges
+
+    def set(self, value: float) -> None:
+        for g in self._gauges:
+            g.set(value)
+
+
+class ServerMetrics:
+    """The ``/metrics`` page of one server: feed it engine states, steps and finished requests.
+
+    ``model_name`` labels the ``vllm:`` aliases (a router may select a model's replicas by it);
+    ``enable_vllm_metrics=False`` leaves every ``vllm:`` family out.
+    """
+
+    def __init__(self, model_name: str = "tailserve", enable_vllm_metrics: bool = True) -> None:
         self.registry = CollectorRegistry()
+        self.enable_vllm_metrics = enable_vllm_metrics
         # process_resident_memory_bytes, process_cpu_seconds_total, ... of the API process.
         ProcessCollector(registry=self.registry)
         # Device label for the device_* gauges; EngineState carries it, StepStats does not.
@@ -75,10 +102,26 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
-        self.kv_cache_usage_perc = gauge(
+        def routed(name: str, doc: str) -> _Twin:
+            # The gauges routers schedule on: ours, plus vLLM's name when asked for.
+            ours = gauge(name, doc)
+            if not enable_vllm_metrics:
+                return _Twin(ours)
+            alias = Gauge(VLLM_PREFIX + name, doc, ("model_name",), registry=self.registry)
+            return _Twin(ours, alias.labels(model_name=model_name))
+
+        self.num_requests_running = routed("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = routed(
+            "num_requests_waiting", "Requests waiting for admission."
+        )
+        self.kv_cache_usage_perc = routed(
             "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full; cached blocks free)."
+        )
+        # vLLM's info gauge: value 1, the configuration in its labels (set by on_cache_config).
+        self.cache_config_info = (
+            Gauge(VLLM_PREFIX + "cache_config_info", "KV cache configuration (labels; value 1).",
+                  CACHE_CONFIG_LABELS, registry=self.registry)
+            if enable_vllm_metrics else None
         )
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV cache blocks.")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
@@ -206,6 +249,22 @@ class ServerMetrics:
         self.kv_cache_free_blocks.set(num_kv_blocks)
         self.kv_cache_total_blocks.set(num_kv_blocks)
         self.kv_cache_usage_perc.set(0.0)
+
+    def on_cache_config(
+        self, *, block_size: int, num_kv_blocks: int, enable_prefix_caching: bool,
+        cache_dtype: str,
+    ) -> None:
+        """The resolved pool, once at start-up (plain values: obs/ sits below config).
+        ``cache_dtype`` is the runner's dtype, which the KV cache is stored in; vLLM spells the
+        labels as Python ``str()`` of its values, so ``"True"``, not ``"true"``."""
+        if self.cache_config_info is None:
+            return
+        self.cache_config_info.labels(
+            block_size=str(block_size),
+            num_gpu_blocks=str(num_kv_blocks),
+            enable_prefix_caching=str(enable_prefix_caching),
+            cache_dtype=cache_dtype,
+        ).set(1)
 
     def on_engine_state(self, state: EngineState) -> None:
         self._device = state.device

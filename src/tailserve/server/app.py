@@ -280,13 +280,11 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
         await client.shutdown(timeout_s=5)
         return 1
     tokenizer = await tokenizer_task
-    metrics = ServerMetrics()
+    names = served_names(engine_args.model, source, settings.served_model_name)
+    # The vllm: aliases carry the name clients send as "model", as vLLM's model_name label does.
+    metrics = ServerMetrics(model_name=names[0], enable_vllm_metrics=settings.enable_vllm_metrics)
     timeline = Timeline(settings.timeline, maxlen=settings.timeline_buffer)
-    ctx = ServerContext(
-        settings, client, tokenizer,
-        served_names(engine_args.model, source, settings.served_model_name),
-        metrics, timeline, tracer,
-    )
+    ctx = ServerContext(settings, client, tokenizer, names, metrics, timeline, tracer)
     config = uvicorn.Config(
         create_app(ctx), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, lifespan="off", timeout_graceful_shutdown=5,

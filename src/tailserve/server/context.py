@@ -77,6 +77,12 @@ class ServerContext:
         self.dashboard = DashboardFeed(metrics, lambda: client.state)
         client.step_listeners.append(self.dashboard.on_step)
         client.state_listeners.append(metrics.on_engine_state)
+        cache = self.config.cache
+        metrics.on_cache_config(
+            block_size=cache.block_size, num_kv_blocks=cache.num_kv_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            cache_dtype=self.config.runner.dtype,
+        )
         if client.state is None:
             metrics.on_ready(self.config.cache.num_kv_blocks)
         else:

@@ -42,6 +42,11 @@ class ServerSettings:
     watchdog_timeout: float = field(
         default=30.0,
         metadata={"help": "/health turns 503 after this long without engine progress"})
+    enable_vllm_metrics: bool = field(
+        default=True,
+        metadata={"help": "also export the gauges routers read under vLLM's names "
+                  "(vllm:num_requests_running, vllm:num_requests_waiting, "
+                  "vllm:kv_cache_usage_perc, vllm:cache_config_info)"})
     retry_after_s: int = field(default=1, metadata={"cli": False})
     enable_profiling: bool = field(
         default=False, metadata={"help": "allow POST /debug/profile?seconds=N (torch.profiler "
