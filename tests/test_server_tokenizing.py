@@ -71,3 +71,13 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server: ServerProcess) 
     healthy, _ = asyncio.run(scenario())
     # A /health round trip is milliseconds; the tokenizing is about a second.
     assert healthy >= 20, healthy
+
+
+def test_the_tokenize_pool_needs_a_worker() -> None:
+    from tailserve.errors import ConfigError
+    from tailserve.server.settings import ServerSettings
+
+    assert ServerSettings().tokenizer_workers == 2
+    with pytest.raises(ConfigError) as e:
+        ServerSettings(tokenizer_workers=0)
+    assert str(e.value) == "tokenizer_workers must be >= 1, got 0"
