@@ -355,3 +355,82 @@ def test_the_server_path_changes_no_params(tiny_model_dir: str) -> None:
             await client.shutdown()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------ the byte bound
+class CountingTokenizer:
+    """The real tokenizer, counting the texts it is asked to tokenize or template."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+
+def test_the_longest_token_of_the_bundled_vocabulary(tokenizer: Any) -> None:
+    from tailserve.engine.input_processor import max_token_bytes
+
+    # SmolLM2's longest token decodes to 81 bytes; + 1 for a stripped leading space.
+    assert max_token_bytes(tokenizer) == 82
+    assert InputProcessor(tokenizer, LIMITS).max_text_bytes == 64 * 82
+    # A tokenizer that cannot list its vocabulary gets no bound (none is safe to assume).
+    assert max_token_bytes(object()) is None
+
+
+def test_a_text_just_at_the_bound_is_tokenized_above_it_is_refused_untokenized(
+    tokenizer: Any,
+) -> None:
+    counting = CountingTokenizer(tokenizer)
+    inputs = InputProcessor(counting, LIMITS)
+    assert len(inputs.tokenize("a" * 5248)) > 0  # 5248 = 64 x 82: could (in principle) fit
+    assert counting.calls == 1
+    # "é" is two UTF-8 bytes: 2625 characters are 5250 bytes, over the bound.
+    for text, size in (("a" * 5249, 5249), ("é" * 2625, 5250)):
+        with pytest.raises(InvalidRequestError) as e:
+            inputs.prompt(text, what="prompt[1]")
+        assert e.value.param == "prompt"
+        assert e.value.message == (
+            f"prompt[1] is {size} bytes of text, more than 5248 (max_model_len 64 x 82 bytes, "
+            "the longest token): it cannot fit in max_model_len tokens")
+    assert counting.calls == 1
+
+
+def test_chat_messages_over_the_bound_are_refused_before_the_template(tokenizer: Any) -> None:
+    counting = CountingTokenizer(tokenizer)
+    inputs = InputProcessor(counting, LIMITS)
+    # The parts and messages are summed: 2000 + 2000 + 1249 = 5249 bytes.
+    messages = [
+        {"role": "system", "content": "s" * 2000},
+        {"role": "user", "content": [{"type": "text", "text": "u" * 2000},
+                                     {"type": "text", "text": "v" * 1249}]},
+    ]
+    with pytest.raises(InvalidRequestError) as e:
+        inputs.chat(messages)
+    assert e.value.param == "messages"
+    assert e.value.message == (
+        "messages is 5249 bytes of text, more than 5248 (max_model_len 64 x 82 bytes, the "
+        "longest token): it cannot fit in max_model_len tokens")
+    assert counting.calls == 0
+    messages[1]["content"][1]["text"] = "v" * 1248  # type: ignore[index]
+    # At the bound the messages are templated; the template's text (80 bytes of role
+    # markers more) is over the bound in turn, so it is refused without being tokenized.
+    with pytest.raises(InvalidRequestError) as e:
+        inputs.chat(messages)
+    assert e.value.message.startswith("messages is 5328 bytes of text, more than 5248 ")
+    assert counting.calls == 1
+    messages[0]["content"] = "s" * 1900
+    assert len(inputs.chat(messages).token_ids) > 64  # fan_out refuses it by its token count
+    assert counting.calls == 3

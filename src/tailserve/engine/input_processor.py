@@ -7,6 +7,10 @@ templated, checked and fanned out to ``n`` engine requests the same way on eithe
     chat messages ── chat template ───── chat() ─────┴─▶ Prompt(text, token_ids)
     Prompt + SamplingParams ── fan_out() ──▶ ParentRequest(request_id, prompt, children)
 
+Before tokenizing, a text longer (in UTF-8 bytes) than ``max_text_bytes`` is refused: no token
+covers more bytes than the vocabulary's longest one, so such a text is more than max_model_len
+tokens and could never fit, and tokenizing it (seconds for a megabyte) would be wasted work.
+
 ``prompt`` / ``chat`` check the token ids against the vocabulary; ``fan_out`` checks the lengths
 against max_model_len and the KV pool and makes the ``n`` children. A caller validates all of
 its prompts before it submits the first one, so a bad prompt leaves nothing queued. The engine
@@ -64,6 +68,11 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        token_bytes = max_token_bytes(tokenizer)
+        # None: the tokenizer cannot list its vocabulary, so no bound is safe to assume.
+        self.max_text_bytes = (
+            None if token_bytes is None else limits.max_model_len * token_bytes
+        )
 
     # ---------------------------------------------------------------- prompts
     def prompt(self, prompt: PromptType, what: str = "prompt") -> Prompt:
@@ -83,6 +92,10 @@ class InputProcessor:
     def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Prompt:
         """One conversation through the model's chat template; the template writes the special
         tokens itself, so the text is tokenized without adding any."""
+        self.check_text_bytes(
+            sum(_utf8_len(t) for m in messages for t in _message_texts(m)), "messages",
+            "messages",
+        )
         for i, message in enumerate(messages):
             role = message.get("role")
             if isinstance(role, str):  # the server allows five roles; LLM.chat any text
@@ -115,9 +128,21 @@ class InputProcessor:
         param: str = "prompt",
     ) -> list[int]:
         """``what`` names the text in an error message, ``param`` the request field it is."""
+        self.check_text_bytes(_utf8_len(text), what, param)
         # The fast tokenizer raises TypeError on a lone surrogate: a 400 naming the field.
         check_valid_unicode(text, what, param)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def check_text_bytes(self, num_bytes: int, what: str, param: str) -> None:
+        """Refuse ``num_bytes`` of text that must be more than max_model_len tokens."""
+        bound = self.max_text_bytes
+        if bound is not None and num_bytes > bound:
+            raise InvalidRequestError(
+                f"{what} is {num_bytes} bytes of text, more than {bound} (max_model_len "
+                f"{self.limits.max_model_len} x {bound // self.limits.max_model_len} bytes, "
+                "the longest token): it cannot fit in max_model_len tokens",
+                param=param,
+            )
 
     # ---------------------------------------------------------------- requests
     def fan_out(
@@ -155,6 +180,40 @@ class InputProcessor:
                 child = dataclasses.replace(params, n=1, seed=seed)
             children[f"{request_id}-{i}"] = child
         return ParentRequest(request_id, prompt, children)
+
+
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token can stand for: the longest token
+    decoded on its own (special and added tokens included, e.g. ``<|im_start|>``), plus one
+    byte for the leading space a SentencePiece-style decoder strips from a lone token.
+    Exact for byte-level BPE (GPT-2, Llama 3, SmolLM2: 81 + 1 bytes); it assumes no normalizer
+    shrinks text, which holds for the byte-level tokenizers tailserve loads. About 0.2 s for
+    a 49k vocabulary, once at start-up. None for a tokenizer that cannot list its vocabulary.
+    """
+    try:
+        size = len(tokenizer)
+        texts = tokenizer.batch_decode(
+            [[i] for i in range(size)], skip_special_tokens=False,
+            clean_up_tokenization_spaces=False,
+        )
+    except (AttributeError, TypeError, NotImplementedError):
+        return None
+    return max((_utf8_len(t) for t in texts), default=0) + 1
+
+
+def _utf8_len(text: str) -> int:
+    # Characters are at most bytes, so a short text skips the encode; surrogatepass so a
+    # lone surrogate (refused later, naming its field) does not raise here.
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _message_texts(message: Message) -> list[str]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [t for part in content if isinstance(t := part.get("text"), str)]
+    return []
 
 
 def _template_message(message: Message) -> dict[str, str]:

@@ -146,10 +146,10 @@ def create_app(ctx: ServerContext) -> Any:
         inputs = ctx.input_processor
         if body.messages is not None:
             messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
-            ids = inputs.chat(messages, body.add_generation_prompt).token_ids
+            ids = (await ctx.off_loop(inputs.chat, messages, body.add_generation_prompt)).token_ids
         else:
             assert body.prompt is not None
-            ids = inputs.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await ctx.off_loop(inputs.tokenize, body.prompt, body.add_special_tokens)
         return {
             "tokens": ids, "count": len(ids),
             "max_model_len": ctx.config.scheduler.max_model_len,
@@ -304,6 +304,7 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     try:
         await server.serve()
     finally:
+        ctx.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         timeline.close()
         if tracer is not None:
             tracer.shutdown()

@@ -5,11 +5,13 @@ processor, admission and drain state, and the sinks a finished request is writte
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -26,6 +28,7 @@ from tailserve.server.errors import APIError, bad_request, unavailable
 from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -68,6 +71,13 @@ class ServerContext:
         # processor (which shapes and validates every prompt) take their limits from it.
         self.config: EngineConfig = client.info.config
         self.input_processor = InputProcessor(tokenizer, self.config.request_limits)
+        # Tokenizing a long prompt takes the caller's thread for up to seconds; on the event
+        # loop that would stall /health and every running stream's tokens. The fast
+        # tokenizer's Rust encode releases the GIL, so a few threads keep the loop free; a
+        # bounded pool so a burst of huge prompts queues here instead of taking every core.
+        self.tokenize_pool = ThreadPoolExecutor(
+            settings.tokenizer_workers, thread_name_prefix="tailserve-tokenize"
+        )
         self.draining = False
         self.exit_code = 0
         self.started = time.time()
@@ -88,6 +98,12 @@ class ServerContext:
         else:
             metrics.on_engine_state(client.state)
         client.death_listeners.append(self._on_engine_death)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenize pool: input shaping (tokenize, template, checks)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenize_pool, functools.partial(fn, *args)
+        )
 
     # ---------------------------------------------------------------- checks
     def check_model(self, name: str | None) -> None:

@@ -50,7 +50,7 @@ class OpenAIServing:
             raise bad_request(f"best_of must equal n ({body.n}), got {body.best_of}", "best_of")
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
-        prompts = self._completion_prompts(body.prompt)
+        prompts = await self.ctx.off_loop(self._completion_prompts, body.prompt)
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
         # Built before the hand-off: from _start on, only code that aborts the generation on
         # failure runs, so no error can strand its engine requests.
@@ -68,7 +68,7 @@ class OpenAIServing:
         if body.tools:
             raise bad_request("tools are not supported", param="tools")
         messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
-        prompt = self.inputs.chat(messages, body.add_generation_prompt)
+        prompt = await self.ctx.off_loop(self.inputs.chat, messages, body.add_generation_prompt)
         max_tokens = (
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens

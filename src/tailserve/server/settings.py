@@ -32,6 +32,10 @@ class ServerSettings:
     shutdown_timeout: float = field(
         default=30.0,
         metadata={"help": "seconds SIGTERM waits for in-flight requests before aborting them"})
+    tokenizer_workers: int = field(
+        default=2,
+        metadata={"help": "threads that tokenize and template prompts, off the event loop, so "
+                  "a huge prompt does not stall /health and running streams"})
     timeline: str | None = field(
         default=None, metadata={"help": "append step and request records (JSONL)"})
     timeline_buffer: int = field(
@@ -59,3 +63,5 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.header_timeout > 0:  # written so that NaN fails it too
             raise ConfigError(f"header_timeout must be > 0 seconds, got {self.header_timeout}")
+        if self.tokenizer_workers < 1:
+            raise ConfigError(f"tokenizer_workers must be >= 1, got {self.tokenizer_workers}")
