@@ -67,6 +67,17 @@ def assert_no_internals(text: str) -> None:
         assert leak not in text, (leak, text)
 
 
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset counts as closed)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
 def raw_http(port: int, head: bytes, body: bytes = b"", send_chunks: list[bytes] | None = None
              ) -> tuple[int, dict[str, str], bytes]:
     """Send ``head`` (request line and headers, without the blank line) exactly as given, then
@@ -78,12 +89,7 @@ def raw_http(port: int, head: bytes, body: bytes = b"", send_chunks: list[bytes]
                 s.sendall(chunk)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server answered (413) and closed while we were still sending
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
+        data = read_until_closed(s)
     head_bytes, _, payload = data.partition(b"\r\n\r\n")
     lines = head_bytes.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
@@ -847,12 +853,7 @@ def test_headers_sent_a_byte_a_second_are_cut_off(slow_server: ServerProcess) ->
         start = time.monotonic()
         elapsed = _drip(s, head, 1.0)
         s.settimeout(5)
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
+        data = read_until_closed(s)
         closed_after = time.monotonic() - start
     assert elapsed < HEADER_TIMEOUT_S + 1.0
     assert HEADER_TIMEOUT_S - 0.1 <= closed_after <= HEADER_TIMEOUT_S + 1.0, closed_after
@@ -893,12 +894,7 @@ def test_normal_and_slow_body_requests_are_unaffected(slow_server: ServerProcess
         start = time.monotonic()
         _drip(s, head, 1.0)
         s.settimeout(5)
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
+        data = read_until_closed(s)
         assert time.monotonic() - start <= HEADER_TIMEOUT_S + 1.0
         assert b"408" in data, data
     r = httpx.get(slow_server.url + "/health", timeout=5)
