@@ -244,11 +244,18 @@ class ServerMetrics:
         """The engine is up and idle: its pool is known from the resolved configuration, so the
         gauges say so from the first scrape, not only after the first heartbeat (a router that
         scrapes a fresh replica must not read a zero-block pool)."""
-        self.num_requests_running.set(0)
-        self.num_requests_waiting.set(0)
-        self.kv_cache_free_blocks.set(num_kv_blocks)
-        self.kv_cache_total_blocks.set(num_kv_blocks)
-        self.kv_cache_usage_perc.set(0.0)
+        self._set_load(running=0, waiting=0, free_blocks=num_kv_blocks, total_blocks=num_kv_blocks)
+
+    def _set_load(self, *, running: int, waiting: int, free_blocks: int, total_blocks: int) -> None:
+        """The queue and pool gauges, from whichever engine report is newest (the Ready
+        config, an idle heartbeat's state or a step's stats)."""
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.kv_cache_free_blocks.set(free_blocks)
+        self.kv_cache_total_blocks.set(total_blocks)
+        # Reusable prefix-cache blocks count as free. The pool always has a block (the config
+        # checks one max_model_len sequence fits), so total_blocks is never 0 here.
+        self.kv_cache_usage_perc.set(1.0 - free_blocks / total_blocks if total_blocks else 0.0)
 
     def on_cache_config(
         self, *, block_size: int, num_kv_blocks: int, enable_prefix_caching: bool,
@@ -268,11 +275,8 @@ class ServerMetrics:
 
     def on_engine_state(self, state: EngineState) -> None:
         self._device = state.device
-        self.num_requests_running.set(state.num_running)
-        self.num_requests_waiting.set(state.num_waiting)
-        self.kv_cache_free_blocks.set(state.free_blocks)
-        self.kv_cache_total_blocks.set(state.total_blocks)
-        self.kv_cache_usage_perc.set(state.kv_cache_usage)
+        self._set_load(running=state.num_running, waiting=state.num_waiting,
+                       free_blocks=state.free_blocks, total_blocks=state.total_blocks)
         self._set_memory(state.memory)
 
     def on_step(self, stats: StepStats) -> None:
@@ -283,12 +287,8 @@ class ServerMetrics:
         self.num_preemptions.inc(stats.num_preemptions)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_free_blocks.set(stats.free_blocks)
-        self.kv_cache_total_blocks.set(stats.total_blocks)
-        if stats.total_blocks:
-            self.kv_cache_usage_perc.set(1.0 - stats.free_blocks / stats.total_blocks)
+        self._set_load(running=stats.num_running, waiting=stats.num_waiting,
+                       free_blocks=stats.free_blocks, total_blocks=stats.total_blocks)
         self._set_memory(stats.memory)
 
     def on_request_finished(self, rec: RequestRecord) -> None:

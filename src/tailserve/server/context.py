@@ -94,7 +94,7 @@ class ServerContext:
             cache_dtype=self.config.runner.dtype,
         )
         if client.state is None:
-            metrics.on_ready(self.config.cache.num_kv_blocks)
+            metrics.on_ready(cache.num_kv_blocks)
         else:
             metrics.on_engine_state(client.state)
         client.death_listeners.append(self._on_engine_death)
