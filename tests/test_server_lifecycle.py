@@ -247,7 +247,14 @@ def test_abort_storm_frees_everything(long_server: ServerProcess) -> None:
             continue  # closed at a random moment: nothing to check on the client side
         assert res is not None and res.status == 200, res
         if after_events is not None:
-            assert res.cancelled and not res.done
+            # Outputs already queued go out as one chunk (GenerationState.next_outputs), so on
+            # a loaded server a stream can end in fewer events than the client meant to read
+            # before hanging up; then it must have ended whole.
+            if not res.cancelled:
+                assert res.done and len(res.events) < after_events, res.events[-2:]
+                assert res.finish_reasons == ["length"], res.finish_reasons
+                continue
+            assert not res.done
             continue
         assert res.done, res.events[-3:]
         assert res.finish_reasons == ["length"], res.finish_reasons
