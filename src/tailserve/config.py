@@ -6,7 +6,8 @@ field becomes a ``--flag`` of the same name (``max_num_seqs`` ⇄ ``--max-num-se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
@@ -142,6 +143,13 @@ class EngineArgs:
         metadata={"help": "most tokens one request may ask for, n x (prompt + max_tokens); "
                   "default: the KV pool's total (num_kv_blocks x block_size)"},
     )
+    kv_events_config: str | dict[str, Any] | None = field(
+        default=None,
+        metadata={"help": "publish prefix-cache events in vLLM's format, a JSON object as "
+                  "vLLM takes it, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
+                  "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'",
+                  "metavar": "JSON"},
+    )
     tensor_parallel_size: int = 1
     enforce_eager: bool = field(
         default=False,
@@ -201,6 +209,7 @@ class EngineArgs:
             )
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        KVEventsConfig.parse(self.kv_events_config)
         if not 0.0 < self.memory_alert <= 1.0:
             raise ConfigError(f"memory_alert must be in (0, 1], got {self.memory_alert}")
         if self.steady_memory_tolerance < 0 or self.steady_memory_warmup < 0:
@@ -252,6 +261,7 @@ class EngineArgs:
             steady_memory_tolerance=self.steady_memory_tolerance,
             steady_memory_warmup=self.steady_memory_warmup,
         )
+        kv_events = KVEventsConfig.parse(self.kv_events_config)
         # CPU: the pool is given in GiB; CUDA: whatever the profiling forward leaves.
         kv_bytes = None if runner.device == "cuda" else int(self.kv_cache_memory * (1 << 30))
         return UnsizedEngineConfig(
@@ -266,6 +276,7 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=kv_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_events=kv_events,
         )
 
     def _resolve_runner(self, platform: Platform) -> RunnerConfig:
@@ -307,6 +318,7 @@ class CacheConfig:
     block_bytes: int  # one block, all layers, K and V, in RunnerConfig.dtype
     watermark: float = 0.05
     enable_prefix_caching: bool = True
+    enable_kv_cache_events: bool = False  # the block pool records what it caches and evicts
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -353,6 +365,59 @@ def check_pool_fits(scheduler: SchedulerConfig, cache: CacheConfig) -> None:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Where prefix-cache events go (``--kv-events-config``): vLLM's ``KVEventsConfig``
+    fields, names, defaults and meaning, so one JSON string configures either server."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None  # None: "zmq" when enabled, else "null"
+    # ZMQ PUB address; bound when it has "*", "::", ipc:// or inproc://, else connected to.
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # ROUTER address that resends buffered batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (messages)
+    # Accepted as vLLM spells it; tailserve sends from the step loop and queues nothing.
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        """Events are recorded and sent (enabled, with the zmq publisher)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None) -> KVEventsConfig | None:
+        """From the flag's JSON text (or a dict); ``ConfigError`` naming what is wrong."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"kv_events_config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"kv_events_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_events_config has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        cfg = cls(**value)
+        publisher = cfg.publisher or ("zmq" if cfg.enable_kv_cache_events else "null")
+        if publisher not in ("null", "zmq"):
+            raise ConfigError(f"kv_events_config publisher must be 'null' or 'zmq', got "
+                              f"{publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+                raise ConfigError(f"kv_events_config {name} must be an integer >= 0, got "
+                                  f"{getattr(cfg, name)!r}")
+        if not isinstance(cfg.endpoint, str) or not isinstance(cfg.topic, str):
+            raise ConfigError("kv_events_config endpoint and topic must be strings")
+        return cls(**{**value, "publisher": publisher})
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     """The engine's own memory checks (obs/memory.py)."""
 
@@ -372,6 +437,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     cache: CacheConfig
     observability: ObservabilityConfig
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that a pool too small fails before a byte of KV is allocated.
@@ -411,6 +477,7 @@ class UnsizedEngineConfig:
     num_kv_blocks: int | None  # the user's override, which makes any measurement moot
     kv_cache_bytes: int | None  # CPU: kv_cache_memory; CUDA: None, to be measured
     gpu_memory_utilization: float  # what the CUDA measurement may fill
+    kv_events: KVEventsConfig | None = None
 
     @property
     def needs_kv_measurement(self) -> bool:
@@ -434,5 +501,8 @@ class UnsizedEngineConfig:
             block_bytes=self.block_bytes,
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
+            enable_kv_cache_events=self.kv_events is not None and self.kv_events.enabled,
         )
-        return EngineConfig(self.model, self.runner, self.scheduler, cache, self.observability)
+        return EngineConfig(
+            self.model, self.runner, self.scheduler, cache, self.observability, self.kv_events
+        )

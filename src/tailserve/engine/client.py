@@ -387,10 +387,13 @@ class InprocEngineClient(EngineClient):
         core = await asyncio.to_thread(EngineCore.from_args, self.engine_args, self._loaded)
         engine_loop = EngineLoop(core, self._emit)
         self.info = engine_loop.ready_message()
-        self._thread = threading.Thread(
-            target=drive, args=(engine_loop, self._wait_for_inputs, self._loop_gone),
-            name="tailserve-engine", daemon=True,
-        )
+        def run() -> None:
+            try:
+                drive(engine_loop, self._wait_for_inputs, self._loop_gone)
+            finally:
+                core.close()
+
+        self._thread = threading.Thread(target=run, name="tailserve-engine", daemon=True)
         self._thread.start()
         return self.info
 

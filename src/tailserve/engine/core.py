@@ -6,12 +6,16 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import zmq
+
 from tailserve.config import EngineArgs, EngineConfig
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
 from tailserve.engine.scheduler import Scheduler
+from tailserve.errors import ConfigError
 from tailserve.model.device import detect_platform
 from tailserve.model.runner import ModelRunner
+from tailserve.obs.kv_events import ZmqKVEventPublisher
 from tailserve.obs.profiling import span
 from tailserve.request import (
     Request,
@@ -35,6 +39,8 @@ class EngineCore:
     ) -> None:
         t0 = time.perf_counter()
         self.config = config
+        # First: a taken port fails the start before the KV pool is allocated.
+        self.kv_events = _kv_event_publisher(config)
         self.loaded = loaded
         self.model_config = config.model
         if runner is None:
@@ -120,6 +126,9 @@ class EngineCore:
         t0 = time.perf_counter()
         with span("schedule"):
             sched = self.scheduler.schedule()
+        if self.kv_events is not None:
+            # Before the forward: a router may route the next request here while it runs.
+            self.kv_events.publish(self.scheduler.kv.take_events())
         if not sched.scheduled:
             return [], None
         runner_out = self.runner.execute(sched)
@@ -127,6 +136,12 @@ class EngineCore:
         with span("update"):
             outputs = self.scheduler.update_from_output(sched, runner_out, step_s)
         return outputs, self._stats(sched, step_s, outputs)
+
+    def close(self) -> None:
+        """Release what outlives a step (the KV-events sockets); the engine is done."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _stats(
         self, sched: SchedulerOutput, step_s: float, outputs: list[EngineOutput]
@@ -151,3 +166,21 @@ class EngineCore:
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         return stats
+
+
+def _kv_event_publisher(config: EngineConfig) -> ZmqKVEventPublisher | None:
+    cfg = config.kv_events
+    if cfg is None or not cfg.enabled:
+        return None
+    try:
+        publisher = ZmqKVEventPublisher(
+            cfg.endpoint, topic=cfg.topic, replay_endpoint=cfg.replay_endpoint,
+            buffer_steps=cfg.buffer_steps, hwm=cfg.hwm,
+        )
+    except zmq.ZMQError as exc:
+        raise ConfigError(
+            f"kv_events_config: cannot open {cfg.endpoint!r} / {cfg.replay_endpoint!r}: {exc}"
+        ) from None
+    logger.info("KV cache events on %s (topic %r, replay %s)", cfg.endpoint, cfg.topic,
+                cfg.replay_endpoint or "off")
+    return publisher

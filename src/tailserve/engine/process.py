@@ -103,4 +103,7 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
         logger.warning("API process exited; engine stopping")
         return True
 
-    return drive(loop, wait_for_inputs, parent_gone)
+    try:
+        return drive(loop, wait_for_inputs, parent_gone)
+    finally:
+        core.close()

@@ -90,6 +90,7 @@ class Scheduler:
             cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             watermark=cache.watermark,
+            enable_kv_cache_events=cache.enable_kv_cache_events,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)

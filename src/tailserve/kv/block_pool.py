@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from tailserve.data.kv_events import BlockRemoved, KVCacheEvent
+
 
 @dataclass(frozen=True)
 class BlockHash:
@@ -59,9 +61,14 @@ def usage_band_sizes(num_blocks: int, num_bands: int) -> list[int]:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False
+    ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # Hashes entering and leaving ``_cached``, in order, until the engine drains them
+        # (``take_events``); None when nobody listens, so the hot path appends nothing.
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
         self.num_bands = min(NUM_USAGE_BANDS, num_blocks)
         # Blocks with ref_cnt > 0 per band of ids (see usage_band_sizes).
         self.band_used = [0] * self.num_bands
@@ -78,6 +85,7 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
         out = []
+        evicted: list[int] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
@@ -85,10 +93,13 @@ class BlockPool:
                 # Evict: the block is about to be overwritten.
                 if self._cached.get(block.block_hash.value) is block:
                     del self._cached[block.block_hash.value]
+                    evicted.append(block.block_hash.value)
                 block.block_hash = None
             block.ref_cnt = 1
             self.band_used[block_id * self.num_bands // self.num_blocks] += 1
             out.append(block)
+        if evicted and self._events is not None:
+            self._events.append(BlockRemoved(tuple(evicted)))
         return out
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
@@ -106,12 +117,31 @@ class BlockPool:
                 self.band_used[block.block_id * self.num_bands // self.num_blocks] += 1
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Register a full block. A twin already cached stays the one found by lookups."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a full block. A twin already cached stays the one found by lookups.
+
+        True when the hash is new to the cache (what a ``BlockStored`` event announces).
+        """
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash.value, block)
+        return self._cached.setdefault(block_hash.value, block) is block
+
+    def record_event(self, event: KVCacheEvent) -> None:
+        """Queue an event for ``take_events`` (dropped when events are off)."""
+        if self._events is not None:
+            self._events.append(event)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first; empty when events are off."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> set[int]:
+        """Every hash a lookup can find now: what the events, replayed, must add up to."""
+        return set(self._cached)
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; pass blocks in the order they should be evicted."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tailserve.data.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from tailserve.data.records import KVCacheSnapshot
 from tailserve.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
 from tailserve.request import Request
@@ -31,10 +32,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         watermark: float = 0.0,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        # A subscriber that outlived an earlier engine at the same endpoint must forget what
+        # that one held: the first event of every engine says the cache is empty.
+        self.pool.record_event(AllBlocksCleared())
         # Free blocks that admitting a *new* request must leave, so running requests can grow.
         self.watermark_blocks = int(watermark * num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
@@ -133,9 +138,30 @@ class KVCacheManager:
             return
         blocks = self.req_to_blocks[request.request_id]
         hashes = self._block_hashes(request, num_full)
+        # Each run of consecutive blocks new to the cache is one BlockStored, chained to the
+        # block before it (as vLLM reports them); twins of cached blocks are not news.
+        run: list[BlockHash] = []
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]):
+                run.append(hashes[i])
+            elif run:
+                self._record_stored(run)
+                run = []
+        if run:
+            self._record_stored(run)
         self._req_num_cached[request.request_id] = num_full
+
+    def _record_stored(self, run: list[BlockHash]) -> None:
+        self.pool.record_event(BlockStored(
+            block_hashes=tuple(h.value for h in run),
+            parent_block_hash=run[0].parent,
+            token_ids=tuple(t for h in run for t in h.token_ids),
+            block_size=self.block_size,
+        ))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Prefix-cache events since the last call (``enable_kv_cache_events``), in order."""
+        return self.pool.take_events()
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so the shared head is evicted last."""
