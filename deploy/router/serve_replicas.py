@@ -103,7 +103,8 @@ def router_command(
         for r in replicas:
             if r.kv_events_endpoint is not None:
                 cmd += ["--kv-event-source", f"{r.url}={r.kv_events_endpoint}"]
-        cmd += ["--kv-event-block-size", str(args.block_size)]
+        cmd += ["--kv-event-block-size", str(args.block_size),
+                "--kv-event-model", args.kv_event_model]
     return cmd + args.router_arg
 
 
@@ -126,6 +127,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--kv-events-base-port", type=int, default=5557)
     p.add_argument("--block-size", type=int, default=16,
                    help="the replicas' --block-size, for the router's KV-event index")
+    p.add_argument("--kv-event-model", default="SmolLM2-135M-Instruct",
+                   help="kv_aware: the model identity (or tokenizer folder) vllm-router keys "
+                   "the replicas' events by")
     p.add_argument("--router-bin", default=None)
     p.add_argument("--router-arg", action="append", default=[],
                    help="one more argument for vllm-router (repeat)")
