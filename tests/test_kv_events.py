@@ -144,7 +144,7 @@ def test_subscriber_rebuilds_the_prefix_cache(default_loaded: Any, tmp_path: Pat
     try:
         g = torch.Generator().manual_seed(11)
         heads = [torch.randint(20, 49152, (8,), generator=g).tolist() for _ in range(2)]
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         # 2 heads x 3 tails of 6-14 tokens (4-6 blocks each) through a 16-block pool: hits on
         # the shared heads, and evictions.
         prompts = [{"prompt_token_ids": h + torch.randint(20, 49152, (6 + 4 * k,), generator=g)

@@ -387,6 +387,7 @@ class InprocEngineClient(EngineClient):
         core = await asyncio.to_thread(EngineCore.from_args, self.engine_args, self._loaded)
         engine_loop = EngineLoop(core, self._emit)
         self.info = engine_loop.ready_message()
+
         def run() -> None:
             try:
                 drive(engine_loop, self._wait_for_inputs, self._loop_gone)
