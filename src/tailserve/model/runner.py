@@ -21,6 +21,8 @@ from tailserve.model.device import torch_dtype
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.transforms import apply_cpu_kernels
+from tailserve.model.transforms.triton_kernels import apply_triton_kernels
+from tailserve.model.triton_kernels import triton_available
 from tailserve.obs.profiling import span
 
 
@@ -61,6 +63,8 @@ class ModelRunner:
         self.model = model.eval()
         if self.device.type == "cpu":
             apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
+        elif self.device.type == "cuda" and triton_available():
+            apply_triton_kernels(self.model)
         # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
         self.decode_graph = (
             None if config.enforce_eager or self.device.type != "cpu"

@@ -30,6 +30,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0
     block_size: int
     scale: float
+    # query_start_loc on the device, for kernels that read it there (Triton prefill); the
+    # runner fills it from its persistent buffers on CUDA, else a backend builds it.
+    query_start_loc_tensor: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
