@@ -24,6 +24,8 @@ from tailserve.model.triton_kernels.attention import (
 
 
 class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graphs = True
+
     def __init__(self) -> None:
         # Set while capturing / replaying a CUDA graph: the split count then follows this
         # length (max_model_len), not the step's, so every replay matches the capture.
@@ -43,6 +45,9 @@ class TritonAttentionBackend(AttentionBackend):
             self._query_start_loc = torch.tensor(
                 meta.query_start_loc, dtype=torch.int64, device=meta.seq_lens.device
             )
+
+    def set_graph_max_seq_len(self, max_seq_len: int | None) -> None:
+        self.graph_max_seq_len = max_seq_len
 
     def num_splits(self, num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
         if self._num_splits is None:

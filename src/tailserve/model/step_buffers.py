@@ -1,0 +1,170 @@
+"""Persistent per-step input tensors: allocated once at start-up, filled in place every step.
+
+A step's inputs (token ids, positions, slot mapping, block tables, sequence lengths, query
+offsets, the rows whose logits are sampled) are bounded by ``max_num_batched_tokens`` and
+``max_num_seqs``; each has one device tensor of that bound, and a step uses a prefix of it. So
+the step loop never asks the allocator for them, and a CUDA graph captured over these tensors
+reads each step's values at the same addresses.
+
+On CUDA every device tensor has a pinned host twin. A step writes its values into the host
+twin (numpy views: no torch op per value) and copies the used prefixes with ``non_blocking``
+on a side stream; the compute stream waits for that copy's event, and the copy waits for the
+event the compute stream records once the previous step's forward has read the buffers (so a
+copy never overwrites inputs still in use, while everything else of the step — sampling
+included — may still run). Before the host twin is written again, the previous copy's event
+is waited on: a pinned buffer must not change under an in-flight DMA.
+
+On CPU the "device" tensor is the host tensor: the same fill, no copy.
+
+Padding for a captured decode batch (``pad_decodes``): token 0 at position 0, a slot one past
+the pool (the Triton KV write skips it) and length 0 (the decode kernel writes zeros), so a
+padding row neither reads nor writes the KV pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Device views of one step's prefix of the buffers."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    block_tables: torch.Tensor  # [num_seqs, width] int64 (row stride: max_blocks_per_seq)
+    logits_indices: torch.Tensor  # [num_sampled] int64
+
+
+class _Twin:
+    """A device tensor and the host tensor a step fills (the same tensor on CPU)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        self.device = torch.zeros(shape, dtype=torch.long, device=device)
+        if device.type == "cuda":
+            self.host = torch.zeros(shape, dtype=torch.long, pin_memory=True)
+        else:
+            self.host = self.device
+        self.np: np.ndarray = self.host.numpy()
+
+
+class StepInputBuffers:
+    def __init__(
+        self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+        num_slots: int, device: torch.device,
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_slots = num_slots  # the padding slot: one past the KV pool
+        self.device = device
+        self._input_ids = _Twin((max_num_tokens,), device)
+        self._positions = _Twin((max_num_tokens,), device)
+        self._slots = _Twin((max_num_tokens,), device)
+        self._seq_lens = _Twin((max_num_seqs,), device)
+        self._qsl = _Twin((max_num_seqs + 1,), device)
+        self._tables = _Twin((max_num_seqs, max_blocks_per_seq), device)
+        self._logits = _Twin((max_num_seqs,), device)
+        self._twins = (self._input_ids, self._positions, self._slots, self._seq_lens, self._qsl,
+                       self._tables, self._logits)
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self._copied = torch.cuda.Event()  # the last H2D copy is done
+            self._consumed = torch.cuda.Event()  # the last forward has read the buffers
+        self._num_tokens = 0
+        self._num_seqs = 0
+        self._num_sampled = 0
+        self._width = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held (the host twins take as much pinned host memory on CUDA)."""
+        return sum(t.device.numel() * t.device.element_size() for t in self._twins)
+
+    # ------------------------------------------------------------------ fill (host side)
+    def fill(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slot_mapping: Sequence[int],
+        query_start_loc: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        logits_indices: Sequence[int],
+    ) -> None:
+        """Write one step's values into the host buffers (checked against their bounds)."""
+        n, s = len(input_ids), len(seq_lens)
+        width = max((len(t) for t in block_tables), default=0)
+        if n > self.max_num_tokens or s > self.max_num_seqs or width > self.max_blocks_per_seq:
+            raise ValueError(
+                f"step of {n} tokens, {s} sequences, {width} blocks per sequence exceeds the "
+                f"buffers ({self.max_num_tokens}, {self.max_num_seqs}, "
+                f"{self.max_blocks_per_seq})"
+            )
+        if self.is_cuda:
+            self._copied.synchronize()  # the previous copy has left the pinned buffers
+        self._input_ids.np[:n] = input_ids
+        self._positions.np[:n] = positions
+        self._slots.np[:n] = slot_mapping
+        self._qsl.np[: s + 1] = query_start_loc
+        self._seq_lens.np[:s] = seq_lens
+        tables = self._tables.np
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+            tables[i, len(table) : width] = 0  # the padding every backend may read
+        self._logits.np[: len(logits_indices)] = logits_indices
+        self._num_tokens, self._num_seqs, self._width = n, s, width
+        self._num_sampled = len(logits_indices)
+
+    def pad_decodes(self, batch_size: int) -> None:
+        """Extend a decode-only step (one token per sequence) to ``batch_size`` rows of
+        padding that touch no KV slot (module docstring); block tables take full width."""
+        n = self._num_seqs
+        if self._num_tokens != n or batch_size > self.max_num_seqs or batch_size < n:
+            raise ValueError(f"cannot pad a step of {self._num_tokens} tokens in {n} sequences "
+                             f"to a decode batch of {batch_size}")
+        self._input_ids.np[n:batch_size] = 0
+        self._positions.np[n:batch_size] = 0
+        self._slots.np[n:batch_size] = self.num_slots
+        self._seq_lens.np[n:batch_size] = 0
+        last = self._qsl.np[n]
+        self._qsl.np[n + 1 : batch_size + 1] = np.arange(last + 1, last + 1 + batch_size - n)
+        self._num_tokens = self._num_seqs = batch_size
+        self._width = self.max_blocks_per_seq
+
+    # ------------------------------------------------------------------ copy (device side)
+    def copy_to_device(self) -> StepInputs:
+        """Issue the copies of the filled prefixes and return device views of them."""
+        n, s, w, m = self._num_tokens, self._num_seqs, self._width, self._num_sampled
+        if self.is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self._consumed)
+                for twin, rows in ((self._input_ids, n), (self._positions, n),
+                                   (self._slots, n), (self._seq_lens, s), (self._qsl, s + 1),
+                                   (self._tables, s), (self._logits, m)):
+                    twin.device[:rows].copy_(twin.host[:rows], non_blocking=True)
+                self._copied.record(self.copy_stream)
+            compute.wait_event(self._copied)
+        return StepInputs(
+            input_ids=self._input_ids.device[:n],
+            positions=self._positions.device[:n],
+            slot_mapping=self._slots.device[:n],
+            seq_lens=self._seq_lens.device[:s],
+            query_start_loc=self._qsl.device[: s + 1],
+            block_tables=self._tables.device[:s, :w],
+            logits_indices=self._logits.device[:m],
+        )
+
+    def mark_consumed(self) -> None:
+        """After the forward is enqueued: the next copy waits for it (CUDA)."""
+        if self.is_cuda:
+            self._consumed.record(torch.cuda.current_stream(self.device))
