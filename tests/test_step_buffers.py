@@ -142,7 +142,12 @@ def _request(rid: str, prompt: list[int], done: int, new: list[int],
     )
 
 
-def test_runner_steps_on_the_persistent_buffers_match_the_list_path(tmp_path: Path) -> None:
+def test_runner_steps_on_the_persistent_buffers_match_the_list_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The seam, not the kernels: the torch paths (the runner takes the buffers on CUDA only,
+    # so they are handed to it here).
+    monkeypatch.setenv("TAILSERVE_CPU_KERNELS", "0")
     path = build_tiny_llama(tmp_path / "llama")
     loaded = load_model(path)
     config = EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=32,
@@ -174,3 +179,23 @@ def test_runner_steps_on_the_persistent_buffers_match_the_list_path(tmp_path: Pa
         config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, 8,
         32 * 16, CPU)
     assert run() == expected
+
+
+# ------------------------------------------------------------------ the device check
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only host")
+def test_gpu_check_refuses_clearly_without_cuda() -> None:
+    import subprocess
+    import sys
+
+    bash = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")],
+                          capture_output=True, text=True)
+    assert bash.returncode == 0, bash.stderr
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("TRITON_INTERPRET")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "decode"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2
+    assert "no CUDA device" in run.stderr and run.stdout == ""

@@ -254,8 +254,6 @@ class ModelRunner:
             )
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if self.step_buffers is not None:
-            self.step_buffers.mark_consumed()
         return hidden
 
     def _generator_for(self, s: ScheduledRequest) -> torch.Generator | None:
@@ -279,9 +277,13 @@ class ModelRunner:
             self.backend.begin_step(batch.meta)
         with span("forward"):
             hidden = self._forward(batch)
+            if batch.sampling:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if self.step_buffers is not None:
+                # The last reads of the buffers are enqueued: the next step's copy may start.
+                self.step_buffers.mark_consumed()
             if not batch.sampling:
                 return RunnerOutput(sampled_token_ids={})
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [
             SamplingRow(
                 params=s.sampling_params,
