@@ -199,3 +199,31 @@ def test_gpu_check_refuses_clearly_without_cuda() -> None:
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 2
     assert "no CUDA device" in run.stderr and run.stdout == ""
+
+
+def test_sampler_on_persistent_buffers_draws_the_same_tokens() -> None:
+    # Greedy and random rows mixed, top-k, top-p (a nucleus wider than the first candidates,
+    # so the retry path puts the same names twice) and min-p, each row seeded.
+    from tailserve.model.sampler import Sampler, SamplingRow
+    from tailserve.model.step_buffers import SamplingBuffers
+
+    vocab = 1000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 0.1
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.999), SamplingParams(temperature=1.3,
+                                                                           min_p=0.05),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5,
+                                                              top_p=0.5)]
+
+    def draw(buffers: SamplingBuffers | None) -> list[int]:
+        rows = [SamplingRow(params=p, prompt_token_ids=[1], output_token_ids=[],
+                            generator=torch.Generator().manual_seed(i))
+                for i, p in enumerate(params)]
+        return Sampler(vocab, buffers=buffers)(logits, rows).token_ids
+
+    buffers = SamplingBuffers(8, CPU)
+    expected = draw(None)
+    assert draw(buffers) == expected
+    assert draw(buffers) == expected  # reused in place
+    with pytest.raises(ValueError, match="9 sampling rows exceed the buffers' 8"):
+        buffers.put("temperature", [1.0] * 9)

@@ -22,7 +22,7 @@ from tailserve.model.device import torch_dtype
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
 from tailserve.model.sampler import Sampler, SamplingRow
-from tailserve.model.step_buffers import StepInputBuffers
+from tailserve.model.step_buffers import SamplingBuffers, StepInputBuffers
 from tailserve.model.transforms import apply_cpu_kernels
 from tailserve.model.transforms.triton_kernels import apply_triton_kernels
 from tailserve.model.triton_kernels import triton_available
@@ -104,6 +104,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         cache = self.cache
+        self.sampler.buffers = SamplingBuffers(scheduler.max_num_seqs, self.device)
         self.step_buffers = StepInputBuffers(
             scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
             -(-self.max_model_len // cache.block_size), cache.num_kv_blocks * cache.block_size,

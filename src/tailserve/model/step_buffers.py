@@ -16,6 +16,8 @@ is waited on: a pinned buffer must not change under an in-flight DMA.
 
 On CPU the "device" tensor is the host tensor: the same fill, no copy.
 
+``SamplingBuffers`` does the same for the sampler's per-row parameter vectors.
+
 Padding for a captured decode batch (``pad_decodes``): token 0 at position 0, a slot one past
 the pool (the Triton KV write skips it) and length 0 (the decode kernel writes zeros), so a
 padding row neither reads nor writes the KV pool.
@@ -23,8 +25,9 @@ padding row neither reads nor writes the KV pool.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -168,3 +171,55 @@ class StepInputBuffers:
         """After the forward is enqueued: the next copy waits for it (CUDA)."""
         if self.is_cuda:
             self._consumed.record(torch.cuda.current_stream(self.device))
+
+
+# The sampler's per-row vectors kept in SamplingBuffers, by name.
+SAMPLING_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
+    "temperature": torch.float32, "log_min_p": torch.float32, "top_p_bound": torch.float32,
+    "top_k": torch.long, "top_k_on": torch.bool, "top_p_on": torch.bool,
+    "greedy_index": torch.long, "random_index": torch.long,
+})
+
+
+class SamplingBuffers:
+    """The sampler's per-row parameter vectors (temperature, top-k, ...) in persistent
+    tensors of ``max_num_seqs`` rows, one per name, so a step's sampling allocates none and
+    copies from pinned memory without blocking (CUDA).
+
+    ``put(name, values)`` writes the host twin and returns the device prefix. On CUDA the copy
+    is issued on the current stream (the sampler's own), and an event per name guards the
+    pinned host row: a second ``put`` of the same name waits until the previous copy has left
+    it. On CPU the tensor is written in place.
+    """
+
+    DTYPES = SAMPLING_DTYPES
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._device: dict[str, torch.Tensor] = {}
+        self._host: dict[str, torch.Tensor] = {}
+        self._np: dict[str, np.ndarray] = {}
+        self._copied: dict[str, torch.cuda.Event] = {}
+        for name, dtype in self.DTYPES.items():
+            dev = torch.zeros(max_rows, dtype=dtype, device=device)
+            host = torch.zeros(max_rows, dtype=dtype, pin_memory=True) if self.is_cuda else dev
+            self._device[name], self._host[name] = dev, host
+            self._np[name] = host.numpy()
+            if self.is_cuda:
+                self._copied[name] = torch.cuda.Event()
+
+    def put(self, name: str, values: Sequence[float] | Sequence[int] | Sequence[bool]
+            ) -> torch.Tensor:
+        n = len(values)
+        if n > self.max_rows:
+            raise ValueError(f"{n} sampling rows exceed the buffers' {self.max_rows}")
+        if self.is_cuda:
+            self._copied[name].synchronize()
+        self._np[name][:n] = values
+        dev = self._device[name][:n]
+        if self.is_cuda:
+            dev.copy_(self._host[name][:n], non_blocking=True)
+            self._copied[name].record()
+        return dev
