@@ -179,6 +179,17 @@ def test_runner_steps_on_the_persistent_buffers_match_the_list_path(
         config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, 8,
         32 * 16, CPU)
     assert run() == expected
+    # The whole CUDA forward on CPU: Triton attention and fused ops (interpreted) over the
+    # buffers, as prepare_steps + get_attention_backend + apply_triton_kernels set it up.
+    from tailserve.model.transforms.triton_kernels import apply_triton_kernels
+
+    backend = TritonAttentionBackend()
+    runner.backend = backend
+    for layer in runner.model.layers:
+        layer.self_attn.backend = backend
+    report = apply_triton_kernels(runner.model)
+    assert report.swapped == {"RMSNorm": 5, "ApplyRope": 2, "SiluAndMul": 2}
+    assert run() == expected
 
 
 # ------------------------------------------------------------------ the device check
