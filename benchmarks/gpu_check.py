@@ -171,21 +171,27 @@ def check_parity() -> None:
                           do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(gen[0, len(p):].tolist())
     del hf
+    from tailserve.model.loader import load_model
+
+    loaded = load_model(None)  # once: the GGUF dequantization is the slow part of a start
     for eager in (False, True):
-        llm = LLM(None, device="cuda", dtype="float32", enforce_eager=eager,
-                  gpu_memory_utilization=0.5)
+        llm = LLM.from_loaded(loaded, device="cuda", dtype="float32", enforce_eager=eager,
+                              gpu_memory_utilization=0.5)
         got = _greedy(llm, prompts, new)
         same = sum(a == b for a, b in zip(got, expected, strict=True))
         emit("parity:transformers_cuda_float32", same == len(prompts), enforce_eager=eager,
              prompts_identical=same, prompts=len(prompts))
         del llm
         torch.cuda.empty_cache()
-    cpu = LLM(None, device="cpu", dtype="float32")
+    # The CPU path's tokens are the same with or without its compiled kernels (tested); skip
+    # compiling them on the GPU host.
+    os.environ["TAILSERVE_CPU_KERNELS"] = "0"
+    cpu = LLM.from_loaded(loaded, device="cpu", dtype="float32")
     cpu_tokens = _greedy(cpu, prompts, new)
     del cpu
     same = sum(a == b for a, b in zip(cpu_tokens, expected, strict=True))
     emit("parity:cpu_path_vs_transformers", same == len(prompts), prompts_identical=same)
-    llm = LLM(None, device="cuda", gpu_memory_utilization=0.5)  # the default dtype (bf16)
+    llm = LLM.from_loaded(loaded, device="cuda", gpu_memory_utilization=0.5)  # default: bf16
     got = _greedy(llm, prompts, new)
     first_token_same = sum(a[0] == b[0] for a, b in zip(got, cpu_tokens, strict=True))
     # bf16 rounds differently from float32: reported, the float32 checks above are exact.
@@ -214,14 +220,23 @@ def hbm_bandwidth_gbps() -> float:
 
 def check_decode() -> None:
     from tailserve import LLM, SamplingParams
+    from tailserve.model.loader import load_model
 
+    loaded = load_model(None)
     bandwidth = hbm_bandwidth_gbps()
     emit("decode:hbm_bandwidth", True, copy_gbps=round(bandwidth, 1))
     prompt_len, new = 128, 64
     for eager in (False, True):
-        llm = LLM(None, device="cuda", max_num_seqs=256, enforce_eager=eager,
-                  gpu_memory_utilization=0.8)
+        t0 = time.perf_counter()
+        llm = LLM.from_loaded(loaded, device="cuda", max_num_seqs=256, enforce_eager=eager,
+                              gpu_memory_utilization=0.8)
         runner = llm.engine.runner
+        profile = runner.memory_profile
+        emit("decode:start_up", profile is not None, cuda_graphs=not eager,
+             seconds=round(time.perf_counter() - t0, 1),
+             num_graphs=len(runner.cuda_graphs.graphs) if runner.cuda_graphs else 0,
+             graph_mib=round(runner.cuda_graph_bytes / (1 << 20), 1),
+             budget=profile.describe() if profile else None)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         cfg = runner.model_config
         kv_token_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
@@ -259,9 +274,11 @@ def check_decode() -> None:
 # ------------------------------------------------------------------------------ memory
 def check_memory() -> None:
     from tailserve import LLM, SamplingParams
+    from tailserve.model.loader import load_model
     from tailserve.obs.memory import MemoryMonitor, SteadyMemoryCheck
 
-    llm = LLM(None, device="cuda", max_num_seqs=64, gpu_memory_utilization=0.6)
+    llm = LLM.from_loaded(load_model(None), device="cuda", max_num_seqs=64,
+                          gpu_memory_utilization=0.6)
     monitor = MemoryMonitor("cuda:0", llm.engine.runner.kv_cache_bytes, slow_interval_s=0)
     steady = SteadyMemoryCheck(True, tolerance_bytes=64 << 20, warmup_requests=0)
     g = torch.Generator().manual_seed(7)

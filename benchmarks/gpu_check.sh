@@ -10,7 +10,7 @@
 # parity (greedy tokens vs transformers on CUDA and vs the CPU path), decode (tokens/s at batch
 # 1/64/256 with CUDA graphs on and off, against the measured HBM roofline), memory (steady
 # memory over a mixed run, cudaMalloc count), nvml (the memory alert path).
-# Each part has its own time limit; the sum is 450 s. Exit status: 0 all passed, 1 a check
+# Each part has its own time limit; the sum is 440 s. Exit status: 0 all passed, 1 a check
 # failed or a part timed out, 2 no CUDA device.
 set -u -o pipefail
 
@@ -38,8 +38,8 @@ PYEOF
 
 limit() {
     case "$1" in
-        kernels) echo 60 ;; parity) echo 120 ;; decode) echo 150 ;; memory) echo 90 ;;
-        nvml) echo 30 ;; *) echo 60 ;;
+        kernels) echo 60 ;; parity) echo 120 ;; decode) echo 180 ;; memory) echo 60 ;;
+        nvml) echo 20 ;; *) echo 60 ;;
     esac
 }
 

@@ -12,7 +12,10 @@ on a side stream; the compute stream waits for that copy's event, and the copy w
 event the compute stream records once the previous step's forward has read the buffers (so a
 copy never overwrites inputs still in use, while everything else of the step — sampling
 included — may still run). Before the host twin is written again, the previous copy's event
-is waited on: a pinned buffer must not change under an in-flight DMA.
+is waited on: a pinned buffer must not change under an in-flight DMA. (The engine is
+synchronous today: a step is scheduled after the previous one's sampled ids reached the host,
+so the window in which a copy could overlap the previous step's sampling is not yet used; an
+asynchronous scheduler would get it from this ordering without changes here.)
 
 On CPU the "device" tensor is the host tensor: the same fill, no copy.
 
