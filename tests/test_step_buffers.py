@@ -86,6 +86,22 @@ def test_graph_buckets() -> None:
     assert bucket_for(257, sizes) is None  # the module forward runs it
 
 
+def test_which_steps_replay_a_graph_and_which_run_eager() -> None:
+    from tailserve.model.attention.torch_ref import TorchAttentionBackend
+    from tailserve.model.cuda_graphs import graph_batch_for, wants_cuda_graphs
+
+    sizes = graph_batch_sizes(16)  # [1, 2, 4, 8, 16]
+    assert graph_batch_for(3, 3, sizes) == 4  # decode-only: the next bucket, padded
+    assert graph_batch_for(2, 3, sizes) is None  # a prefill chunk in the step: eager
+    assert graph_batch_for(17, 17, graph_batch_sizes(64)[:5]) is None  # past the largest
+    assert graph_batch_for(3, 3, None) is None  # no graphs captured
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    assert wants_cuda_graphs("cuda", False, triton_backend)
+    assert not wants_cuda_graphs("cuda", True, triton_backend)  # --enforce-eager
+    assert not wants_cuda_graphs("cuda", False, torch_backend)  # not capturable
+    assert not wants_cuda_graphs("cpu", False, triton_backend)  # CpuDecodeGraph's place
+
+
 def test_padded_decode_batch_through_triton_equals_the_unpadded_one() -> None:
     # What a captured graph computes: the real rows as without padding; the pool unchanged
     # but for the real rows' slots.
@@ -197,19 +213,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only host")
-def test_gpu_check_refuses_clearly_without_cuda() -> None:
+def test_gpu_check_refuses_clearly_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
     import subprocess
     import sys
 
     bash = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")],
                           capture_output=True, text=True)
     assert bash.returncode == 0, bash.stderr
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    env.pop("TRITON_INTERPRET")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "decode"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 2
-    assert "no CUDA device" in run.stderr and run.stdout == ""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" /
+                                                  "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert sorted(gpu_check.PARTS) == ["decode", "kernels", "memory", "nvml", "parity"]
+    for part in gpu_check.PARTS:
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", part])
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_check.main()
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        assert "no CUDA device" in captured.err and captured.out == ""
 
 
 def test_sampler_on_persistent_buffers_draws_the_same_tokens() -> None:

@@ -45,8 +45,17 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def is_decode_only(meta: AttentionMetadata) -> bool:
-    return meta.num_seqs > 0 and meta.num_decodes == meta.num_seqs
+def graph_batch_for(num_decodes: int, num_seqs: int, sizes: list[int] | None) -> int | None:
+    """The captured batch size a step replays, or None for the module forward: no graphs
+    (CPU, ``enforce_eager``, a backend that cannot be captured), a prefill chunk in the step,
+    or more decodes than the largest bucket."""
+    if sizes is None or num_seqs == 0 or num_decodes != num_seqs:
+        return None
+    return bucket_for(num_seqs, sizes)
+
+
+def wants_cuda_graphs(device_type: str, enforce_eager: bool, backend: AttentionBackend) -> bool:
+    return device_type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
 
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata],
@@ -79,10 +88,6 @@ class CudaDecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [batch_size, hidden] static outputs
         self.pool_bytes = 0  # device memory the captures added (reserved bytes)
-
-    def supports(self, meta: AttentionMetadata) -> bool:
-        return (bool(self.graphs) and is_decode_only(meta)
-                and bucket_for(meta.num_seqs, self.sizes) is not None)
 
     def capture(
         self, forward: ForwardFn, buffers: StepInputBuffers, kv_caches: list[torch.Tensor],

@@ -17,7 +17,12 @@ from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph
-from tailserve.model.cuda_graphs import CudaDecodeGraphs, bucket_for, graph_batch_sizes
+from tailserve.model.cuda_graphs import (
+    CudaDecodeGraphs,
+    graph_batch_for,
+    graph_batch_sizes,
+    wants_cuda_graphs,
+)
 from tailserve.model.device import torch_dtype
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
@@ -110,7 +115,7 @@ class ModelRunner:
             -(-self.max_model_len // cache.block_size), cache.num_kv_blocks * cache.block_size,
             self.device,
         )
-        if self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+        if not wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend):
             return
         graphs = CudaDecodeGraphs(graph_batch_sizes(scheduler.max_num_seqs))
         with torch.inference_mode():
@@ -147,7 +152,7 @@ class ModelRunner:
         left for the KV pool under ``utilization`` of the device's memory
         (``memory_profile.py``; the figures stay in ``self.memory_profile``)."""
         cfg = self.model_config
-        graphs = not self.config.enforce_eager and self.backend.supports_cuda_graphs
+        graphs = wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend)
         self.memory_profile = profile_memory(
             self.model, self.backend, self.device, self.dtype, cfg.num_key_value_heads,
             cfg.head_dim, cfg.num_hidden_layers, num_tokens, max_num_seqs, block_size,
@@ -221,11 +226,10 @@ class ModelRunner:
         assert buffers is not None
         buffers.fill(input_ids, positions, slots, qsl, seq_lens, [s.block_ids for s in order],
                      logits_indices)
-        graph_size = None
-        if self.cuda_graphs is not None and num_decodes == len(order):
-            graph_size = bucket_for(num_decodes, self.cuda_graphs.sizes)
-            if graph_size is not None:
-                buffers.pad_decodes(graph_size)
+        sizes = self.cuda_graphs.sizes if self.cuda_graphs is not None else None
+        graph_size = graph_batch_for(num_decodes, len(order), sizes)
+        if graph_size is not None:
+            buffers.pad_decodes(graph_size)
         inputs = buffers.copy_to_device()
         n = len(order)
         meta = AttentionMetadata(
