@@ -224,3 +224,14 @@ def test_apply_triton_kernels_swaps_and_keeps_the_forward() -> None:
     assert isinstance(block.act, TritonSiluAndMul)
     assert isinstance(block.rope, TritonApplyRope)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_factory_picks_triton_for_cuda_and_never_for_cpu() -> None:
+    from tailserve.model.attention import get_attention_backend
+    from tailserve.model.attention.cpu_kernels import CpuKernelAttentionBackend
+
+    assert type(get_attention_backend("cuda")) is TritonAttentionBackend
+    assert type(get_attention_backend("cpu")) is TorchAttentionBackend
+    assert type(get_attention_backend("cpu", cpu_kernels=True)) is CpuKernelAttentionBackend
+    assert TritonAttentionBackend.supports_cuda_graphs
+    assert not TorchAttentionBackend.supports_cuda_graphs
