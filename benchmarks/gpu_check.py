@@ -232,9 +232,10 @@ def check_decode() -> None:
                               gpu_memory_utilization=0.8)
         runner = llm.engine.runner
         profile = runner.memory_profile
-        emit("decode:start_up", profile is not None, cuda_graphs=not eager,
-             seconds=round(time.perf_counter() - t0, 1),
-             num_graphs=len(runner.cuda_graphs.graphs) if runner.cuda_graphs else 0,
+        num_graphs = len(runner.cuda_graphs.graphs) if runner.cuda_graphs else 0
+        emit("decode:start_up", profile is not None and (eager or num_graphs > 0),
+             cuda_graphs=not eager, seconds=round(time.perf_counter() - t0, 1),
+             num_graphs=num_graphs,
              graph_mib=round(runner.cuda_graph_bytes / (1 << 20), 1),
              budget=profile.describe() if profile else None)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())

@@ -7,6 +7,7 @@ output: a ``RunnerOutput`` of sampled token ids. Nothing here decides who runs.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from tailserve.model.transforms import apply_cpu_kernels
 from tailserve.model.transforms.triton_kernels import apply_triton_kernels
 from tailserve.model.triton_kernels import triton_available
 from tailserve.obs.profiling import span
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,9 +121,15 @@ class ModelRunner:
         if not wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend):
             return
         graphs = CudaDecodeGraphs(graph_batch_sizes(scheduler.max_num_seqs))
-        with torch.inference_mode():
-            graphs.capture(self.model, self.step_buffers, self.kv_caches, self.backend,
-                           cache.block_size, self.scale, self.max_model_len)
+        try:
+            with torch.inference_mode():
+                graphs.capture(self.model, self.step_buffers, self.kv_caches, self.backend,
+                               cache.block_size, self.scale, self.max_model_len)
+        except Exception as exc:  # refuse with the reason, serve eagerly (DESIGN rule 6)
+            log.warning("CUDA graphs off, decode steps run eagerly: capture failed with "
+                        "%s: %s", type(exc).__name__, exc)
+            torch.cuda.synchronize(self.device)
+            return
         self.cuda_graphs = graphs
 
     @property
