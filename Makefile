@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-browser test lint serve bench clean
+.PHONY: setup setup-browser test lint serve bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,10 @@ serve: setup
 
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py
+
+# The CUDA path's device check (a GPU, CUDA torch and triton needed; under 8 minutes).
+gpu-check:
+	PYTHON=$(BIN)/python bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

@@ -40,7 +40,10 @@ ALLOWED: dict[str, set[str]] = {
     "obs": {"data", "envs", "errors"},
     "kernels": {"envs"},
     # the model side: reads configs and step data, never the engine
-    "model": {"config", "data", "errors", "kernels", "obs", "platforms", "sampling_params"},
+    # (envs: the Triton kernels ask whether Triton's interpreter runs them)
+    "model": {
+        "config", "data", "envs", "errors", "kernels", "obs", "platforms", "sampling_params",
+    },
     "engine": {
         "config", "data", "envs", "errors", "kv", "model", "obs", "outputs", "request",
         "sampling_params",

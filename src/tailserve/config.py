@@ -153,9 +153,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enforce_eager: bool = field(
         default=False,
-        metadata={"help": "run every step through the PyTorch module forward; by default CPU "
-                  "decode-only steps run all layers in one compiled call (the CPU analogue of "
-                  "a CUDA graph)"},
+        metadata={"help": "run every step through the PyTorch module forward; by default "
+                  "decode-only steps replay a CUDA graph captured at start-up (CUDA) or run all "
+                  "layers in one compiled call (CPU)"},
     )
     memory_alert: float = field(
         default=0.95,

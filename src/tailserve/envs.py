@@ -76,9 +76,15 @@ TAILSERVE_TEST_SWEEP: EnvSwitch[bool] = EnvSwitch(
     "TAILSERVE_TEST_SWEEP", False, _flag,
     "tests only: run the slow `tailserve plan --sweep` test (it starts servers)",
 )
+TRITON_INTERPRET: EnvSwitch[bool] = EnvSwitch(
+    "TRITON_INTERPRET", False, _flag,
+    "1: Triton runs its kernels in its interpreter (numpy, on CPU tensors); tailserve's "
+    "Triton kernels then compute in float32, which the interpreter does exactly (tests); "
+    "Triton itself reads it too, when a kernel is defined",
+)
 
 SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
     TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, CUDA_VISIBLE_DEVICES,
-    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SWEEP,
+    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SWEEP, TRITON_INTERPRET,
 )

@@ -49,6 +49,8 @@ class EngineCore:
             )
         self.runner = runner
         self.runner.allocate_kv_cache(config.cache)
+        # CUDA: persistent step inputs and the decode graphs (nothing on CPU).
+        self.runner.prepare_steps(config.scheduler)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self._last_queries = 0
         self._last_hits = 0
@@ -59,6 +61,10 @@ class EngineCore:
             config.runner.device, cache.num_kv_blocks, cache.block_size,
             cache.kv_cache_bytes / (1 << 30), config.scheduler.max_num_batched_tokens,
         )
+        profile = self.runner.memory_profile
+        if profile is not None:
+            logger.info("%s; CUDA graphs took %.2f GiB", profile.describe(),
+                        self.runner.cuda_graph_bytes / (1 << 30))
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> EngineCore:
@@ -76,7 +82,7 @@ class EngineCore:
             )
             measured = runner.profile_kv_cache_bytes(
                 unsized.scheduler.max_num_batched_tokens, unsized.block_size,
-                unsized.gpu_memory_utilization,
+                unsized.gpu_memory_utilization, unsized.scheduler.max_num_seqs,
             )
         # Validates that one max_model_len sequence fits before a byte of KV is allocated.
         return cls(unsized.sized(measured), loaded, runner)

@@ -7,21 +7,34 @@ output: a ``RunnerOutput`` of sampled token ids. Nothing here decides who runs.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
-from tailserve.config import CacheConfig, ModelConfig, RunnerConfig
+from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph
+from tailserve.model.cuda_graphs import (
+    CudaDecodeGraphs,
+    graph_batch_for,
+    graph_batch_sizes,
+    wants_cuda_graphs,
+)
 from tailserve.model.device import torch_dtype
 from tailserve.model.llama import LlamaForCausalLM
+from tailserve.model.memory_profile import MemoryProfile, profile_memory
 from tailserve.model.sampler import Sampler, SamplingRow
+from tailserve.model.step_buffers import SamplingBuffers, StepInputBuffers
 from tailserve.model.transforms import apply_cpu_kernels
+from tailserve.model.transforms.triton_kernels import apply_triton_kernels
+from tailserve.model.triton_kernels import triton_available
 from tailserve.obs.profiling import span
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +44,7 @@ class _Batch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling: list[ScheduledRequest]
+    graph_batch_size: int | None = None  # replay this CUDA graph instead of the forward
 
 
 class ModelRunner:
@@ -46,6 +60,7 @@ class ModelRunner:
         weights: dict[str, torch.Tensor],
     ) -> None:
         self.model_config = model_config
+        self.max_model_len = max_model_len
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
@@ -61,6 +76,8 @@ class ModelRunner:
         self.model = model.eval()
         if self.device.type == "cpu":
             apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
+        elif self.device.type == "cuda" and triton_available():
+            apply_triton_kernels(self.model)
         # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
         self.decode_graph = (
             None if config.enforce_eager or self.device.type != "cpu"
@@ -73,6 +90,10 @@ class ModelRunner:
         self._default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(model_config.vocab_size, self._default_generator)
         self._generators: dict[str, torch.Generator] = {}
+        # CUDA only, from prepare_steps: persistent step inputs and the decode graphs.
+        self.step_buffers: StepInputBuffers | None = None
+        self.cuda_graphs: CudaDecodeGraphs | None = None
+        self.memory_profile: MemoryProfile | None = None  # CUDA: the start-up budget
 
     def allocate_kv_cache(self, cache: CacheConfig) -> None:
         """The whole KV cache, once: [layers, 2, num_blocks, block_size, H_kv, D]."""
@@ -83,6 +104,37 @@ class ModelRunner:
             cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
+
+    def prepare_steps(self, scheduler: SchedulerConfig) -> None:
+        """After the KV pool: on CUDA, the persistent step buffers sized by the scheduler's
+        bounds, and the decode CUDA graphs (not with ``enforce_eager``, and only over a
+        backend that can be captured). Nothing on CPU (its counterpart is CpuDecodeGraph)."""
+        if self.device.type != "cuda":
+            return
+        cache = self.cache
+        self.sampler.buffers = SamplingBuffers(scheduler.max_num_seqs, self.device)
+        self.step_buffers = StepInputBuffers(
+            scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
+            -(-self.max_model_len // cache.block_size), cache.num_kv_blocks * cache.block_size,
+            self.device,
+        )
+        if not wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend):
+            return
+        graphs = CudaDecodeGraphs(graph_batch_sizes(scheduler.max_num_seqs))
+        try:
+            with torch.inference_mode():
+                graphs.capture(self.model, self.step_buffers, self.kv_caches, self.backend,
+                               cache.block_size, self.scale, self.max_model_len)
+        except Exception as exc:  # refuse with the reason, serve eagerly (DESIGN rule 6)
+            log.warning("CUDA graphs off, decode steps run eagerly: capture failed with "
+                        "%s: %s", type(exc).__name__, exc)
+            torch.cuda.synchronize(self.device)
+            return
+        self.cuda_graphs = graphs
+
+    @property
+    def cuda_graph_bytes(self) -> int:
+        return self.cuda_graphs.pool_bytes if self.cuda_graphs is not None else 0
 
     @property
     def cache(self) -> CacheConfig:
@@ -102,32 +154,20 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def profile_kv_cache_bytes(self, num_tokens: int, block_size: int, utilization: float) -> int:
+    def profile_kv_cache_bytes(
+        self, num_tokens: int, block_size: int, utilization: float, max_num_seqs: int = 1
+    ) -> int:
         """CUDA: run one forward of ``num_tokens`` (the token budget) and return the bytes
-        left for the KV pool under ``utilization`` of the device's memory."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = num_tokens
+        left for the KV pool under ``utilization`` of the device's memory
+        (``memory_profile.py``; the figures stay in ``self.memory_profile``)."""
         cfg = self.model_config
-        scratch = [torch.zeros(2, 1, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                               dtype=self.dtype, device=self.device)
-                   for _ in range(cfg.num_hidden_layers)]
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(
-            num_decodes=0, slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
-            query_start_loc=[0, n], query_lens=[n], seq_lens_list=[n],
-            seq_lens=torch.tensor([n], device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-            block_size=block_size, scale=self.scale,
+        graphs = wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend)
+        self.memory_profile = profile_memory(
+            self.model, self.backend, self.device, self.dtype, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.num_hidden_layers, num_tokens, max_num_seqs, block_size,
+            self.scale, utilization, cuda_graphs=graphs,
         )
-        with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(n, device=self.device), scratch, meta)
-            self.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        return max(int(total * utilization - used_by_others - peak), 0)
+        return self.memory_profile.kv_cache_bytes
 
     # ------------------------------------------------------------------ one step
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
@@ -159,6 +199,9 @@ class ModelRunner:
             if s.sample:
                 logits_indices.append(qsl[-1] - 1)
                 sampling.append(s)
+        if self.step_buffers is not None:
+            return self._stage(order, num_decodes, input_ids, positions, slots, qsl, seq_lens,
+                               logits_indices, sampling)
         max_blocks = max(len(s.block_ids) for s in order)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in order]
         dev = self.device
@@ -181,6 +224,52 @@ class ModelRunner:
             sampling=sampling,
         )
 
+    def _stage(
+        self, order: list[ScheduledRequest], num_decodes: int, input_ids: list[int],
+        positions: list[int], slots: list[int], qsl: list[int], seq_lens: list[int],
+        logits_indices: list[int], sampling: list[ScheduledRequest],
+    ) -> _Batch:
+        """The CUDA form of ``_prepare``'s end: the persistent buffers, padded to a graph's
+        batch size when a captured graph will run this step."""
+        buffers = self.step_buffers
+        assert buffers is not None
+        buffers.fill(input_ids, positions, slots, qsl, seq_lens, [s.block_ids for s in order],
+                     logits_indices)
+        sizes = self.cuda_graphs.sizes if self.cuda_graphs is not None else None
+        graph_size = graph_batch_for(num_decodes, len(order), sizes)
+        if graph_size is not None:
+            buffers.pad_decodes(graph_size)
+        inputs = buffers.copy_to_device()
+        n = len(order)
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc=qsl,
+            query_lens=[len(s.token_ids) for s in order],
+            seq_lens_list=seq_lens,
+            seq_lens=inputs.seq_lens[:n],
+            block_tables=inputs.block_tables[:n],
+            block_size=self.block_size,
+            scale=self.scale,
+            query_start_loc_tensor=inputs.query_start_loc[: n + 1],
+        )
+        return _Batch(
+            input_ids=inputs.input_ids, positions=inputs.positions, meta=meta,
+            logits_indices=inputs.logits_indices, sampling=sampling, graph_batch_size=graph_size,
+        )
+
+    def _forward(self, batch: _Batch) -> torch.Tensor:
+        """The step's hidden states: a CUDA graph, the CPU decode graph, or the modules."""
+        if batch.graph_batch_size is not None and self.cuda_graphs is not None:
+            hidden = self.cuda_graphs.replay(batch.graph_batch_size, batch.meta.num_seqs)
+        elif self.decode_graph is not None and self.decode_graph.supports(batch.meta):
+            hidden = self.decode_graph(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta
+            )
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return hidden
+
     def _generator_for(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.sampling_params.seed
         if seed is None:
@@ -201,15 +290,14 @@ class ModelRunner:
             batch = self._prepare(sched)
             self.backend.begin_step(batch.meta)
         with span("forward"):
-            if self.decode_graph is not None and self.decode_graph.supports(batch.meta):
-                hidden = self.decode_graph(
-                    batch.input_ids, batch.positions, self.kv_caches, batch.meta
-                )
-            else:
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            hidden = self._forward(batch)
+            if batch.sampling:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if self.step_buffers is not None:
+                # The last reads of the buffers are enqueued: the next step's copy may start.
+                self.step_buffers.mark_consumed()
             if not batch.sampling:
                 return RunnerOutput(sampled_token_ids={})
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [
             SamplingRow(
                 params=s.sampling_params,

@@ -24,6 +24,7 @@ from itertools import chain
 
 import torch
 
+from tailserve.model.step_buffers import SamplingBuffers
 from tailserve.sampling_params import SamplingParams
 
 
@@ -188,12 +189,24 @@ TRUNCATION_CANDIDATES = 256
 TRUNCATION_CANDIDATES_GROWTH = 16
 
 
+def _row_tensor(
+    name: str, values: Sequence[float] | Sequence[int] | Sequence[bool], device: torch.device,
+    buffers: SamplingBuffers | None,
+) -> torch.Tensor:
+    """A per-row parameter vector: from the persistent buffers when the runner gave some
+    (CUDA), else a new tensor."""
+    if buffers is not None:
+        return buffers.put(name, values)
+    return torch.tensor(values, dtype=SamplingBuffers.DTYPES[name], device=device)
+
+
 def _keep_threshold(
     logits: torch.Tensor,
     probs: torch.Tensor,
     top_k: list[int],
     top_p: list[float],
     num_candidates: int,
+    buffers: SamplingBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the lowest logit that top-k and then top-p keep, from the top candidates.
 
@@ -205,9 +218,10 @@ def _keep_threshold(
     vocab_size = logits.shape[-1]
     device = logits.device
     values, indices = logits.topk(num_candidates, dim=-1)  # [num_rows, num_candidates], desc
-    top_k_on = torch.tensor([0 < k < vocab_size for k in top_k], device=device)
-    top_p_on = torch.tensor([p < 1.0 for p in top_p], device=device)
-    k = torch.tensor([k if 0 < k < vocab_size else num_candidates for k in top_k], device=device)
+    top_k_on = _row_tensor("top_k_on", [0 < k < vocab_size for k in top_k], device, buffers)
+    top_p_on = _row_tensor("top_p_on", [p < 1.0 for p in top_p], device, buffers)
+    k = _row_tensor("top_k", [k if 0 < k < vocab_size else num_candidates for k in top_k],
+                    device, buffers)
     keep = torch.arange(num_candidates, device=device) < k.unsqueeze(1)  # a prefix per row
     resolved = torch.ones_like(top_k_on)
     if any(p < 1.0 for p in top_p):
@@ -220,7 +234,8 @@ def _keep_threshold(
         mass_before = cumulative - head  # exactly 0 for the top token, which is always kept
         # Rows with top_p == 1 must keep everything, but rounding can lift mass_before to 1.0
         # on the tail; an infinite bound makes them an exact no-op.
-        bound = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=device)
+        bound = _row_tensor("top_p_bound", [p if p < 1.0 else math.inf for p in top_p],
+                            device, buffers)
         keep &= mass_before < bound.unsqueeze(1)  # mass_before only grows: still a prefix
         # A top_p below float32's smallest denormal (e.g. 5e-324) rounds to a bound of 0 and
         # would keep nothing (then gather at index -1 kills the step): the top token stays.
@@ -234,7 +249,8 @@ def _keep_threshold(
 
 
 def _top_k_top_p_threshold(
-    logits: torch.Tensor, probs: torch.Tensor, top_k: list[int], top_p: list[float]
+    logits: torch.Tensor, probs: torch.Tensor, top_k: list[int], top_p: list[float],
+    buffers: SamplingBuffers | None = None,
 ) -> torch.Tensor:
     """[num_rows, 1]: per row, the lowest logit that top-k and then top-p keep.
 
@@ -245,7 +261,7 @@ def _top_k_top_p_threshold(
     vocab_size = logits.shape[-1]
     widest_k = max((k for k in top_k if 0 < k < vocab_size), default=0)
     num_candidates = min(vocab_size, max(TRUNCATION_CANDIDATES, widest_k))
-    threshold, resolved = _keep_threshold(logits, probs, top_k, top_p, num_candidates)
+    threshold, resolved = _keep_threshold(logits, probs, top_k, top_p, num_candidates, buffers)
     # Only a top-p row can outgrow its candidates; skip the device-to-host check otherwise.
     needs_check = num_candidates < vocab_size and any(p < 1.0 for p in top_p)
     pending = (~resolved).nonzero().squeeze(1).tolist() if needs_check else []
@@ -258,6 +274,7 @@ def _top_k_top_p_threshold(
             [top_k[i] for i in pending],
             [top_p[i] for i in pending],
             num_candidates,
+            buffers,
         )
         pending = [i for i, done in zip(pending, resolved.tolist(), strict=True) if not done]
     return threshold
@@ -266,10 +283,15 @@ def _top_k_top_p_threshold(
 class Sampler:
     """Batched sampler for one engine step. See the module docstring for the order of steps."""
 
-    def __init__(self, vocab_size: int, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, generator: torch.Generator | None = None,
+        buffers: SamplingBuffers | None = None,
+    ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be at least 1, got {vocab_size}")
         self.vocab_size = vocab_size
+        # Persistent per-row parameter tensors (the runner's, on CUDA); None: new tensors.
+        self.buffers = buffers
         # Noise for rows without their own generator; None means torch's default generator.
         self.generator = generator
 
@@ -299,8 +321,8 @@ class Sampler:
             token_ids = self._sample(processed, rows)
         else:
             device = logits.device
-            greedy_index = torch.tensor(greedy, device=device)
-            random_index = torch.tensor(random, device=device)
+            greedy_index = _row_tensor("greedy_index", greedy, device, self.buffers)
+            random_index = _row_tensor("random_index", random, device, self.buffers)
             token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
             token_ids[greedy_index] = processed[greedy_index].argmax(dim=-1)
             token_ids[random_index] = self._sample(
@@ -311,8 +333,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Draw one token per row of ``logits`` [num_random, vocab] (all rows temperature > 0)."""
         device = logits.device
-        temperature = torch.tensor(
-            [r.params.temperature for r in rows], dtype=torch.float32, device=device
+        temperature = _row_tensor(
+            "temperature", [r.params.temperature for r in rows], device, self.buffers
         )
         scaled = logits / temperature.unsqueeze(1)
         probs = scaled.softmax(dim=-1)
@@ -323,13 +345,14 @@ class Sampler:
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            threshold = _top_k_top_p_threshold(scaled, probs, top_k, top_p)
+            threshold = _top_k_top_p_threshold(scaled, probs, top_k, top_p, self.buffers)
         min_p = [r.params.min_p for r in rows]
         if any(p > 0.0 for p in min_p):
             # p_i < min_p * p_max  ⇔  logit_i < logit_max + log(min_p), and the top token
             # survives top-k/top-p, so this is the same after them. log(0) = -inf keeps all.
-            log_min_p = torch.tensor(
-                [math.log(p) if p > 0.0 else -math.inf for p in min_p], device=device
+            log_min_p = _row_tensor(
+                "log_min_p", [math.log(p) if p > 0.0 else -math.inf for p in min_p], device,
+                self.buffers,
             )
             min_p_threshold = scaled.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
             threshold = (

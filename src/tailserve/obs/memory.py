@@ -310,8 +310,10 @@ def _start_cuda_history(is_cuda: bool) -> None:
     torch = _torch() if is_cuda else None
     if torch is None:
         return
-    try:  # records a stack per allocation from here on: the sites a warning can name
-        torch.cuda.memory._record_memory_history(max_entries=100000)
+    try:  # records a stack per allocation from here on: the sites a warning can name.
+        # Python frames only: the warning names .py sites, and unwinding C++ stacks on every
+        # allocation of an eager prefill step would slow the loop being watched.
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=100000)
     except Exception as exc:
         logger.info("steady memory: torch cannot record allocation sites (%s)", exc)
 

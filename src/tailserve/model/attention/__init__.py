@@ -5,15 +5,19 @@ from __future__ import annotations
 from tailserve.model.attention.base import AttentionBackend, AttentionMetadata
 from tailserve.model.attention.cpu_kernels import CpuKernelAttentionBackend
 from tailserve.model.attention.torch_ref import TorchAttentionBackend
+from tailserve.model.triton_kernels import triton_available
 
 
 def get_attention_backend(device: str, cpu_kernels: bool = False) -> AttentionBackend:
-    """CPU with the compiled kernels built: the paged decode kernel; else the torch reference.
-
-    GPU kernels plug in here by device.
-    """
+    """CPU with the compiled kernels built: the paged decode kernel; CUDA with Triton
+    installed (the ``gpu`` extra): the Triton kernels; else the torch reference."""
     if device == "cpu" and cpu_kernels:
         return CpuKernelAttentionBackend()
+    if device == "cuda" and triton_available():
+        # Imported here: defining the kernels needs triton, and only CUDA runs them.
+        from tailserve.model.attention.triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     return TorchAttentionBackend()
 
 

@@ -30,6 +30,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with block 0
     block_size: int
     scale: float
+    # query_start_loc on the device, for kernels that read it there (Triton prefill); the
+    # runner fills it from its persistent buffers on CUDA, else a backend builds it.
+    query_start_loc_tensor: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -39,8 +42,16 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache, then attends over each sequence's blocks."""
 
+    # A decode step through this backend can be captured as a CUDA graph: its launches'
+    # shapes depend on the batch size only (see model/cuda_graphs.py).
+    supports_cuda_graphs: bool = False
+
     def begin_step(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Called once per step before the forward: plan work every layer will reuse."""
+
+    def set_graph_max_seq_len(self, max_seq_len: int | None) -> None:
+        """While capturing (``max_seq_len`` set): plan for contexts up to it, not the step's."""
+        raise NotImplementedError(f"{type(self).__name__} is not captured in CUDA graphs")
 
     @abstractmethod
     def forward(
