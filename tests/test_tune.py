@@ -85,7 +85,9 @@ def test_recommend_best_goodput_among_settings_that_meet_the_slos() -> None:
     ]
     rec = recommend(rows, SLOS)
     assert rec is not None and rec.index == 2 and rec.meets_slos
-    assert "90%" in rec.reason and "3 that do" in rec.reason
+    assert "goodput share 90%, the highest of the 3 that do" in rec.reason
+    rec = recommend(rows[:2], SLOS)
+    assert rec is not None and rec.index == 1 and "the only setting that does" in rec.reason
 
 
 def test_recommend_ties_go_to_throughput_then_headroom_then_grid_order() -> None:

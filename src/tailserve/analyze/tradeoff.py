@@ -111,9 +111,11 @@ def recommend(rows: Sequence[dict[str, Any]], slos: Slos) -> Recommendation | No
         best = min(feasible, key=lambda i: (
             -share(i), -float(rows[i].get("output_throughput") or 0.0),
             slo_ratio(rows[i], slos), i))
+        among = ("the only setting that does" if len(feasible) == 1
+                 else f"the highest of the {len(feasible)} that do")
         return Recommendation(best, True, (
-            f"meets P99 TTFT <= {slos.ttft_ms:g} ms and P99 ITL <= {slos.itl_ms:g} ms with the "
-            f"highest goodput share ({_pct(share(best))}) of the {len(feasible)} that do"))
+            f"meets P99 TTFT <= {slos.ttft_ms:g} ms and P99 ITL <= {slos.itl_ms:g} ms; goodput "
+            f"share {_pct(share(best))}, {among}"))
     best = min(usable, key=lambda i: (slo_ratio(rows[i], slos), -share(i), i))
     return Recommendation(best, False, (
         f"no setting meets P99 TTFT <= {slos.ttft_ms:g} ms and P99 ITL <= {slos.itl_ms:g} ms; "

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 _TABLE = (("median_ttft_ms", "P50 TTFT ms"), (TTFT_KEY, "P99 TTFT ms"),
           ("median_itl_ms", "P50 ITL ms"), (ITL_KEY, "P99 ITL ms"),
           ("goodput_share", "goodput share"), ("request_throughput", "req/s"),
-          ("output_throughput", "output tok/s"), ("completed", "ok"), ("failed", "failed"))
+          ("output_throughput", "output tok/s"), ("max_scheduled_seqs", "max batch"),
+          ("completed", "ok"), ("failed", "failed"))
 
 
 def point_label(row: dict[str, Any], keys: list[str]) -> str:
