@@ -88,9 +88,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_for(name: str, extra: list[str], peers_home: str) -> Server:
+def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int | None
+               ) -> Server:
     port = free_port()
     env = dict(os.environ, TAILSERVE_PYTHON=sys.executable, TAILSERVE_PEERS_HOME=peers_home)
+    if llama_threads is not None:
+        env["LLAMA_THREADS"] = str(llama_threads)
     if name == "tailserve":
         cmd = [sys.executable, "-m", "tailserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", SERVED_NAME, *extra]
@@ -147,6 +150,10 @@ def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, 
            "--ignore-eos", "--temperature", "0", "--seed", str(seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--save-detailed", "--disable-tqdm",
+           # llama-server answers "Keep-Alive" but closes the connection after a streamed
+           # response, and the next request on it fails ("Server disconnected", every other
+           # request of a one-at-a-time run): a fresh connection per request, for every server.
+           "--header", "Connection=close",
            "--result-dir", os.path.dirname(out), "--result-filename", os.path.basename(out)]
     if w.max_concurrency is not None:
         cmd += ["--max-concurrency", str(w.max_concurrency)]
@@ -187,14 +194,14 @@ def summarize(result: dict[str, Any], slos: Slos) -> dict[str, Any]:
     }
 
 
-def run_client(client: str, args: argparse.Namespace, server: Server, w: Workload,
+def run_client(client: str, args: argparse.Namespace, server: Server, w: Workload, seed: int,
                out_dir: str, tag: str) -> tuple[dict[str, Any] | None, str]:
     """(the client's result file, loaded; None when it failed) and the command line."""
     out = os.path.join(out_dir, f"{tag}.json")
     if client == "vllm":
-        cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, args.seed, out)
+        cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, seed, out)
     else:
-        cmd = tailserve_bench_cmd(server.url, w, args.seed, out)
+        cmd = tailserve_bench_cmd(server.url, w, seed, out)
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "src"), HF_HUB_OFFLINE="1")
     limit = args.client_timeout
     with open(os.path.join(out_dir, f"{tag}.log"), "wb") as log:
@@ -243,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warnings": [], "out_dir": out_dir, "argv": sys.argv,
     }
     for name in args.servers:
-        server = server_for(name, extra[name], args.peers_home)
+        server = server_for(name, extra[name], args.peers_home, args.llama_threads)
         entry: dict[str, Any] = {"cmd": server.cmd, "url": server.url}
         report["servers"][name] = entry
         print(f"[{name}] starting: {' '.join(server.cmd)}", file=sys.stderr)
@@ -261,10 +268,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             # Warm-up: compiled graphs, first-touch pages and caches, not measured.
             warm = Workload("warmup", 2, 64, 8)
-            run_client(args.client, args, server, warm, out_dir, f"{name}-warmup")
-            for w in workloads:
+            run_client(args.client, args, server, warm, args.seed + 1000, out_dir,
+                       f"{name}-warmup")
+            for k, w in enumerate(workloads):
                 print(f"[{name}] {w.name}: {w.num_prompts} requests", file=sys.stderr)
-                result, cmd = run_client(args.client, args, server, w, out_dir,
+                # A seed per workload: the same prompts for every server, but none repeated
+                # from an earlier workload, where a prefix cache would answer it.
+                result, cmd = run_client(args.client, args, server, w, args.seed + k, out_dir,
                                          f"{name}-{w.name}")
                 row: dict[str, Any] = {"server": name, "workload": w.name, "client_cmd": cmd}
                 if result is None:
@@ -356,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra `tailserve serve` argument (repeatable, e.g. --tailserve-arg=X)")
     p.add_argument("--vllm-arg", action="append", metavar="ARG")
     p.add_argument("--llama-arg", action="append", metavar="ARG")
+    p.add_argument("--llama-threads", type=int, default=None,
+                   help="llama-server -t (default: every core; 1 for a smoke run on a busy host)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds per server")
     p.add_argument("--client-timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--out-dir", default=None, help="client results and server logs")
