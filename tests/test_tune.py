@@ -119,6 +119,25 @@ def test_slos_must_be_positive_and_finite() -> None:
         Slos(itl_ms=0.0)
 
 
+def test_grid_takes_any_engine_flag_in_either_spelling() -> None:
+    import dataclasses
+
+    from tailserve.analyze.sweep import combo_flags, parse_grid
+    from tailserve.config import EngineArgs
+
+    grid = parse_grid(["max_num_batched_tokens=256,512", "--max-num-seqs=8,32"])
+    assert grid == [
+        {"max-num-batched-tokens": "256", "max-num-seqs": "8"},
+        {"max-num-batched-tokens": "256", "max-num-seqs": "32"},
+        {"max-num-batched-tokens": "512", "max-num-seqs": "8"},
+        {"max-num-batched-tokens": "512", "max-num-seqs": "32"}]
+    assert combo_flags(grid[3]) == ["--max-num-batched-tokens", "512", "--max-num-seqs", "32"]
+    # Every engine field is a grid axis: a knob added to EngineArgs is tunable as it lands.
+    for f in dataclasses.fields(EngineArgs):
+        if f.name != "model":
+            assert parse_grid([f"{f.name}=1"]) == [{f.name.replace("_", "-"): "1"}]
+
+
 def test_html_page_has_both_plots_the_table_and_the_recommendation() -> None:
     rows = [{"max-num-seqs": "4", **row(500, 300, good=0.7)},
             {"max-num-seqs": "16", **row(800, 90, good=0.9)},

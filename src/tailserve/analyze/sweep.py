@@ -80,7 +80,8 @@ def combo_flags(combo: dict[str, str]) -> list[str]:
     hints = typing.get_type_hints(EngineArgs)
     flags: list[str] = []
     for key, value in combo.items():
-        if hints[key.replace("-", "_")] is bool:
+        hint = hints[key.replace("-", "_")]
+        if hint is bool or bool in typing.get_args(hint):  # bool or bool | None
             on = value.lower() in ("1", "true", "yes", "on")
             flags.append(f"--{key}" if on else f"--no-{key}")
         else:
