@@ -149,6 +149,9 @@ def test_html_page_has_both_plots_the_table_and_the_recommendation() -> None:
     assert "<b>Recommended:</b> max-num-seqs=16" in page
     assert "&lt;boom&gt;" in page and "<boom>" not in page  # the server's log is escaped
     assert "<td>recommended</td><td>16</td>" in page and "<td>front</td><td>4</td>" in page
+    rows[0] |= {"failed": 2, "failure": "http: HTTP 500 <oops>"}
+    page = render_tune_html(rows, ["max-num-seqs"], SLOS, t.recommended, t.workload)
+    assert "<td>http: HTTP 500 &lt;oops&gt;</td>" in page
     empty = render_tune_html([rows[2]], ["max-num-seqs"], SLOS, None, "w")
     assert "No setting completed a request" in empty and "id='plot-front'" in empty
 

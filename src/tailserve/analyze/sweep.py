@@ -188,7 +188,11 @@ def _row(step: dict[str, Any], slos: Slos) -> dict[str, Any]:
                 if k.startswith(prefix)]
         return max(vals) if vals else None
 
+    examples = step["tailserve"].get("failures", {}).get("examples") or {}
+    failure = {"failure": "; ".join(f"{k}: {v}"[:300] for k, v in examples.items())
+               } if step["failed"] else {}
     return {
+        **failure,
         "completed": step["completed"], "failed": step["failed"],
         "request_throughput": step["request_throughput"],
         "output_throughput": step["output_throughput"],
@@ -245,7 +249,8 @@ def print_sweep(rows: list[dict[str, Any]], console: Any, marks: dict[int, str] 
     from rich.table import Table
 
     ok = [r for r in rows if "error" not in r]
-    keys = [k for k in rows[0] if k not in _COLUMNS and k != "error"] if rows else []
+    keys = [k for k in rows[0] if k not in _COLUMNS and k not in ("error", "failure")
+            ] if rows else []
     # Memory gauges a server does not have (no device, CPU torch) would be a column of dashes.
     columns = {k: head for k, head in _COLUMNS.items()
                if (not k.endswith("_bytes") or any(r.get(k) for r in ok))
@@ -264,6 +269,10 @@ def print_sweep(rows: list[dict[str, Any]], console: Any, marks: dict[int, str] 
         mark = [] if marks is None else [marks.get(i, "")]
         t.add_row(*mark, *(str(r[k]) for k in keys), *(_fmt(k, r.get(k)) for k in columns))
     console.print(t)
+    for r in rows:
+        if "failure" in r:
+            console.print(f"[yellow]{' '.join(f'{k}={r[k]}' for k in keys)}: {r['failed']} "
+                          f"failed, e.g. {r['failure']}[/]")
 
 
 _COLUMNS = {

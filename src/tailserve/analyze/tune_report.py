@@ -120,6 +120,8 @@ def render_tune_html(rows: list[dict[str, Any]], keys: list[str], slos: Slos,
             cells += f"<td colspan='{len(_TABLE)}'>failed: {e(str(r['error'])[:500])}</td>"
         else:
             cells += "".join(f"<td>{_cell(k, r.get(k))}</td>" for k, _ in _TABLE)
+            if "failure" in r:
+                cells += f"<td>{e(str(r['failure']))}</td>"
         parts.append(f"<tr><td>{mark}</td>{cells}</tr>")
     parts.append("</table></body></html>")
     return "\n".join(parts)
