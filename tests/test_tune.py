@@ -152,6 +152,10 @@ def test_html_page_has_both_plots_the_table_and_the_recommendation() -> None:
     rows[0] |= {"failed": 2, "failure": "http: HTTP 500 <oops>"}
     page = render_tune_html(rows, ["max-num-seqs"], SLOS, t.recommended, t.workload)
     assert "<td>http: HTTP 500 &lt;oops&gt;</td>" in page
+    # A setting that completed nothing has no latency to plot (its zeros are not a point).
+    nothing = {"max-num-seqs": "2", **row(0, 0, good=0.0), "completed": 0, "failed": 10}
+    page = render_tune_html([nothing], ["max-num-seqs"], SLOS, None, "w")
+    assert "<p class='note' id='plot-front'>not available" in page
     empty = render_tune_html([rows[2]], ["max-num-seqs"], SLOS, None, "w")
     assert "No setting completed a request" in empty and "id='plot-front'" in empty
 

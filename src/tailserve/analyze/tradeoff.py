@@ -72,14 +72,15 @@ def goodput_share(ttfts_s: Sequence[float | None], itls_s: Sequence[Sequence[flo
     return good / len(ok)
 
 
-def _usable(row: dict[str, Any]) -> bool:
+def usable(row: dict[str, Any]) -> bool:
+    """A row with latencies: its server started and completed at least one request."""
     return ("error" not in row and bool(row.get("completed"))
             and row.get(TTFT_KEY) is not None and row.get(ITL_KEY) is not None)
 
 
 def pareto_front(rows: Sequence[dict[str, Any]]) -> list[int]:
     """Indices of the undominated usable rows, by P99 TTFT then P99 ITL."""
-    pts = [(i, float(r[TTFT_KEY]), float(r[ITL_KEY])) for i, r in enumerate(rows) if _usable(r)]
+    pts = [(i, float(r[TTFT_KEY]), float(r[ITL_KEY])) for i, r in enumerate(rows) if usable(r)]
     front = [
         (x, y, i) for i, x, y in pts
         if not any(x2 <= x and y2 <= y and (x2 < x or y2 < y) for _, x2, y2 in pts)
@@ -92,21 +93,21 @@ def slo_ratio(row: dict[str, Any], slos: Slos) -> float:
 
 
 def meets(row: dict[str, Any], slos: Slos) -> bool:
-    return (_usable(row) and float(row[TTFT_KEY]) <= slos.ttft_ms
+    return (usable(row) and float(row[TTFT_KEY]) <= slos.ttft_ms
             and float(row[ITL_KEY]) <= slos.itl_ms)
 
 
 def recommend(rows: Sequence[dict[str, Any]], slos: Slos) -> Recommendation | None:
     """The setting to use for ``slos`` (module docstring); None when no row is usable."""
-    usable = [i for i, r in enumerate(rows) if _usable(r)]
-    if not usable:
+    candidates = [i for i, r in enumerate(rows) if usable(r)]
+    if not candidates:
         return None
 
     def share(i: int) -> float:
         v = rows[i].get("goodput_share")
         return -1.0 if v is None else float(v)
 
-    feasible = [i for i in usable if meets(rows[i], slos)]
+    feasible = [i for i in candidates if meets(rows[i], slos)]
     if feasible:
         best = min(feasible, key=lambda i: (
             -share(i), -float(rows[i].get("output_throughput") or 0.0),
@@ -116,7 +117,7 @@ def recommend(rows: Sequence[dict[str, Any]], slos: Slos) -> Recommendation | No
         return Recommendation(best, True, (
             f"meets P99 TTFT <= {slos.ttft_ms:g} ms and P99 ITL <= {slos.itl_ms:g} ms; goodput "
             f"share {_pct(share(best))}, {among}"))
-    best = min(usable, key=lambda i: (slo_ratio(rows[i], slos), -share(i), i))
+    best = min(candidates, key=lambda i: (slo_ratio(rows[i], slos), -share(i), i))
     return Recommendation(best, False, (
         f"no setting meets P99 TTFT <= {slos.ttft_ms:g} ms and P99 ITL <= {slos.itl_ms:g} ms; "
         f"this one comes closest: it would need SLOs {slo_ratio(rows[best], slos):.2f}x as "

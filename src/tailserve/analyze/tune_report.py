@@ -11,7 +11,14 @@ import html
 from typing import TYPE_CHECKING, Any
 
 from tailserve.analyze.report import CSS, png_base64
-from tailserve.analyze.tradeoff import ITL_KEY, TTFT_KEY, Recommendation, Slos, pareto_front
+from tailserve.analyze.tradeoff import (
+    ITL_KEY,
+    TTFT_KEY,
+    Recommendation,
+    Slos,
+    pareto_front,
+    usable,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -29,7 +36,7 @@ def point_label(row: dict[str, Any], keys: list[str]) -> str:
 
 def _front_plot(rows: list[dict[str, Any]], keys: list[str], front: list[int],
                 rec: Recommendation | None, slos: Slos, plt: Any) -> Figure | None:
-    pts = [i for i, r in enumerate(rows) if r.get(TTFT_KEY) is not None and "error" not in r]
+    pts = [i for i, r in enumerate(rows) if usable(r)]  # a point with no request: no latency
     if not pts:
         return None
     fig, ax = plt.subplots(figsize=(8, 5.5))
