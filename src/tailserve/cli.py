@@ -1,6 +1,7 @@
-"""The ``tailserve`` command: ``serve``, ``generate``, ``bench``, ``diagnose``, ``compare`` and
-``plan``. The flags of ``serve``, ``generate`` and ``bench`` are generated from the fields of
-``EngineArgs``, ``ServerSettings``, ``SamplingParams`` and ``BenchConfig`` (cli_flags.py)."""
+"""The ``tailserve`` command: ``serve``, ``generate``, ``bench``, ``diagnose``, ``compare``,
+``plan`` and ``tune``. The flags of ``serve``, ``generate``, ``bench`` and ``tune`` are
+generated from the fields of ``EngineArgs``, ``ServerSettings``, ``SamplingParams``,
+``BenchConfig`` and ``Slos`` (cli_flags.py)."""
 
 from __future__ import annotations
 
@@ -330,6 +331,83 @@ def _add_plan(sub: Any) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+# tune: bench flags that make no sense for servers it starts itself, and the workload it
+# runs where bench's own defaults (1,000 prompts all at once) measure saturation, not a trade-off.
+TUNE_BENCH_SKIP = (
+    "base_url", "model", "api_key", "request_rates", "sweep", "sweep_steps", "goodput",
+    "percentiles", "save_result", "save_detailed", "label", "progress", "base_url_b", "split",
+    "users",
+)
+TUNE_DATASET_DEFAULTS = {"num_prompts": 100}
+TUNE_BENCH_DEFAULTS = {"request_rate": 1.0}
+
+
+def _cmd_tune(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tailserve.analyze.tradeoff import Slos
+    from tailserve.analyze.tune import print_tune, run_tune, save_tune
+    from tailserve.bench.config import BenchConfig, DatasetOptions
+
+    bench = from_namespace(BenchConfig, ns, skip=TUNE_BENCH_SKIP,
+                           dataset=from_namespace(DatasetOptions, ns), progress=False)
+    slos = from_namespace(Slos, ns)
+    if ns.html:
+        from tailserve.bench.result import check_writable
+
+        check_writable(ns.html)  # before the grid runs, not after
+    result = run_tune(ns.model_path, ns.grid, bench, slos, ns.serve_arg,
+                      Console(stderr=True))
+    if ns.save_result:
+        save_tune(result, ns.save_result)
+    if ns.html:
+        from tailserve.analyze.tune_report import write_tune_html
+
+        write_tune_html(ns.html, result.rows, result.keys, slos, result.recommended,
+                        result.workload)
+    if ns.json:
+        print(json.dumps(result.as_json(), indent=1))
+    else:
+        print_tune(result, Console())
+    return 0 if all(r.get("completed") for r in result.rows) else 1
+
+
+def _add_tune(sub: Any) -> None:
+    from tailserve.analyze.tradeoff import Slos
+    from tailserve.bench.config import BenchConfig, DatasetOptions
+
+    t = sub.add_parser(
+        "tune", help="measure the P99 TTFT / P99 ITL trade-off of engine settings",
+        description="For every combination of --grid values, start `tailserve serve` on a "
+        "loopback port, run one `tailserve bench` step of the workload, stop it; then print "
+        "each setting's P50/P99 TTFT and ITL and goodput share, the Pareto front of P99 TTFT "
+        "against P99 ITL, and the setting recommended for --slo-ttft-ms / --slo-itl-ms (the "
+        "highest goodput share among those whose P99s meet both; else the closest). Exit "
+        "status: 0; 1 if a setting completed no request; 2 on a usage error.",
+    )
+    t.add_argument("model_path", nargs="?", metavar="MODEL", default=None,
+                   help="HF folder or .gguf to serve (default: the bundled model)")
+    t.add_argument("--grid", action="append", required=True, metavar="FLAG=V1,V2",
+                   help="an engine flag and its values, repeatable: --grid "
+                   "max-num-batched-tokens=256,512 --grid max-num-seqs=8,32")
+    t.add_argument("--serve-arg", action="append", default=None, metavar="ARG",
+                   help="extra argument for every server, e.g. --serve-arg=--kv-cache-memory=1")
+    add_flags(t, Slos, group="SLOs")
+    out = t.add_argument_group("output")
+    out.add_argument("--html", default=None, metavar="FILE",
+                     help="write the plots and the table as one HTML page")
+    out.add_argument("--save-result", default=None, metavar="FILE",
+                     help="write the rows, the front and the recommendation as JSON")
+    out.add_argument("--json", action="store_true", help="print that JSON instead of tables")
+    groups = {title: t.add_argument_group(f"workload: {title}")
+              for title in ("dataset", "load", "target", "output")}
+    add_flags(t, DatasetOptions, group="dataset", groups=groups,
+              defaults=TUNE_DATASET_DEFAULTS)
+    add_flags(t, BenchConfig, skip=TUNE_BENCH_SKIP, groups=groups,
+              defaults=TUNE_BENCH_DEFAULTS)
+    t.set_defaults(func=_cmd_tune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tailserve",
@@ -342,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_diagnose(sub)
     _add_compare(sub)
     _add_plan(sub)
+    _add_tune(sub)
     return parser
 
 

@@ -28,13 +28,13 @@ if TYPE_CHECKING:
 MAX_DOTS = 20_000
 PLOTS = ("latency_over_time", "cdf", "ttft_vs_prompt", "queue_vs_kv", "step_vs_batch",
          "pressure_heatmap")
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
+CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em}table{border-collapse:collapse;
 margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .5em;font-size:.9em;vertical-align:top}
 th{background:#f3f3f3}.findings li{margin:.3em 0}.note{color:#666}img{max-width:100%}"""
 
 
-def _png(fig: Figure) -> str:
+def png_base64(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -192,7 +192,7 @@ def render_html(d: Diagnosis) -> str:
 
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>tailserve diagnose"
-             f"</title><style>{_CSS}</style></head><body><h1>tailserve diagnose</h1>",
+             f"</title><style>{CSS}</style></head><body><h1>tailserve diagnose</h1>",
              f"<p class='note'>{len(d.run.requests)} requests from a {e(d.run.source)}; "
              f"the tail is every sample at or above P{d.percentile:g}.</p>",
              "<h2>Findings</h2><ul class='findings'>",
@@ -218,7 +218,7 @@ def render_html(d: Diagnosis) -> str:
                          "server timeline or timing for it.</p>")
             continue
         parts.append(f"<img id='plot-{name}' alt='{_TITLES[name]}' "
-                     f"src='data:image/png;base64,{_png(fig)}'>")
+                     f"src='data:image/png;base64,{png_base64(fig)}'>")
         plt.close(fig)
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -3,9 +3,10 @@
 For every combination of the swept serve flags (``block-size=8,16 max-num-seqs=64,128`` is
 four), start ``tailserve serve`` on a free loopback port, wait for ``/health``, run one bench
 step against it (bench/run.py, the same code as ``tailserve bench``), stop the server, and
-keep one row: throughput, P99 TTFT and ITL, the KV pool and the memory the server reported.
-Combinations run one after another, each on a fresh server, so none inherits another's
-cache or allocator state.
+keep one row: throughput, P50/P99 TTFT and ITL, the goodput share for the SLOs
+(analyze/tradeoff.py), the KV pool and the memory the server reported. Combinations run one
+after another, each on a fresh server, so none inherits another's cache or allocator state.
+``tailserve tune`` runs the same loop with any bench workload and draws the trade-off.
 """
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import typing
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tailserve.analyze.tradeoff import Slos, goodput_share
 from tailserve.config import EngineArgs
 from tailserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tailserve.bench.config import BenchConfig
 
 HEALTH_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -44,6 +50,10 @@ class SweepOptions:
     output_len: int = 64
     request_rate: float = float("inf")
     seed: int = 0
+    # The whole workload, as `tailserve bench` takes it (base_url is set per server); when
+    # given, num_prompts .. seed above are not used.
+    bench: BenchConfig | None = None
+    slos: Slos = field(default_factory=Slos)
 
 
 def parse_grid(grid: list[str]) -> list[dict[str, str]]:
@@ -70,7 +80,8 @@ def combo_flags(combo: dict[str, str]) -> list[str]:
     hints = typing.get_type_hints(EngineArgs)
     flags: list[str] = []
     for key, value in combo.items():
-        if hints[key.replace("-", "_")] is bool:
+        hint = hints[key.replace("-", "_")]
+        if hint is bool or bool in typing.get_args(hint):  # bool or bool | None
             on = value.lower() in ("1", "true", "yes", "on")
             flags.append(f"--{key}" if on else f"--no-{key}")
         else:
@@ -79,17 +90,30 @@ def combo_flags(combo: dict[str, str]) -> list[str]:
 
 
 def run_sweep(opts: SweepOptions, console: Any = None) -> list[dict[str, Any]]:
-    """One row per combination (a failed server start is a row with its ``error``)."""
+    """One row per combination (a failed server start is a row with its ``error``).
+
+    A finished server drains and stops (seconds) while the next one starts, but no bench
+    step begins before the previous server has exited: no step shares the host with another
+    server's work."""
     combos = parse_grid(opts.grid)
     rows = []
-    for i, combo in enumerate(combos):
-        if console is not None:
-            console.print(f"[{i + 1}/{len(combos)}] serve {' '.join(combo_flags(combo))}")
-        rows.append({**combo, **_one(opts, combo)})
+    stopping: threading.Thread | None = None
+    try:
+        for i, combo in enumerate(combos):
+            if console is not None:
+                console.print(f"[{i + 1}/{len(combos)}] serve {' '.join(combo_flags(combo))}")
+            row, stopping = _one(opts, combo, stopping)
+            rows.append({**combo, **row})
+    finally:
+        if stopping is not None:
+            stopping.join()
     return rows
 
 
-def _one(opts: SweepOptions, combo: dict[str, str]) -> dict[str, Any]:
+def _one(opts: SweepOptions, combo: dict[str, str], previous: threading.Thread | None
+         ) -> tuple[dict[str, Any], threading.Thread]:
+    """Start a server for ``combo``, wait for ``previous`` to be stopped, bench, and return
+    the row and the thread now stopping this server."""
     from rich.console import Console
 
     from tailserve.bench import BenchError
@@ -100,15 +124,27 @@ def _one(opts: SweepOptions, combo: dict[str, str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tailserve.cli", "serve",
            *([opts.model] if opts.model else []), "--port", str(port),
            "--log-level", "warning", *opts.serve_args, *combo_flags(combo)]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            error = _wait_healthy(proc, url)
-            if error is not None:
-                log.seek(0)
-                return {"error": f"{error}: {log.read()[-2000:].decode(errors='replace')}"}
+    # Closed by stop(), which runs on the stopping thread while the next server starts.
+    log = tempfile.TemporaryFile()  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        _stop(proc)
+        log.close()
+
+    try:
+        url = f"http://127.0.0.1:{port}"
+        error = _wait_healthy(proc, url)
+        if previous is not None:
+            previous.join()
+        if error is not None:
+            log.seek(0)
+            return {"error": f"{error}: {log.read()[-2000:].decode(errors='replace')}"}, \
+                _started(stop)
+        if opts.bench is not None:
+            cfg = dataclasses.replace(opts.bench, base_url=url, progress=False,
+                                      save_result=None)
+        else:
             cfg = BenchConfig(
                 base_url=url, dataset=DatasetOptions(
                     name="random", num_prompts=opts.num_prompts, input_len=opts.input_len,
@@ -116,28 +152,54 @@ def _one(opts: SweepOptions, combo: dict[str, str]) -> dict[str, Any]:
                 request_rate=opts.request_rate, seed=opts.seed, progress=False,
                 metrics_interval_s=0.5,
             )
-            try:
-                step = run_bench(cfg, Console(file=io.StringIO()))[0]
-            except BenchError as exc:
-                return {"error": str(exc)}
-            return _row(step)
-        finally:
-            _stop(proc)
+        try:
+            step = run_bench(cfg, Console(file=io.StringIO()))[0]
+        except BenchError as exc:
+            return {"error": str(exc)}, _started(stop)
+        return _row(step, opts.slos), _started(stop)
+    except BaseException:
+        stop()
+        raise
 
 
-def _row(step: dict[str, Any]) -> dict[str, Any]:
-    samples = (step["tailserve"].get("server") or {}).get("metric_samples") or []
+def _started(fn: Any) -> threading.Thread:
+    t = threading.Thread(target=fn, name="sweep-stop", daemon=True)
+    t.start()
+    return t
+
+
+def step_goodput_share(step: dict[str, Any], slos: Slos) -> float | None:
+    """The goodput share of one bench step's result, from its per-request records."""
+    records = step["tailserve"]["requests"]
+    return goodput_share(
+        [r.get("ttft_s") for r in records], [r.get("itl_s") or [] for r in records],
+        [r.get("error_type") is None and r.get("send_s") is not None for r in records], slos)
+
+
+def _row(step: dict[str, Any], slos: Slos) -> dict[str, Any]:
+    server = step["tailserve"].get("server") or {}
+    samples = server.get("metric_samples") or []
+    # The widest batch a step ran: the settings' effect, seen from the engine's side.
+    widths = [r["num_scheduled_seqs"] for r in server.get("timeline") or []
+              if r.get("kind") == "step"]
 
     def peak(prefix: str) -> float | None:
         vals = [v for s in samples for k, v in (s.get("values") or {}).items()
                 if k.startswith(prefix)]
         return max(vals) if vals else None
 
+    examples = step["tailserve"].get("failures", {}).get("examples") or {}
+    failure = {"failure": "; ".join(f"{k}: {v}"[:300] for k, v in examples.items())
+               } if step["failed"] else {}
     return {
+        **failure,
         "completed": step["completed"], "failed": step["failed"],
         "request_throughput": step["request_throughput"],
         "output_throughput": step["output_throughput"],
-        "p99_ttft_ms": step["p99_ttft_ms"], "p99_itl_ms": step["p99_itl_ms"],
+        "median_ttft_ms": step["median_ttft_ms"], "p99_ttft_ms": step["p99_ttft_ms"],
+        "median_itl_ms": step["median_itl_ms"], "p99_itl_ms": step["p99_itl_ms"],
+        "goodput_share": step_goodput_share(step, slos),
+        "max_scheduled_seqs": max(widths) if widths else None,
         "kv_cache_total_blocks": peak("tailserve:kv_cache_total_blocks"),
         "peak_kv_cache_usage_perc": peak("tailserve:kv_cache_usage_perc"),
         "num_preemptions": peak("tailserve:num_preemptions_total"),
@@ -179,30 +241,45 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def print_sweep(rows: list[dict[str, Any]], console: Any) -> None:
+def print_sweep(rows: list[dict[str, Any]], console: Any, marks: dict[int, str] | None = None,
+                title: str = "plan --sweep: one bench step per combination",
+                only: tuple[str, ...] | None = None) -> None:
+    """The grid as a table; ``marks`` adds a first column (tune: front / recommended),
+    ``only`` keeps those figure columns."""
     from rich.table import Table
 
     ok = [r for r in rows if "error" not in r]
-    keys = [k for k in rows[0] if k not in _COLUMNS and k != "error"] if rows else []
+    keys = [k for k in rows[0] if k not in _COLUMNS and k not in ("error", "failure")
+            ] if rows else []
     # Memory gauges a server does not have (no device, CPU torch) would be a column of dashes.
-    columns = {k: title for k, title in _COLUMNS.items()
-               if not k.endswith("_bytes") or any(r.get(k) for r in ok)}
-    t = Table(title="plan --sweep: one bench step per combination", title_justify="left")
+    columns = {k: head for k, head in _COLUMNS.items()
+               if (not k.endswith("_bytes") or any(r.get(k) for r in ok))
+               and (only is None or k in only)}
+    t = Table(title=title, title_justify="left")
+    if marks is not None:
+        t.add_column("")
     for k in keys:
         t.add_column(k, style="bold", no_wrap=True)
-    for title in columns.values():
-        t.add_column(title, justify="right")
-    for r in rows:
+    for head in columns.values():
+        t.add_column(head, justify="right")
+    for i, r in enumerate(rows):
         if "error" in r:
             console.print(f"[red]{' '.join(f'{k}={r[k]}' for k in keys)}: {r['error']}[/]")
             continue
-        t.add_row(*(str(r[k]) for k in keys), *(_fmt(k, r.get(k)) for k in columns))
+        mark = [] if marks is None else [marks.get(i, "")]
+        t.add_row(*mark, *(str(r[k]) for k in keys), *(_fmt(k, r.get(k)) for k in columns))
     console.print(t)
+    for r in rows:
+        if "failure" in r:
+            console.print(f"[yellow]{' '.join(f'{k}={r[k]}' for k in keys)}: {r['failed']} "
+                          f"failed, e.g. {r['failure']}[/]")
 
 
 _COLUMNS = {
     "completed": "ok", "failed": "fail", "request_throughput": "req/s",
-    "output_throughput": "tok/s", "p99_ttft_ms": "P99 TTFT ms", "p99_itl_ms": "P99 ITL ms",
+    "output_throughput": "tok/s", "median_ttft_ms": "P50 TTFT ms", "p99_ttft_ms": "P99 TTFT ms",
+    "median_itl_ms": "P50 ITL ms", "p99_itl_ms": "P99 ITL ms", "goodput_share": "good %",
+    "max_scheduled_seqs": "max batch",
     "kv_cache_total_blocks": "KV blocks", "peak_kv_cache_usage_perc": "KV peak %",
     "num_preemptions": "preempt", "peak_device_memory_bytes": "mem GiB",
     "peak_torch_reserved_bytes": "torch GiB",
@@ -214,8 +291,10 @@ def _fmt(key: str, v: Any) -> str:
         return "-"
     if key.endswith("_bytes"):
         return f"{v / (1 << 30):.2f}"
-    if key in ("kv_cache_total_blocks", "num_preemptions"):  # counts, sampled as floats
+    if key in ("kv_cache_total_blocks", "num_preemptions", "max_scheduled_seqs"):  # counts
         return f"{int(v):,}"
+    if key == "goodput_share":
+        return f"{100 * v:.1f}"
     if key == "peak_kv_cache_usage_perc":
         return f"{100 * v:.1f}" if v <= 1 else f"{v:.1f}"
     return f"{v:,.2f}" if isinstance(v, float) else f"{v:,}"
