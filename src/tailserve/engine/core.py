@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tailserve.config import EngineArgs, EngineConfig
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
+from tailserve.engine.calibrate import auto_itl_target_s, calibrate
 from tailserve.engine.scheduler import Scheduler
 from tailserve.model.device import detect_platform
 from tailserve.model.runner import ModelRunner
@@ -44,6 +45,13 @@ class EngineCore:
         self.runner = runner
         self.runner.allocate_kv_cache(config.cache)
         self.scheduler = Scheduler(config.scheduler, config.cache)
+        sc = config.scheduler
+        calibrate(self.runner, self.scheduler.step_model, config.cache.block_size,
+                  config.cache.num_kv_blocks, sc.max_num_batched_tokens, sc.max_model_len)
+        if sc.enable_itl_target and sc.itl_target_s is None:
+            self.scheduler.itl_target_s = auto_itl_target_s(self.scheduler.step_model)
+        if self.scheduler.itl_target_s is not None:
+            logger.info("ITL target %.1f ms", self.scheduler.itl_target_s * 1e3)
         self._last_queries = 0
         self._last_hits = 0
         cache = config.cache
@@ -148,6 +156,11 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits - self._last_hits,
             num_finished=sum(1 for o in outputs if o.finished),
             admission_blocked_by=sched.admission_blocked_by,
+            predicted_s=sched.predicted_s,
+            num_decode_context_tokens=sched.num_decode_context_tokens,
+            prefill_attention_pairs=sched.prefill_attention_pairs,
+            itl_target_s=self.scheduler.itl_target_s,
+            step_model=self.scheduler.step_model.describe(),
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         return stats
