@@ -10,11 +10,12 @@ import pytest
 
 from fake_runner import EOS, FakeRunner
 from tailserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from tailserve.engine.calibrate import PLAN
 from tailserve.engine.scheduler import PREFILL_ALIGN, Scheduler
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.request import Request
 from tailserve.sampling_params import SamplingParams
-from tailserve.stepcost import StepTimeModel
+from tailserve.stepcost import StepShape, StepTimeModel, prefill_attention_pairs
 
 # The engine these tests pretend to run: 10 ms a step + 1 ms a prefill token + 2 ms a decode
 # (seconds per scaled feature: base, per 1k prefill tokens, per 10 decodes, context, pairs).
@@ -200,3 +201,34 @@ def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> Non
 def test_bad_flag_values_fail_at_start_up_with_the_numbers(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=rf"{field} must be .*got {value}"):
         EngineArgs(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_engines_model_follows_a_throttled_runner() -> None:
+    """The scheduler's own model, fed the fake runner's step times: the host turns twice as
+    slow at step 60 and the predictions the scheduler budgets with follow within FOLLOW_STEPS
+    (the host's multiplier moves at most 7.5% a step, so a 2x change takes ~10 to be seen)."""
+    FOLLOW_STEPS = 40
+    clock = Clock()
+    s = make(clock, itl_target_s=0.200)
+    # Seeded as the engine seeds it: the calibration plan's shapes, timed on this "host".
+    s.step_model = StepTimeModel()
+    plan = [StepShape(c, d, d * ctx, prefill_attention_pairs(st, c)) for d, ctx, c, st in PLAN]
+    s.step_model.seed(plan, [StepTimeModel(COEF).predict(sh) for sh in plan])
+    runner = FakeRunner()
+    errors: list[float] = []
+    k = 0
+    for n in range(120):
+        if n % 3 == 0:  # a stream of mixed prompts keeps prefill and decodes in the steps
+            s.add_request(req(f"r{k}", 16 + 48 * (k % 5), clock.t, max_tokens=12))
+            k += 1
+        out = s.schedule()
+        truth = StepTimeModel(COEF).predict(s.shape_of(out)) * (2.0 if n >= 60 else 1.0)
+        if n >= 10 and out.predicted_s is not None:
+            errors.append(abs(out.predicted_s - truth) / truth)
+        clock.t += truth
+        s.update_from_output(out, runner.execute(out), truth)
+    before, surprise, after = errors[40:50], errors[50], errors[50 + FOLLOW_STEPS:]
+    # Followed: every prediction within 15% again, half of them within 6% (the multiplier
+    # chases step-to-step ratios, so the structure of the fit wobbles a little around it).
+    assert max(before) < 0.05 and surprise > 0.4, (before, surprise)
+    assert max(after) < 0.15 and sorted(after)[len(after) // 2] < 0.06, after

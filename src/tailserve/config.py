@@ -242,7 +242,7 @@ class EngineArgs:
                                  ("ttft_slo_ms", self.ttft_slo_ms, MAX_TTFT_SLO_MS)):
             # ``not a < v <= b`` also catches NaN.
             if value is not None and not 0.0 < value <= top:
-                raise ConfigError(f"{name} must be in (0, {top:g}] ms, got {value}")
+                raise ConfigError(f"{name} must be in (0, {top:.0f}] ms, got {value}")
         if not 0.0 < self.prefill_aging_s_per_1k_tokens <= 3600.0:
             raise ConfigError("prefill_aging_s_per_1k_tokens must be in (0, 3600] s, got "
                               f"{self.prefill_aging_s_per_1k_tokens}")
