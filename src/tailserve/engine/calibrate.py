@@ -14,14 +14,13 @@ import logging
 import time
 from typing import Protocol
 
-from tailserve.config import AUTO_ITL_DECODES, AUTO_ITL_FACTOR, AUTO_ITL_MIN_MS
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.sampling_params import SamplingParams
 from tailserve.stepcost import StepShape, StepTimeModel
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_BUDGET_S = 1.5
+CALIBRATION_BUDGET_S = 1.0
 MIN_STEPS = 4  # the budget may stop the plan after these, never before
 # (decodes, decode context, prefill chunk, chunk start), cheapest first. Chunks are multiples
 # of 32; one chunk starts deep in a prompt, so the attention term is seen.
@@ -103,9 +102,3 @@ def calibrate(runner: _Runner, model: StepTimeModel, block_size: int, num_blocks
                 ", ".join(f"{k}={v:.3g}" for k, v in model.describe().items()))
     return len(shapes)
 
-
-def auto_itl_target_s(model: StepTimeModel) -> float:
-    """The default ITL target: AUTO_ITL_FACTOR x the predicted step of AUTO_ITL_DECODES
-    decodes at 512 tokens of context, at least AUTO_ITL_MIN_MS."""
-    shape = StepShape(0, AUTO_ITL_DECODES, AUTO_ITL_DECODES * 512, 0)
-    return max(AUTO_ITL_FACTOR * model.predict(shape), AUTO_ITL_MIN_MS / 1e3)

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from tailserve.config import EngineArgs, EngineConfig
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
-from tailserve.engine.calibrate import auto_itl_target_s, calibrate
+from tailserve.engine.calibrate import calibrate
+from tailserve.engine.latency import auto_itl_target_s
 from tailserve.engine.scheduler import Scheduler
 from tailserve.model.device import detect_platform
 from tailserve.model.runner import ModelRunner
@@ -48,7 +49,7 @@ class EngineCore:
         sc = config.scheduler
         calibrate(self.runner, self.scheduler.step_model, config.cache.block_size,
                   config.cache.num_kv_blocks, sc.max_num_batched_tokens, sc.max_model_len)
-        if sc.enable_itl_target and sc.itl_target_s is None:
+        if self.scheduler.auto_itl_target:
             self.scheduler.itl_target_s = auto_itl_target_s(self.scheduler.step_model)
         if self.scheduler.itl_target_s is not None:
             logger.info("ITL target %.1f ms", self.scheduler.itl_target_s * 1e3)

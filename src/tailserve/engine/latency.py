@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from tailserve.config import AUTO_ITL_DECODES, AUTO_ITL_FACTOR, AUTO_ITL_MIN_MS
 from tailserve.errors import SLORefusedError, SLOUnattainableError
 from tailserve.request import Request
 from tailserve.stepcost import StepShape, StepTimeModel
@@ -19,6 +20,15 @@ from tailserve.stepcost import StepShape, StepTimeModel
 # Time-limited prefill chunks are multiples of this many tokens (the GEMM kernels' row
 # panels), unless a chunk is the rest of its prompt.
 PREFILL_ALIGN = 32
+
+
+def auto_itl_target_s(model: StepTimeModel) -> float:
+    """The default ITL target: AUTO_ITL_FACTOR x the predicted step of AUTO_ITL_DECODES
+    decodes at 512 tokens of context, at least AUTO_ITL_MIN_MS. Re-derived after every step
+    from the model, which follows the host: on a shared machine that turns slower the target
+    moves with the decode step instead of starving prefill at the minimum chunk."""
+    shape = StepShape(0, AUTO_ITL_DECODES, AUTO_ITL_DECODES * 512, 0)
+    return max(AUTO_ITL_FACTOR * model.predict(shape), AUTO_ITL_MIN_MS / 1e3)
 
 
 def decode_shape(running: Sequence[Request]) -> StepShape:

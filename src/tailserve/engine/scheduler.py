@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits, max_request_tokens
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
-from tailserve.engine.latency import PREFILL_ALIGN, check_slo, predict_ttft
+from tailserve.engine.latency import PREFILL_ALIGN, auto_itl_target_s, check_slo, predict_ttft
 from tailserve.engine.waiting_queue import WaitingQueue
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
@@ -61,6 +61,9 @@ class Scheduler:
         self.step_model = StepTimeModel()
         self.itl_target_s: float | None = config.itl_target_s if config.enable_itl_target \
             else None
+        # No target given: derived from the model (the engine sets it after calibrating) and
+        # re-derived after every step.
+        self.auto_itl_target = config.enable_itl_target and config.itl_target_s is None
         self.cache_config = cache
         self._lengths = SequenceLimits(
             config.max_model_len, cache.block_size, cache.num_kv_blocks,
@@ -88,6 +91,27 @@ class Scheduler:
         )
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
+        self._check_admissible(req)
+
+    def _check_admissible(self, req: Request) -> None:
+        """Admission must leave the watermark free: a request whose admission needs more
+        blocks than the pool holds beyond it would wait forever (and, at the head of the
+        queue, hold everyone behind it)."""
+        cfg = self.config
+        tokens = req.num_prompt_tokens
+        if cfg.admission_policy == "reserve":
+            tokens += req.max_tokens
+        elif cfg.enable_chunked_prefill:
+            tokens = min(tokens, cfg.max_num_batched_tokens,
+                         cfg.long_prefill_token_threshold or tokens)
+        need = cdiv(tokens, self.cache_config.block_size)
+        room = self.cache_config.num_kv_blocks - self.kv.watermark_blocks
+        if need > room:
+            raise InvalidRequestError(
+                f"admitting this request needs {need} KV blocks ({tokens} tokens) but the "
+                f"pool holds {room} beyond the watermark ({self.cache_config.num_kv_blocks} "
+                f"blocks, watermark {self.kv.watermark_blocks})", param="max_tokens",
+            )
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
@@ -240,6 +264,7 @@ class Scheduler:
         blocked_by: str | None = None
         if preempted and len(self.waiting):
             blocked_by = "preemption"
+        admitting = True
         for _, req in cands:
             if req.status == RequestStatus.RUNNING:
                 if req.request_id in num_new or req not in self.running:
@@ -259,29 +284,35 @@ class Scheduler:
                 if start + n >= req.num_tokens:
                     partial_ids.discard(req.request_id)
                 continue
-            # A waiting (or preempted) request.
+            # A waiting (or preempted) request. Once one is held back, no later one is
+            # admitted (strict order keeps the aging bound), but running partial prefills
+            # further down still get their chunks: they hold blocks, and only progress
+            # frees them.
+            if not admitting:
+                continue
             if preempted:
-                break
+                blocked_by, admitting = blocked_by or "preemption", False
+                continue
             if budget <= 0:
-                blocked_by = "token_budget"
-                break
+                blocked_by, admitting = "token_budget", False
+                continue
             if len(self.running) >= cfg.max_num_seqs:
-                blocked_by = "max_num_seqs"
-                break
+                blocked_by, admitting = "max_num_seqs", False
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit_tokens
             n = remaining
             if cfg.long_prefill_token_threshold is not None:
                 n = min(n, cfg.long_prefill_token_threshold)
             if not cfg.enable_chunked_prefill and n > budget:
-                blocked_by = "token_budget"
-                break
+                blocked_by, admitting = "token_budget", False
+                continue
             n = min(n, budget)
             if time_limit:
                 n = self._time_limited(n, shape, num_hit_tokens, not shape.prefill_tokens)
                 if n <= 0:
-                    blocked_by = "itl_target"
-                    break
+                    blocked_by, admitting = "itl_target", False
+                    continue
             if n < remaining and len(partial_ids) >= cfg.max_num_partial_prefills:
                 # It would be left part-way: others may still finish theirs in this step.
                 blocked_by = blocked_by or "partial_prefills"
@@ -292,8 +323,8 @@ class Scheduler:
             if not self.kv.allocate_slots(
                 req, n, hits, apply_watermark=True, reserve_up_to=reserve
             ):
-                blocked_by = "kv_cache"
-                break
+                blocked_by, admitting = "kv_cache", False
+                continue
             self.waiting.remove(req)
             self.kv.record_prefix_query(req.num_tokens, num_hit_tokens)
             if req.status == RequestStatus.PREEMPTED:
@@ -386,6 +417,8 @@ class Scheduler:
         # The step-time model learns from every measured step (its prediction was made when
         # the step was built: sched.predicted_s).
         self.step_model.observe(self.shape_of(sched), step_s)
+        if self.auto_itl_target and self.itl_target_s is not None:
+            self.itl_target_s = auto_itl_target_s(self.step_model)
         has_prefill = sched.num_prefill_tokens > 0
         outputs = []
         for s in sched.scheduled:
