@@ -209,8 +209,9 @@ class Scheduler:
     def _prefill_key(self, req: Request, index: int) -> tuple[float, ...]:
         """Order of the prefill budget. ``srpt``: the earliest *place* ``arrival +
         remaining x aging`` (shortest remaining prefill first among requests that arrived
-        together; a request is never passed by one that arrived after its place less one
-        token's aging, which bounds its wait). ``fcfs``: running first, then queue order.
+        together; a request is never passed by one that arrived after its place, whose key
+        is at least its arrival + one token's aging: that bounds its wait). ``fcfs``:
+        running first, then queue order.
         Under ``priority`` the priority value leads either way."""
         cfg = self.config
         lead = float(req.priority) if cfg.scheduling_policy == "priority" else 0.0
