@@ -316,3 +316,38 @@ def test_end_to_end_prefill_interference(heavy_model_dir: str, tmp_path: Path) -
     assert shares(d, "itl")["prefill_interference"] > 0.5, itl
     assert itl["causes"][0]["evidence"]["largest_prefill_tokens"] >= 1500
     assert time.monotonic() - t0 < 120
+
+
+# ---------------------------------------------------------------- the ITL target and the load
+def _with_target(res: dict[str, Any], target_s: float) -> dict[str, Any]:
+    res = json.loads(json.dumps(res))
+    for r in res["tailserve"]["server"]["timeline"]:
+        if r["kind"] == "step":
+            r["itl_target_s"] = target_s
+    return res
+
+
+def test_a_too_large_itl_target_is_named() -> None:
+    d = diagnose(run_from_result(_with_target(result_of("interference"), 0.5)))
+    itl = d.tails["itl"].causes[0]
+    assert itl.cause == "prefill_interference"
+    assert "--itl-target-ms 500" in itl.advice and "too large" in itl.advice, itl.advice
+    base = itl.evidence["median_decode_only_step_ms"]
+    assert itl.evidence["itl_target_ms"] == 500 and 0 < base < 500 / 3
+    # A target the prefill steps overran: the prediction, not the target, is to blame.
+    d = diagnose(run_from_result(_with_target(result_of("interference"), 0.005)))
+    adv = d.tails["itl"].causes[0].advice
+    assert "over the ITL target of 5 ms" in adv and "under-predicted" in adv, adv
+
+
+def test_closed_loop_queueing_advice_is_about_the_client() -> None:
+    res = {**result_of("queueing"), "request_rate": "inf"}
+    d = diagnose(run_from_result(res))
+    q = d.tails["ttft"].causes[0]
+    assert q.cause == "queueing"
+    assert "exceeds capacity" not in q.advice and "--request-rate inf" in q.advice, q.advice
+    assert "offered_req_per_s" not in q.evidence
+    assert q.evidence["load"] == "all at once (--request-rate inf)"
+    res = {**result_of("queueing"), "max_concurrency": 8}
+    q = diagnose(run_from_result(res)).tails["ttft"].causes[0]
+    assert "--max-concurrency 8" in q.advice, q.advice

@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "envs": set(),
     "platforms": {"errors"},
     "config": {"errors", "platforms", "request"},
+    "stepcost": set(),  # the step-time model: the scheduler budgets with it, diagnose fits it
     # torch-free engine parts and the edge renderers
     "kv": {"data", "request"},
     "obs": {"data", "envs", "errors"},
@@ -46,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "engine": {
         "config", "data", "envs", "errors", "kv", "model", "obs", "outputs", "request",
-        "sampling_params",
+        "sampling_params", "stepcost",
     },
     # the edge: server talks to the engine through engine.client and data records; kv only
     # for the pure ``usage_band_sizes`` the dashboard needs to draw the band heatmap
@@ -57,7 +58,7 @@ ALLOWED: dict[str, set[str]] = {
     "tailserve": {"config", "engine", "outputs", "sampling_params"},
     # tools
     "bench": {"errors", "model", "tailserve"},
-    "analyze": {"bench", "config", "errors", "model"},
+    "analyze": {"bench", "config", "errors", "model", "stepcost"},
     "cli_flags": set(),  # argparse flags from dataclass fields; knows no tailserve type
     "cli": {
         "analyze", "bench", "cli_flags", "config", "engine", "envs", "sampling_params", "server",
@@ -66,9 +67,11 @@ ALLOWED: dict[str, set[str]] = {
 
 # Modules that must never load torch (the scheduler and block manager are tested on CPU with
 # exact block ids; the API process's engine handle must not pay for torch).
-TORCH_FREE_PREFIXES = ("tailserve.kv", "tailserve.data")
+TORCH_FREE_PREFIXES = ("tailserve.kv", "tailserve.data", "tailserve.stepcost")
 TORCH_FREE_MODULES = (
     "tailserve.engine.scheduler",
+    "tailserve.engine.latency",
+    "tailserve.engine.waiting_queue",
     "tailserve.engine.driver",
     "tailserve.engine.messages",
     "tailserve.engine.client",

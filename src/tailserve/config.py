@@ -20,6 +20,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The default ITL target: AUTO_ITL_FACTOR x the calibrated step of AUTO_ITL_DECODES decodes at
+# 512 tokens of context each, at least AUTO_ITL_MIN_MS (engine/calibrate.py).
+AUTO_ITL_FACTOR = 2.0
+AUTO_ITL_DECODES = 8
+AUTO_ITL_MIN_MS = 20.0
+# What a target may be: beyond these the flag is a typo (a second, not a millisecond, value).
+MAX_ITL_TARGET_MS = 60_000.0
+MAX_TTFT_SLO_MS = 3_600_000.0
 # Default token budget per step (max_num_batched_tokens) by device type.
 DEFAULT_BATCHED_TOKENS: dict[DeviceType, int] = {"cpu": 512, "cuda": 4096}
 
@@ -134,6 +142,35 @@ class EngineArgs:
     )
     admission_policy: Literal["optimistic", "reserve"] = "optimistic"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_itl_target: bool = field(
+        default=True,
+        metadata={"help": "size each step's prefill so the predicted step time (the online "
+                  "step-time model) stays within --itl-target-ms while decodes run"},
+    )
+    itl_target_ms: float | None = field(
+        default=None,
+        metadata={"help": "inter-token target of a step with running decodes, ms; default: "
+                  f"{AUTO_ITL_FACTOR:g}x the calibrated step of {AUTO_ITL_DECODES} decodes, "
+                  f"at least {AUTO_ITL_MIN_MS:g} ms"},
+    )
+    ttft_slo_ms: float | None = field(
+        default=None,
+        metadata={"help": "refuse (429) a request whose predicted time to first token exceeds "
+                  "this, and (400) one that exceeds it even on an idle engine"},
+    )
+    prefill_scheduling: Literal["srpt", "fcfs"] = field(
+        default="srpt",
+        metadata={"help": "srpt: the prefill budget goes first to the request with the "
+                  "fewest prompt tokens left, with aging; fcfs: in arrival order"},
+    )
+    prefill_aging_s_per_1k_tokens: float = field(
+        default=0.5,
+        metadata={"help": "SRPT aging: a prompt's place is its arrival + this x its remaining "
+                  "tokens / 1000; no request that arrives later than that passes it"},
+    )
+    max_num_partial_prefills: int = field(
+        default=1, metadata={"help": "requests part-way through a chunked prefill at once"}
+    )
     seed: int = 0
     max_queue_len: int | None = field(
         default=None, metadata={"help": "waiting requests beyond which new ones are rejected"}
@@ -210,6 +247,19 @@ class EngineArgs:
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         KVEventsConfig.parse(self.kv_events_config)
+        for name, value, top in (("itl_target_ms", self.itl_target_ms, MAX_ITL_TARGET_MS),
+                                 ("ttft_slo_ms", self.ttft_slo_ms, MAX_TTFT_SLO_MS)):
+            # ``not a < v <= b`` also catches NaN.
+            if value is not None and not 0.0 < value <= top:
+                raise ConfigError(f"{name} must be in (0, {top:.0f}] ms, got {value}")
+        if not 0.0 < self.prefill_aging_s_per_1k_tokens <= 3600.0:
+            raise ConfigError("prefill_aging_s_per_1k_tokens must be in (0, 3600] s, got "
+                              f"{self.prefill_aging_s_per_1k_tokens}")
+        if not 1 <= self.max_num_partial_prefills <= self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_partial_prefills must be in [1, max_num_seqs={self.max_num_seqs}], "
+                f"got {self.max_num_partial_prefills}"
+            )
         if not 0.0 < self.memory_alert <= 1.0:
             raise ConfigError(f"memory_alert must be in (0, 1], got {self.memory_alert}")
         if self.steady_memory_tolerance < 0 or self.steady_memory_warmup < 0:
@@ -254,6 +304,12 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             max_queue_len=self.max_queue_len,
             max_request_tokens=self.max_request_tokens,
+            enable_itl_target=self.enable_itl_target,
+            itl_target_s=None if self.itl_target_ms is None else self.itl_target_ms / 1e3,
+            ttft_slo_s=None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1e3,
+            prefill_scheduling=self.prefill_scheduling,
+            prefill_aging_s_per_token=self.prefill_aging_s_per_1k_tokens / 1e3,
+            max_num_partial_prefills=self.max_num_partial_prefills,
         )
         observability = ObservabilityConfig(
             memory_alert=self.memory_alert,
@@ -339,6 +395,13 @@ class SchedulerConfig:
     max_queue_len: int | None = None
     # None: the pool's total tokens (CacheConfig), see ``request_limits``.
     max_request_tokens: int | None = None
+    # Time-budgeted steps (engine/scheduler.py); itl_target_s None: derived at start-up.
+    enable_itl_target: bool = True
+    itl_target_s: float | None = None
+    ttft_slo_s: float | None = None
+    prefill_scheduling: Literal["srpt", "fcfs"] = "srpt"
+    prefill_aging_s_per_token: float = 0.5e-3
+    max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -13,9 +13,12 @@ from typing import Any
 import numpy as np
 
 from tailserve.analyze.attribution import NONE_FACTOR, CauseShare, MetricTail, time_ranges
-from tailserve.analyze.data import BLOCKED_KV, RunData
+from tailserve.analyze.data import BLOCKED_KV, RunData, Steps
 from tailserve.analyze.samples import Samples
 from tailserve.analyze.stepmodel import StepModel
+
+# An ITL target more than this many times the decode-only step is too large to call steady.
+TARGET_TOO_LARGE = 3.0
 
 
 def _ms(x: float) -> float:
@@ -37,6 +40,38 @@ def load_rates(run: RunData) -> tuple[float, float]:
     offered = (len(sends) - 1) / max(sends[-1] - sends[0], 1e-9)
     served = len(ends) / max(max(ends) - sends[0], 1e-9)
     return offered, served
+
+
+def _interference_advice(steps: Steps | None, ev: dict[str, Any]) -> str:
+    """Name the knob that sized the interfering steps: the ITL target when steps were sized
+    by time (too large a target, or steps that overran it), the token budget otherwise."""
+    split = ("long prompts stall running decodes: enable chunked prefill "
+             "(--enable-chunked-prefill) and/or lower --long-prefill-token-threshold or "
+             "--max-num-batched-tokens so a prompt is split across steps")
+    if steps is None or not len(steps) or np.all(np.isnan(steps.itl_target)):
+        return split + ", or size steps by time (--itl-target-ms)."
+    target = float(np.nanmedian(steps.itl_target))
+    mixed = (steps.prefill > 0) & (steps.decode > 0)
+    decode_only = (steps.prefill == 0) & (steps.decode > 0)
+    if not mixed.any():
+        return split + "."
+    mixed_ms = float(np.median(steps.step_s[mixed])) * 1e3
+    base_ms = float(np.median(steps.step_s[decode_only])) * 1e3 if decode_only.any() else 0.0
+    ev |= {"itl_target_ms": _ms(target), "median_step_with_prefill_ms": round(mixed_ms, 3),
+           "median_decode_only_step_ms": round(base_ms, 3)}
+    if mixed_ms > 1.5 * target * 1e3:
+        return (f"steps with prefill took {mixed_ms:.0f} ms at the median, over the ITL target "
+                f"of {target * 1e3:.0f} ms: the step-time model under-predicted them (compare "
+                "predicted_s with step_s in the timeline) or a prompt was not split "
+                "(--enable-chunked-prefill); a lower --itl-target-ms leaves more headroom.")
+    if base_ms > 0 and target * 1e3 > TARGET_TOO_LARGE * base_ms:
+        return (f"steps with prefill are sized to the ITL target (--itl-target-ms "
+                f"{target * 1e3:.0f}), {target * 1e3 / base_ms:.1f}x the decode-only step of "
+                f"{base_ms:.0f} ms: that target is too large for a steady ITL; lower "
+                f"--itl-target-ms toward {2 * base_ms:.0f} ms (prefill then takes more, "
+                "smaller steps: TTFT rises).")
+    return (f"prefill steps stay near the ITL target ({target * 1e3:.0f} ms), which the tail "
+            "is made of: lower --itl-target-ms to trade TTFT for a steadier ITL.")
 
 
 def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
@@ -62,7 +97,12 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
         qv = [float((q.timing or {}).get("queue_s") or 0.0) for q in run.requests if q.timing]
         if qv:
             ev |= {"queue_p50_ms": _ms(np.median(qv)), "queue_max_ms": _ms(max(qv))}
-        ev |= {"offered_req_per_s": round(offered, 3), "served_req_per_s": round(served, 3)}
+        ev |= {"served_req_per_s": round(served, 3)}
+        if run.closed_loop:
+            ev["load"] = ("closed loop" if run.max_concurrency is not None
+                          else "all at once (--request-rate inf)")
+        else:
+            ev["offered_req_per_s"] = round(offered, 3)
         grow = None
         if steps is not None and len(steps) and steps.waiting.max() > 0:
             peak = int(np.argmax(steps.waiting))
@@ -70,7 +110,16 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
                    "max_waiting_at_s": _rel(run, steps.t[peak])}
             grow = _rel(run, steps.t[int(np.argmax(steps.waiting > 0))])
         start = f"from t={grow:g} s" if grow is not None else "during the run"
-        if over > 5:
+        if run.closed_loop:
+            how = (f"--max-concurrency {run.max_concurrency} keeps that many requests in "
+                   "flight" if run.max_concurrency is not None
+                   else "--request-rate inf sends every request at once")
+            c.advice = (f"the queue grows {start} because the client offers load as fast as "
+                        f"the server takes it ({how}): the wait measures the run's own "
+                        f"backlog, not traffic. Capacity at this mix is about {served:.3g} "
+                        "req/s; to see latency under traffic, rerun open-loop below it "
+                        f"(--request-rate {0.8 * served:.2g}).")
+        elif over > 5:
             c.advice = (f"the queue grows {start}: offered load ({offered:.3g} req/s) exceeds "
                         f"capacity ({served:.3g} req/s) by {over:.0f}%; add capacity, or bound "
                         "the queue (--max-queue-len) so excess load gets 429 instead of waiting.")
@@ -87,9 +136,7 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
                    "largest_prefill_tokens": int(steps.prefill[big]),
                    "largest_prefill_step_ms": _ms(steps.step_s[big]),
                    "largest_prefill_at_s": _rel(run, steps.t[big])}
-        c.advice = ("long prompts stall running decodes: enable chunked prefill "
-                    "(--enable-chunked-prefill) and/or lower --long-prefill-token-threshold "
-                    "or --max-num-batched-tokens so a prompt is split across steps.")
+        c.advice = _interference_advice(steps, ev)
     elif c.cause == "own_prefill":
         lens = np.array([run.requests[int(i)].prompt_len for i in s.req], dtype=float)
         ev |= {"tail_prompt_tokens_median": float(np.median(lens[mt.tail])),

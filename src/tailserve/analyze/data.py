@@ -11,10 +11,13 @@ first-token time and the client's (it also absorbs a clock offset when they are 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tailserve.stepcost import prefill_attention_pairs
 
 # Admission reasons as the scheduler writes them in step records.
 BLOCKED_KV = "kv_cache"
@@ -66,6 +69,24 @@ class Steps:
     preemptions: np.ndarray
     blocked_by: list[str | None]
     rss: np.ndarray  # engine resident memory, bytes (NaN where not recorded)
+    # The step-time model's shape columns (stepcost.py): context tokens the decodes read and
+    # the prefill's causal attention pairs (older records: one prompt from its start).
+    context: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    pairs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))  # engine's; NaN: none
+    itl_target: np.ndarray = field(default_factory=lambda: np.zeros(0))  # s; NaN: none
+
+    def __post_init__(self) -> None:
+        n = len(self.prefill)
+        if len(self.context) != n:
+            self.context = np.zeros(n)
+        if len(self.pairs) != n:
+            self.pairs = np.array([prefill_attention_pairs(0, int(p)) for p in self.prefill],
+                                  dtype=float)
+        if len(self.predicted) != n:
+            self.predicted = np.full(n, np.nan)
+        if len(self.itl_target) != n:
+            self.itl_target = np.full(n, np.nan)
 
     def __len__(self) -> int:
         return len(self.t)
@@ -84,11 +105,21 @@ class Steps:
 
         rss = np.array([float((r.get("memory") or {}).get("rss_bytes", np.nan))
                         for r in records], dtype=float)
-        return cls(t=col("t"), step_s=col("step_s"), prefill=col("num_prefill_tokens"),
+        prefill = col("num_prefill_tokens")
+        pairs = np.array([float(r["prefill_attention_pairs"]) if "prefill_attention_pairs" in r
+                          else float(prefill_attention_pairs(0, int(p)))
+                          for r, p in zip(records, prefill, strict=True)], dtype=float)
+        def opt(name: str) -> np.ndarray:
+            return np.array([np.nan if r.get(name) is None else float(r[name])
+                             for r in records], dtype=float)
+
+        return cls(t=col("t"), step_s=col("step_s"), prefill=prefill,
                    decode=col("num_decode_seqs"), running=col("num_running"),
                    waiting=col("num_waiting"), free_blocks=col("free_blocks"),
                    total_blocks=col("total_blocks"), preemptions=col("num_preemptions"),
-                   blocked_by=[r.get("admission_blocked_by") for r in records], rss=rss)
+                   blocked_by=[r.get("admission_blocked_by") for r in records], rss=rss,
+                   context=col("num_decode_context_tokens"), pairs=pairs,
+                   predicted=opt("predicted_s"), itl_target=opt("itl_target_s"))
 
 
 @dataclass
@@ -102,6 +133,15 @@ class RunData:
     has_timing: bool  # the server's per-request timing is present
     delay_s: float = 0.0  # server step end -> client chunk arrival (the least seen)
     notes: list[str] = field(default_factory=list)
+    # How the load was offered: a rate (req/s; inf: all at once) and/or a concurrency cap
+    # (closed loop). Either makes "offered load" a property of the client, not of traffic.
+    request_rate: float | None = None
+    max_concurrency: int | None = None
+
+    @property
+    def closed_loop(self) -> bool:
+        rate = self.request_rate
+        return self.max_concurrency is not None or (rate is not None and math.isinf(rate))
 
 
 def load_run(result_path: str, timeline_path: str | None = None) -> RunData:
@@ -177,9 +217,18 @@ def run_from_result(result: dict[str, Any],
     run = RunData(requests=reqs, steps=Steps.from_records(steps) if steps else None,
                   samples=list(server.get("metric_samples") or []), start_time=start,
                   duration_s=end - start, source="tailserve" if has_timing else "other server",
-                  has_timing=has_timing)
+                  has_timing=has_timing, request_rate=_rate(result.get("request_rate")),
+                  max_concurrency=result.get("max_concurrency"))
     _fill_server_times(run)
     return run
+
+
+def _rate(value: Any) -> float | None:
+    """The bench writes an infinite rate as "inf" (JSON has no infinity)."""
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _req(q: dict[str, Any], start: float) -> Req:

@@ -1,12 +1,16 @@
 """What a step should cost given its batch, and what it cost beyond that.
 
-    step_s ≈ a + b·decode_seqs + c·prefill_tokens + d·prefill_tokens²/1000
+The features, the non-negative solver and the stall rule are the engine's own
+(``tailserve.stepcost``: base + prefill tokens + decode sequences + context tokens the decodes
+read + the prefill's causal attention pairs), fitted here once over the run's step records
+rather than online; so "the batch explains it" and "the engine stalled" are told apart the same
+way as the scheduler budgets its steps. Records from before the engine wrote the attention
+columns get ``p(p+1)/2`` pairs (one prompt from its start) and no context term.
 
-fitted by least squares over the run's step records. The prefill terms are the part charged
-to ``prefill_interference`` (to every request decoding in that step; the quadratic term is
-attention over a long prompt, which a straight line would leave in the residual and miscall
-a stall). A step whose residual is far above what the batch explains is an ``engine_stall``:
-the batch did not make it slow, something outside it did (GC, CPU contention, allocator).
+The prefill terms are the part charged to ``prefill_interference`` (to every request decoding
+in that step). A step whose residual is far above what the batch explains is an
+``engine_stall`` (``stepcost.stall_excess``): something outside the batch made it slow (GC,
+CPU contention, allocator).
 
 Window sums over steps use prefix sums and ``searchsorted``, so charging tens of thousands of
 ITL gaps costs a few array operations.
@@ -19,55 +23,56 @@ from dataclasses import dataclass
 import numpy as np
 
 from tailserve.analyze.data import BLOCKED_KV, BLOCKED_PREEMPTION, Steps
+from tailserve.stepcost import (
+    FEATURES,
+    STALL_MIN_S,
+    STALL_REL,
+    STALL_SIGMAS,
+    features,
+    solve_nonneg,
+    stall_excess,
+)
 
-# A residual is a stall when it is this many robust standard deviations above the fit, more
-# than the predicted step itself (the step took over twice what its batch explains), and at
-# least STALL_MIN_S: noise on a 1 ms step is not a stall, and a big prefill step's ordinary
-# wobble (attention over long contexts, which the token counts do not see) is not one either.
-STALL_SIGMAS = 5.0
-STALL_REL = 1.0
-STALL_MIN_S = 1e-3
-FEATURES = ("intercept", "decode_seqs", "prefill_tokens", "prefill_tokens_sq_per_1k")
+__all__ = ["FEATURES", "STALL_MIN_S", "STALL_REL", "STALL_SIGMAS", "StepModel",
+           "WindowSums", "fit_step_model", "nonneg_lstsq"]
 
 
 @dataclass
 class StepModel:
-    coef: np.ndarray  # per FEATURES; dropped features are 0
+    coef: np.ndarray  # per stepcost.FEATURES (scaled units); dropped features are 0
     r2: float
     sigma_s: float  # robust standard deviation of the residual
+    predicted: np.ndarray  # per step, seconds the batch explains
     prefill_part: np.ndarray  # per step, seconds explained by prefill tokens
     stall: np.ndarray  # per step, residual seconds when the step is a stall, else 0
 
     def prefill_cost(self, tokens: np.ndarray | float) -> np.ndarray:
+        """Seconds to prefill ``tokens`` of one prompt from its start, in one step."""
         t = np.asarray(tokens, dtype=float)
-        return np.asarray(self.coef[2] * t + self.coef[3] * t * t / 1000.0)
+        x = features(t, 0.0, 0.0, t * (t + 1) / 2)
+        return np.asarray(self.coef[1] * x[1] + self.coef[4] * x[4])
 
     def describe(self) -> dict[str, float]:
-        return {"base_ms": self.coef[0] * 1e3, "ms_per_decode_seq": self.coef[1] * 1e3,
+        c = self.coef
+        return {"base_ms": c[0] * 1e3,
+                "ms_per_decode_seq": float(features(0, 1, 0, 0)[2]) * c[2] * 1e3,
                 "ms_per_1k_prefill_tokens": float(self.prefill_cost(1000.0)) * 1e3,
+                "ms_per_10k_context_tokens": c[3] * 1e3,
+                "ms_per_1m_attention_pairs": c[4] * 1e3,
                 "r2": self.r2, "residual_sigma_ms": self.sigma_s * 1e3}
 
 
 def _design(steps: Steps) -> np.ndarray:
     p = steps.prefill
-    return np.column_stack([np.ones_like(p), steps.decode, p, p * p / 1000.0])
+    cols = features(p, steps.decode, steps.context, steps.pairs)
+    return np.column_stack([np.ones_like(p), *cols[1:]])
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient kept >= 0 (a negative cost per token would charge
-    prefill with negative time, a negative base makes small steps look like stalls): drop
-    the most negative term and refit until none is."""
+    """Least squares with every coefficient kept >= 0 (``stepcost.solve_nonneg`` on the
+    normal equations); a constant column other than the first is left out."""
     active = [j for j in range(x.shape[1]) if np.any(x[:, j] != x[0, j]) or j == 0]
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        neg = [(v, j) for v, j in zip(sol, active, strict=True) if v < 0]
-        if not neg:
-            coef[:] = 0.0
-            coef[active] = sol
-            return coef
-        active.remove(min(neg)[1])
-    return coef
+    return np.array(solve_nonneg((x.T @ x).tolist(), (x.T @ y).tolist(), active))
 
 
 def fit_step_model(steps: Steps) -> StepModel:
@@ -75,12 +80,14 @@ def fit_step_model(steps: Steps) -> StepModel:
     keep = np.ones(len(y), dtype=bool)
     coef = np.zeros(x.shape[1])
     sigma = 0.0
-    # Fit, drop gross outliers (the stalls we are looking for must not bend the fit), refit.
-    for _ in range(3):
+    # Fit, drop the steps the stall rule calls stalls (they must not bend the fit), refit.
+    # Only stalls are dropped: a long prefill is slow because of its batch, and dropping it
+    # as an outlier would leave the quadratic term unfitted and call the next one a stall.
+    for _ in range(4):
         coef = nonneg_lstsq(x[keep], y[keep])
         resid = y - x @ coef
         sigma = 1.4826 * float(np.median(np.abs(resid[keep] - np.median(resid[keep]))))
-        new_keep = resid <= max(STALL_SIGMAS * sigma, STALL_MIN_S)
+        new_keep = _stalls(x @ coef, y, sigma) == 0
         if new_keep.sum() < x.shape[1] + 2 or np.array_equal(new_keep, keep):
             break
         keep = new_keep
@@ -88,18 +95,21 @@ def fit_step_model(steps: Steps) -> StepModel:
     resid = y - pred
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - float(np.sum(resid[keep] ** 2)) / ss_tot if ss_tot > 0 else 1.0
-    typical = float(np.median(y))
-    is_stall = ((resid > STALL_SIGMAS * sigma) & (resid > STALL_REL * np.maximum(pred, typical))
-                & (resid > STALL_MIN_S))
-    prefill = np.maximum(coef[2] * steps.prefill + coef[3] * steps.prefill ** 2 / 1000.0, 0.0)
+    stall = _stalls(pred, y, sigma)
+    is_stall = stall > 0
+    prefill = np.maximum(coef[1] * x[:, 1] + coef[4] * x[:, 4], 0.0)
     # A prefill step that is not a stall is slow because of its prefill: what it took beyond
-    # the decode-only prediction is the prefill's, even where the token-count fit falls short
-    # (long prompts cost more than their count says when decodes attend to long contexts too).
-    decode_only = coef[0] + coef[1] * steps.decode
+    # the decode-only prediction is the prefill's, even where the fit falls short.
+    decode_only = coef[0] + coef[2] * x[:, 2] + coef[3] * x[:, 3]
     prefill = np.where((steps.prefill > 0) & ~is_stall,
                        np.maximum(prefill, steps.step_s - decode_only), prefill)
-    return StepModel(coef=coef, r2=r2, sigma_s=sigma, prefill_part=prefill,
-                     stall=np.where(is_stall, resid, 0.0))
+    return StepModel(coef=coef, r2=r2, sigma_s=sigma, predicted=pred, prefill_part=prefill,
+                     stall=stall)
+
+
+def _stalls(pred: np.ndarray, actual: np.ndarray, sigma: float) -> np.ndarray:
+    return np.array([stall_excess(float(p), float(a), sigma)
+                     for p, a in zip(pred, actual, strict=True)])
 
 
 class WindowSums:

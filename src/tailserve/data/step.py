@@ -48,8 +48,13 @@ class SchedulerOutput:
     # Requests that finished or were aborted since the previous step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
     # Why the head of the waiting queue was not admitted this step, if it was not:
-    # "kv_cache" (free blocks / watermark), "max_num_seqs", "token_budget", "preemption" or None.
+    # "kv_cache" (free blocks / watermark), "max_num_seqs", "token_budget", "preemption",
+    # "itl_target" (the step's predicted time is spent), "partial_prefills" or None.
     admission_blocked_by: str | None = None
+    # The step's shape as the step-time model sees it (stepcost.py) and its prediction.
+    num_decode_context_tokens: int = 0
+    prefill_attention_pairs: int = 0
+    predicted_s: float | None = None
 
 
 @dataclass
@@ -99,6 +104,13 @@ class StepStats:
     admission_blocked_by: str | None = None
     # Engine-process memory sampled at the end of the step (keys as ``EngineState.memory``).
     memory: dict[str, float] = field(default_factory=dict)
+    # The step-time model: what it predicted for this step before it ran, the shape it saw,
+    # the ITL target in force, and its coefficients after learning from this step.
+    predicted_s: float | None = None
+    num_decode_context_tokens: int = 0
+    prefill_attention_pairs: int = 0
+    itl_target_s: float | None = None
+    step_model: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

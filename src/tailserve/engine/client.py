@@ -52,7 +52,12 @@ from tailserve.engine.messages import (
     input_encoder,
     message_decoder,
 )
-from tailserve.errors import InvalidRequestError, QueueFullError
+from tailserve.errors import (
+    InvalidRequestError,
+    QueueFullError,
+    SLORefusedError,
+    SLOUnattainableError,
+)
 from tailserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -217,12 +222,7 @@ class EngineClient:
         elif isinstance(msg, Rejected):
             q = self._streams.pop(msg.request_id, None)
             if q is not None:
-                exc: Exception = (
-                    QueueFullError(msg.message)
-                    if msg.kind == "queue_full"
-                    else InvalidRequestError(msg.message, param=msg.param)
-                )
-                q.put_nowait(exc)
+                q.put_nowait(_rejection(msg))
         elif isinstance(msg, EngineDead):
             self._die(msg.message)
         elif isinstance(msg, Ready):
@@ -438,3 +438,14 @@ class InprocEngineClient(EngineClient):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout_s)
         return None
+
+
+def _rejection(msg: Rejected) -> Exception:
+    """The engine's refusal as the error the edge maps (429 with Retry-After, or 400)."""
+    if msg.kind == "queue_full":
+        return QueueFullError(msg.message)
+    if msg.kind == "ttft_slo":
+        return SLORefusedError(msg.message, msg.predicted_ttft_s or 0.0, msg.retry_after_s or 1.0)
+    if msg.kind == "ttft_slo_unattainable":
+        return SLOUnattainableError(msg.message, param=msg.param)
+    return InvalidRequestError(msg.message, param=msg.param)

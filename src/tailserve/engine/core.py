@@ -11,6 +11,8 @@ import zmq
 from tailserve.config import EngineArgs, EngineConfig
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
+from tailserve.engine.calibrate import calibrate
+from tailserve.engine.latency import auto_itl_target_s
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError
 from tailserve.model.device import detect_platform
@@ -52,6 +54,13 @@ class EngineCore:
         # CUDA: persistent step inputs and the decode graphs (nothing on CPU).
         self.runner.prepare_steps(config.scheduler)
         self.scheduler = Scheduler(config.scheduler, config.cache)
+        sc = config.scheduler
+        calibrate(self.runner, self.scheduler.step_model, config.cache.block_size,
+                  config.cache.num_kv_blocks, sc.max_num_batched_tokens, sc.max_model_len)
+        if self.scheduler.auto_itl_target:
+            self.scheduler.itl_target_s = auto_itl_target_s(self.scheduler.step_model)
+        if self.scheduler.itl_target_s is not None:
+            logger.info("ITL target %.1f ms", self.scheduler.itl_target_s * 1e3)
         self._last_queries = 0
         self._last_hits = 0
         cache = config.cache
@@ -169,6 +178,11 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits - self._last_hits,
             num_finished=sum(1 for o in outputs if o.finished),
             admission_blocked_by=sched.admission_blocked_by,
+            predicted_s=sched.predicted_s,
+            num_decode_context_tokens=sched.num_decode_context_tokens,
+            prefill_attention_pairs=sched.prefill_attention_pairs,
+            itl_target_s=self.scheduler.itl_target_s,
+            step_model=self.scheduler.step_model.describe(),
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         return stats

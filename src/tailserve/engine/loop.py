@@ -29,7 +29,7 @@ from tailserve.engine.messages import (
     StartProfile,
     StepResult,
 )
-from tailserve.errors import QueueFullError
+from tailserve.errors import QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.obs.memory import MemoryMonitor, SteadyMemoryCheck
 from tailserve.obs.profiling import ProfileCapture
 from tailserve.request import Request
@@ -94,6 +94,13 @@ class EngineLoop:
                         arrival_time=msg.arrival_time, priority=msg.priority,
                     )
                     self.core.add_request(req)
+                except SLORefusedError as exc:
+                    self._send(Rejected(msg.request_id, "ttft_slo", str(exc),
+                                        predicted_ttft_s=exc.predicted_ttft_s,
+                                        retry_after_s=exc.retry_after_s))
+                except SLOUnattainableError as exc:
+                    self._send(Rejected(msg.request_id, "ttft_slo_unattainable", str(exc),
+                                        exc.param))
                 except QueueFullError as exc:
                     self._send(Rejected(msg.request_id, "queue_full", str(exc)))
                 except ValueError as exc:

@@ -91,9 +91,12 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
 
 class Rejected(msgspec.Struct, tag="rejected"):
     request_id: str
-    kind: Literal["invalid_request", "queue_full"]
+    kind: Literal["invalid_request", "queue_full", "ttft_slo", "ttft_slo_unattainable"]
     message: str
     param: str | None = None
+    # ttft_slo: the prediction that refused it, and when the queue ahead should be gone.
+    predicted_ttft_s: float | None = None
+    retry_after_s: float | None = None
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

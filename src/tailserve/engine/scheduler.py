@@ -1,85 +1,69 @@
-"""Scheduler: continuous batching under a token budget, chunked prefill, preemption.
+"""Scheduler: continuous batching under a token budget and a step-time budget, chunked prefill
+in SRPT order with aging, preemption.
 
 The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens``:
 
 1. **Running decodes first.** Every running request that needs exactly one token (a decode)
    gets it, in admission order, so a decode never waits behind anyone's prefill.
-2. **Running prefills next.** Requests part-way through their prompt get the next chunk:
-   ``min(remaining, long_prefill_token_threshold, budget left)``.
+2. **Prefill by time.** Running partial prefills and waiting requests compete for what is
+   left, in ``_prefill_key`` order: the earliest place ``arrival + remaining x aging``
+   (``srpt``: shortest remaining prefill first, and no request that arrives after a prompt's
+   place ever passes it), or arrival order (``fcfs``); priority first under ``priority``.
+   While decodes run (and prompts may be chunked), each chunk is the largest multiple of
+   ``PREFILL_ALIGN`` that keeps the step's predicted time (``stepcost.StepTimeModel``)
+   within the ITL target; the step's first chunk always gets ``PREFILL_ALIGN`` tokens, so
+   prefill progresses even when the decodes alone fill the target. With no decode running a
+   prefill takes the whole token budget. At most ``max_num_partial_prefills`` requests are
+   left part-way through their prompt; a short prompt that finishes in the step still goes.
 3. When a running request cannot get a block, the newest admission not yet scheduled this
    step (by priority first under ``priority``) is **preempted by recompute**: its blocks are
-   freed, it keeps its output tokens and goes back to the front of the queue, and its next
-   prefill recomputes prompt + outputs, so its answer does not change.
-4. **Admission.** If nothing was preempted, waiting requests are admitted in queue order
-   while the budget, ``max_num_seqs`` and the KV pool allow. ``optimistic`` admits on the
-   first chunk's blocks and must leave the watermark free; ``reserve`` allocates blocks for
-   prompt + max_tokens up front and therefore never preempts.
+   freed, it keeps its output tokens and goes back to the queue, and its next prefill
+   recomputes prompt + outputs, so its answer does not change. No admission follows in
+   that step.
+4. **Admission** of a waiting request needs ``max_num_seqs``, the KV pool and the watermark
+   to allow it. ``optimistic`` admits on the first chunk's blocks; ``reserve`` allocates
+   blocks for prompt + max_tokens up front and therefore never preempts. With
+   ``ttft_slo_s``, ``add_request`` refuses a request whose predicted TTFT is over it
+   (``engine/latency.py``).
 
-``update_from_output`` applies the sampled tokens, stamps timestamps and decides who stops.
-Torch-free: tests drive it with a fake runner and assert exact block ids.
+``update_from_output`` applies the sampled tokens, stamps timestamps, decides who stops and
+feeds the measured step time to the step-time model. Torch-free: tests drive it with a fake
+runner and a fake clock and assert exact block ids and chunk sizes.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits, max_request_tokens
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
+from tailserve.engine.latency import PREFILL_ALIGN, auto_itl_target_s, check_slo, predict_ttft
+from tailserve.engine.waiting_queue import WaitingQueue
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus, SequenceLimits, check_request_lengths
+from tailserve.stepcost import StepShape, StepTimeModel
 
-
-class WaitingQueue:
-    """FCFS (a deque; preempted requests return to the front) or priority (a heap on
-    ``(priority, arrival_time)``: lower value first, as vLLM orders it)."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._deque: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._deque) if self.policy == "fcfs" else len(self._heap)
-
-    def push(self, req: Request, front: bool = False) -> None:
-        if self.policy == "fcfs":
-            if front:
-                self._deque.appendleft(req)
-            else:
-                self._deque.append(req)
-        else:
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
-
-    def peek(self) -> Request:
-        return self._deque[0] if self.policy == "fcfs" else self._heap[0][3]
-
-    def pop(self) -> Request:
-        return self._deque.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
-
-    def remove(self, req: Request) -> None:
-        if self.policy == "fcfs":
-            self._deque.remove(req)
-        else:
-            self._heap = [e for e in self._heap if e[3] is not req]
-            heapq.heapify(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        if self.policy == "fcfs":
-            return iter(list(self._deque))
-        return iter([e[3] for e in sorted(self._heap)])
+__all__ = ["PREFILL_ALIGN", "Scheduler", "WaitingQueue"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         check_pool_fits(config, cache)
         self.config = config
+        self._clock = clock
+        # Learned online from every step (update_from_output); the engine seeds it with a
+        # calibration at start-up and derives the ITL target from it when none was given.
+        self.step_model = StepTimeModel()
+        self.itl_target_s: float | None = config.itl_target_s if config.enable_itl_target \
+            else None
+        # No target given: derived from the model (the engine sets it after calibrating) and
+        # re-derived after every step.
+        self.auto_itl_target = config.enable_itl_target and config.itl_target_s is None
         self.cache_config = cache
         self._lengths = SequenceLimits(
             config.max_model_len, cache.block_size, cache.num_kv_blocks,
@@ -108,6 +92,27 @@ class Scheduler:
         )
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
+        self._check_admissible(req)
+
+    def _check_admissible(self, req: Request) -> None:
+        """Admission must leave the watermark free: a request whose admission needs more
+        blocks than the pool holds beyond it would wait forever (and, at the head of the
+        queue, hold everyone behind it)."""
+        cfg = self.config
+        tokens = req.num_prompt_tokens
+        if cfg.admission_policy == "reserve":
+            tokens += req.max_tokens
+        elif cfg.enable_chunked_prefill:
+            tokens = min(tokens, cfg.max_num_batched_tokens,
+                         cfg.long_prefill_token_threshold or tokens)
+        need = cdiv(tokens, self.cache_config.block_size)
+        room = self.cache_config.num_kv_blocks - self.kv.watermark_blocks
+        if need > room:
+            raise InvalidRequestError(
+                f"admitting this request needs {need} KV blocks ({tokens} tokens) but the "
+                f"pool holds {room} beyond the watermark ({self.cache_config.num_kv_blocks} "
+                f"blocks, watermark {self.kv.watermark_blocks})", param="max_tokens",
+            )
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
@@ -124,9 +129,26 @@ class Scheduler:
                     f"the waiting queue is full ({queued} of {limit} waiting, "
                     f"{len(self.running)} of {self.config.max_num_seqs} running)"
                 )
+        if self.config.ttft_slo_s is not None:
+            self._check_slo(req, self.config.ttft_slo_s)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.push(req)
+
+    # ---------------------------------------------------------------- predicted latency
+    def predict_ttft(self, req: Request) -> tuple[float, float]:
+        """(predicted TTFT now, on an idle engine) of a request not yet queued: the prefill
+        of every request the budget serves before it (``_prefill_key`` order) plus its own."""
+        mine = self._prefill_key(req, len(self.running) + len(self.waiting))
+        pending = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        pending += list(self.waiting)
+        ahead = [r for i, r in enumerate(pending) if self._prefill_key(r, i) <= mine]
+        return predict_ttft(self.step_model, self.config.max_num_batched_tokens,
+                            self.itl_target_s, self.running, ahead, req)
+
+    def _check_slo(self, req: Request, slo_s: float) -> None:
+        predicted, idle = self.predict_ttft(req)
+        check_slo(req, slo_s, predicted, idle, len(self.waiting), len(self.running))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort or stop requests from outside (client gone, stop string matched)."""
@@ -145,7 +167,7 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
-        req.timestamps.finished = time.monotonic()
+        req.timestamps.finished = self._clock()
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
@@ -185,58 +207,127 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.push(req, front=True)
 
+    def _prefill_key(self, req: Request, index: int) -> tuple[float, ...]:
+        """Order of the prefill budget. ``srpt``: the earliest *place* ``arrival +
+        remaining x aging`` (shortest remaining prefill first among requests that arrived
+        together; a request is never passed by one that arrived after its place, whose key
+        is at least its arrival + one token's aging: that bounds its wait). ``fcfs``:
+        running first, then queue order.
+        Under ``priority`` the priority value leads either way."""
+        cfg = self.config
+        lead = float(req.priority) if cfg.scheduling_policy == "priority" else 0.0
+        if cfg.prefill_scheduling == "fcfs":
+            return (lead, float(index))
+        remaining = req.num_tokens - req.num_computed_tokens
+        return (lead, req.arrival_time + remaining * cfg.prefill_aging_s_per_token,
+                float(index))
+
+    def _time_limited(self, n: int, shape: StepShape, start: int, first_chunk: bool) -> int:
+        """``n`` cut so the step's predicted time stays within the ITL target; a first
+        prefill chunk of a step always gets PREFILL_ALIGN tokens (or its rest), so prefill
+        progresses even when the decodes alone fill the target."""
+        target = self.itl_target_s
+        if target is None:
+            return n
+        fit = self.step_model.max_chunk(shape, start, n, target, PREFILL_ALIGN)
+        if fit == 0 and first_chunk:
+            return min(n, PREFILL_ALIGN)
+        return fit
+
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
-        now = time.monotonic()
+        now = self._clock()
         budget = cfg.max_num_batched_tokens
         num_new: dict[str, int] = {}
         preempted: list[str] = []
+        shape = StepShape()
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
+        for req in decodes:
             if budget <= 0 or req.status != RequestStatus.RUNNING:
                 continue
-            n = self._num_new_tokens(req, budget)
-            while not self.kv.allocate_slots(req, n):
-                candidates = [r for r in self.running if r.request_id not in num_new]
-                victim = self._pick_victim(candidates)
-                self._preempt(victim, now)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            else:
-                num_new[req.request_id] = n
-                budget -= n
+            if self._allocate_running(req, 1, num_new, preempted, now):
+                num_new[req.request_id] = 1
+                budget -= 1
+                shape = shape.plus_decode(req.num_computed_tokens + 1)
+        # The step's time is budgeted only while decodes wait on it, and only when prompts
+        # may be split (without chunking a prompt is prefilled whole or not at all).
+        timed = bool(shape.decode_seqs) and cfg.enable_chunked_prefill
+        time_limit = self.itl_target_s is not None and timed
 
+        # Running partial prefills and waiting requests compete for the prefill budget.
+        partials = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        cands = [(self._prefill_key(r, i), r) for i, r in enumerate(partials)]
+        base = len(cands)
+        cands += [(self._prefill_key(r, base + i), r) for i, r in enumerate(self.waiting)]
+        cands.sort(key=lambda c: c[0])
+        # Requests left part-way through their prompt after this step (max_num_partial_prefills).
+        partial_ids = {r.request_id for r in partials}
         blocked_by: str | None = None
         if preempted and len(self.waiting):
             blocked_by = "preemption"
-        while not preempted and len(self.waiting):
+        admitting = True
+        for _, req in cands:
+            if req.status == RequestStatus.RUNNING:
+                if req.request_id in num_new or req not in self.running:
+                    continue  # preempted (and re-queued) or already served this step
+                start = req.num_computed_tokens
+                n = self._num_new_tokens(req, budget)
+                if time_limit:
+                    n = self._time_limited(n, shape, start, not shape.prefill_tokens)
+                if n <= 0:
+                    blocked_by = blocked_by or ("token_budget" if budget <= 0 else "itl_target")
+                    break
+                if not self._allocate_running(req, n, num_new, preempted, now):
+                    continue
+                num_new[req.request_id] = n
+                budget -= n
+                shape = shape.plus_chunk(start, n)
+                if start + n >= req.num_tokens:
+                    partial_ids.discard(req.request_id)
+                continue
+            # A waiting (or preempted) request. Once one is held back, no later one is
+            # admitted (strict order keeps the aging bound), but running partial prefills
+            # further down still get their chunks: they hold blocks, and only progress
+            # frees them.
+            if not admitting:
+                continue
+            if preempted:
+                blocked_by, admitting = blocked_by or "preemption", False
+                continue
             if budget <= 0:
-                blocked_by = "token_budget"
-                break
+                blocked_by, admitting = "token_budget", False
+                continue
             if len(self.running) >= cfg.max_num_seqs:
-                blocked_by = "max_num_seqs"
-                break
-            req = self.waiting.peek()
+                blocked_by, admitting = "max_num_seqs", False
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - num_hit_tokens
+            remaining = req.num_tokens - num_hit_tokens
+            n = remaining
             if cfg.long_prefill_token_threshold is not None:
                 n = min(n, cfg.long_prefill_token_threshold)
             if not cfg.enable_chunked_prefill and n > budget:
-                blocked_by = "token_budget"
-                break
+                blocked_by, admitting = "token_budget", False
+                continue
             n = min(n, budget)
+            if time_limit:
+                n = self._time_limited(n, shape, num_hit_tokens, not shape.prefill_tokens)
+                if n <= 0:
+                    blocked_by, admitting = "itl_target", False
+                    continue
+            if n < remaining and len(partial_ids) >= cfg.max_num_partial_prefills:
+                # It would be left part-way: others may still finish theirs in this step.
+                blocked_by = blocked_by or "partial_prefills"
+                continue
             reserve = None
             if cfg.admission_policy == "reserve":
                 reserve = req.num_prompt_tokens + req.max_tokens
             if not self.kv.allocate_slots(
                 req, n, hits, apply_watermark=True, reserve_up_to=reserve
             ):
-                blocked_by = "kv_cache"
-                break
-            self.waiting.pop()
+                blocked_by, admitting = "kv_cache", False
+                continue
+            self.waiting.remove(req)
             self.kv.record_prefix_query(req.num_tokens, num_hit_tokens)
             if req.status == RequestStatus.PREEMPTED:
                 req.timestamps.resumed.append(now)
@@ -249,6 +340,11 @@ class Scheduler:
             self.running.append(req)
             num_new[req.request_id] = n
             budget -= n
+            shape = shape.plus_chunk(num_hit_tokens, n)
+            if n < remaining:
+                partial_ids.add(req.request_id)
+        if blocked_by is None and len(self.waiting) and budget <= 0:
+            blocked_by = "token_budget"
 
         scheduled = []
         num_prefill_tokens = 0
@@ -285,7 +381,23 @@ class Scheduler:
             preempted_request_ids=preempted,
             finished_request_ids=finished,
             admission_blocked_by=blocked_by,
+            num_decode_context_tokens=shape.decode_context_tokens,
+            prefill_attention_pairs=shape.prefill_attention_pairs,
+            predicted_s=self.step_model.predict(shape) if scheduled else None,
         )
+
+    def _allocate_running(self, req: Request, n: int, num_new: dict[str, int],
+                          preempted: list[str], now: float) -> bool:
+        """Blocks for ``n`` more tokens of a running request, preempting the newest admission
+        not yet scheduled this step until they fit; False when ``req`` itself was the one."""
+        while not self.kv.allocate_slots(req, n):
+            candidates = [r for r in self.running if r.request_id not in num_new]
+            victim = self._pick_victim(candidates)
+            self._preempt(victim, now)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
 
     # ---------------------------------------------------------------- update
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -303,7 +415,12 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, out: RunnerOutput, step_s: float
     ) -> list[EngineOutput]:
-        now = time.monotonic()
+        now = self._clock()
+        # The step-time model learns from every measured step (its prediction was made when
+        # the step was built: sched.predicted_s).
+        self.step_model.observe(self.shape_of(sched), step_s)
+        if self.auto_itl_target and self.itl_target_s is not None:
+            self.itl_target_s = auto_itl_target_s(self.step_model)
         has_prefill = sched.num_prefill_tokens > 0
         outputs = []
         for s in sched.scheduled:
@@ -342,6 +459,11 @@ class Scheduler:
                 eo.timing = req.timing()
             outputs.append(eo)
         return outputs
+
+    @staticmethod
+    def shape_of(sched: SchedulerOutput) -> StepShape:
+        return StepShape(sched.num_prefill_tokens, sched.num_decode_seqs,
+                         sched.num_decode_context_tokens, sched.prefill_attention_pairs)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

@@ -61,6 +61,7 @@ SUCCESS_REASONS = ("stop", "length", "abort")
 CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
 REJECT_REASONS = (
     "queue_full", "invalid_request", "draining", "engine_dead", "unauthorized", "too_large",
+    "ttft_slo", "ttft_slo_unattainable",
 )  # fmt: skip
 
 
@@ -237,6 +238,26 @@ class ServerMetrics:
         self.engine_step_seconds = histogram(
             "engine_step_seconds", "Wall time of one engine step.", fast
         )
+        # The step-time model (stepcost.py): its prediction of each step, made before the step
+        # ran, next to the measured time; rate(abs_error) / rate(step_seconds_sum) is its mean
+        # relative error. The coefficients and the ITL target in force as gauges.
+        self.engine_step_predicted_seconds = histogram(
+            "engine_step_predicted_seconds", "The step-time model's prediction of each step.",
+            fast,
+        )
+        self.step_time_prediction_abs_error = counter(
+            "step_time_prediction_abs_error_seconds_total",
+            "Sum over steps of |measured - predicted| step time.",
+        )
+        self.step_time_model = gauge(
+            "step_time_model", "The step-time model's coefficients after the latest step "
+            "(term: base_ms, ms_per_1k_prefill_tokens, ms_per_10_decode_seqs, "
+            "ms_per_10k_context_tokens, ms_per_1m_attention_pairs, scale, residual_sigma_ms).",
+            ("term",),
+        )
+        self.itl_target_seconds = gauge(
+            "itl_target_seconds", "The ITL target steps are sized to (0: none)."
+        )
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -281,6 +302,12 @@ class ServerMetrics:
 
     def on_step(self, stats: StepStats) -> None:
         self.engine_step_seconds.observe(stats.step_s)
+        if stats.predicted_s is not None:
+            self.engine_step_predicted_seconds.observe(stats.predicted_s)
+            self.step_time_prediction_abs_error.inc(abs(stats.step_s - stats.predicted_s))
+        for term, value in stats.step_model.items():
+            self.step_time_model.labels(term=term).set(value)
+        self.itl_target_seconds.set(stats.itl_target_s or 0.0)
         # A decode sequence contributes exactly one token to the step.
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_seqs)
         # StepStats carries per-step deltas, so they add straight into the counters.

@@ -54,6 +54,7 @@ from tailserve.server.settings import ServerSettings
 logger = logging.getLogger("tailserve.server")
 
 _REJECT_REASONS = {400: "invalid_request", 404: "invalid_request", 429: "queue_full"}
+_SLO_REASONS = ("ttft_slo", "ttft_slo_unattainable")  # --ttft-slo-ms refusals (429 / 400)
 
 
 def create_app(ctx: ServerContext) -> Any:
@@ -63,6 +64,8 @@ def create_app(ctx: ServerContext) -> Any:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
         reason = _REJECT_REASONS.get(exc.status)
+        if exc.code in _SLO_REASONS:
+            reason = exc.code
         if exc.status == 503:
             reason = exc.code or "unavailable"
         if reason is not None:

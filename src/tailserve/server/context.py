@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -161,10 +162,12 @@ class ServerContext:
             param="n" if n > capacity else "prompt",
         )
 
-    def queue_full_error(self, message: str) -> APIError:
+    def queue_full_error(self, message: str, retry_after_s: float | None = None,
+                         code: str = "queue_full") -> APIError:
+        retry = self.settings.retry_after_s if retry_after_s is None else retry_after_s
         return APIError(
-            429, message, "rate_limit_error", None, "queue_full",
-            headers={"Retry-After": str(self.settings.retry_after_s)},
+            429, message, "rate_limit_error", None, code,
+            headers={"Retry-After": str(max(1, math.ceil(retry)))},
         )
 
     def dead_error(self, reason: str | None = None) -> APIError:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tailserve.engine.client import EngineDeadError
 from tailserve.engine.input_processor import Prompt
-from tailserve.errors import InvalidRequestError, QueueFullError
+from tailserve.errors import InvalidRequestError, QueueFullError, SLOUnattainableError
 from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from tailserve.server.context import ServerContext
 from tailserve.server.errors import APIError, bad_request, engine_error, error_body
@@ -202,8 +202,11 @@ class OpenAIServing:
 
     def _map(self, exc: BaseException) -> BaseException:
         if isinstance(exc, QueueFullError):
-            # Counted in requests_rejected_total by the app's APIError handler (429).
-            return self.ctx.queue_full_error(str(exc))
+            # Counted in requests_rejected_total by the app's APIError handler (429), by
+            # reason: queue_full, or ttft_slo with the engine's own Retry-After.
+            return self.ctx.queue_full_error(str(exc), exc.retry_after_s, exc.reason)
+        if isinstance(exc, SLOUnattainableError):
+            return bad_request(exc.message, exc.param, "ttft_slo_unattainable")
         if isinstance(exc, InvalidRequestError):
             return bad_request(exc.message, exc.param)
         if isinstance(exc, EngineDeadError):

@@ -1,0 +1,86 @@
+"""Predicted time to first token, from the step-time model, for ``--ttft-slo-ms`` admission.
+
+A new request waits for the prefill of everyone the scheduler serves before it (running
+partial prefills and waiting requests whose place in ``Scheduler._prefill_key`` order comes
+first) and then its own, in chunks of the size the running decodes leave under the ITL
+target. The prediction is refused at once when over the SLO (429 with ``Retry-After``), and
+as a 400 when even an idle engine could not meet it. Torch-free, like the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tailserve.config import AUTO_ITL_DECODES, AUTO_ITL_FACTOR, AUTO_ITL_MIN_MS
+from tailserve.errors import SLORefusedError, SLOUnattainableError
+from tailserve.request import Request
+from tailserve.stepcost import StepShape, StepTimeModel
+
+# Time-limited prefill chunks are multiples of this many tokens (the GEMM kernels' row
+# panels), unless a chunk is the rest of its prompt.
+PREFILL_ALIGN = 32
+
+
+def auto_itl_target_s(model: StepTimeModel) -> float:
+    """The default ITL target: AUTO_ITL_FACTOR x the predicted step of AUTO_ITL_DECODES
+    decodes at 512 tokens of context, at least AUTO_ITL_MIN_MS. Re-derived after every step
+    from the model, which follows the host: on a shared machine that turns slower the target
+    moves with the decode step instead of starving prefill at the minimum chunk."""
+    shape = StepShape(0, AUTO_ITL_DECODES, AUTO_ITL_DECODES * 512, 0)
+    return max(AUTO_ITL_FACTOR * model.predict(shape), AUTO_ITL_MIN_MS / 1e3)
+
+
+def decode_shape(running: Sequence[Request]) -> StepShape:
+    """The decodes of the running batch, as the next step will carry them."""
+    shape = StepShape()
+    for r in running:
+        if r.num_tokens - r.num_computed_tokens <= 1:
+            shape = shape.plus_decode(r.num_tokens)
+    return shape
+
+
+def chunk_under_load(model: StepTimeModel, budget: int, itl_target_s: float | None,
+                     decode: StepShape) -> int:
+    """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them)."""
+    left = max(budget - decode.decode_seqs, 1)
+    if itl_target_s is None or not decode.decode_seqs:
+        return left
+    fit = model.max_chunk(decode, 0, left, itl_target_s, PREFILL_ALIGN)
+    return max(fit, PREFILL_ALIGN)
+
+
+def predict_ttft(model: StepTimeModel, budget: int, itl_target_s: float | None,
+                 running: Sequence[Request], ahead: Sequence[Request],
+                 req: Request) -> tuple[float, float]:
+    """(predicted TTFT now, predicted TTFT on an idle engine) of ``req``, which waits for
+    the rest of every prompt in ``ahead``."""
+    own = req.num_prompt_tokens
+    idle = model.prefill_time(own, 0, StepShape(), budget)
+    decode = decode_shape(running)
+    chunk = chunk_under_load(model, budget, itl_target_s, decode)
+    t = model.prefill_time(own, 0, decode, chunk)
+    for r in ahead:
+        t += model.prefill_time(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens,
+                                decode, chunk)
+    return t, idle
+
+
+def check_slo(req: Request, slo_s: float, predicted: float, idle: float, num_waiting: int,
+              num_running: int) -> None:
+    if idle > slo_s:
+        raise SLOUnattainableError(
+            f"the prompt's {req.num_prompt_tokens} tokens are predicted to take "
+            f"{idle * 1e3:.0f} ms to prefill even on an idle engine, over the TTFT SLO "
+            f"of {slo_s * 1e3:.0f} ms (--ttft-slo-ms): shorten the prompt",
+            param="prompt",
+        )
+    if predicted > slo_s:
+        # The queue ahead should have drained by then (and the SLO be met again).
+        retry = max(1.0, math.ceil(predicted - slo_s))
+        raise SLORefusedError(
+            f"predicted time to first token {predicted * 1e3:.0f} ms exceeds the TTFT SLO "
+            f"of {slo_s * 1e3:.0f} ms ({num_waiting} waiting, {num_running} running; "
+            f"{idle * 1e3:.0f} ms of it is this prompt's own prefill); retry in {retry:.0f} s",
+            predicted_ttft_s=predicted, retry_after_s=retry,
+        )

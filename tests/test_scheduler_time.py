@@ -1,0 +1,234 @@
+"""Time-budgeted steps, SRPT with aging, max_num_partial_prefills and TTFT-SLO admission,
+with a fake runner, a fake clock and a given step-time model (exact chunk sizes and bounds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+
+from fake_runner import EOS, FakeRunner
+from tailserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from tailserve.engine.calibrate import PLAN
+from tailserve.engine.scheduler import PREFILL_ALIGN, Scheduler
+from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
+from tailserve.request import Request
+from tailserve.sampling_params import SamplingParams
+from tailserve.stepcost import StepShape, StepTimeModel, prefill_attention_pairs
+
+# The engine these tests pretend to run: 10 ms a step + 1 ms a prefill token + 2 ms a decode
+# (seconds per scaled feature: base, per 1k prefill tokens, per 10 decodes, context, pairs).
+COEF = (0.010, 1.0, 0.020, 0.0, 0.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(clock: Clock, itl_target_s: float | None = None, **kw: object) -> Scheduler:
+    base: dict[str, object] = dict(
+        max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, block_size=16,
+        num_kv_blocks=512, watermark=0.0, itl_target_s=itl_target_s,
+    )
+    base.update(kw)
+    cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    cache = {k: v for k, v in base.items() if k in cache_fields}
+    sched = {k: v for k, v in base.items() if k not in cache_fields}
+    s = Scheduler(SchedulerConfig(**sched),  # type: ignore[arg-type]
+                  CacheConfig(block_bytes=1024, **cache), clock=clock)  # type: ignore[arg-type]
+    s.step_model = StepTimeModel(COEF)
+    return s
+
+
+def req(rid: str, n_prompt: int, arrival: float, max_tokens: int = 1,
+        priority: int = 0) -> Request:
+    prompt = [(zlib.crc32(rid.encode()) + i) % 40 + 1 for i in range(n_prompt)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   arrival_time=arrival, priority=priority, eos_token_ids=(EOS,))
+
+
+def step(s: Scheduler, runner: FakeRunner, clock: Clock) -> list[tuple[str, int]]:
+    """One step that takes exactly what the model says (so the model stays as given)."""
+    out = s.schedule()
+    took = s.step_model.predict(s.shape_of(out))
+    assert out.predicted_s == pytest.approx(took) or not out.scheduled
+    clock.t += took
+    s.update_from_output(out, runner.execute(out), took)
+    s.check_invariants()
+    return [(x.request_id, len(x.token_ids)) for x in out.scheduled]
+
+
+def test_with_decodes_each_chunk_is_the_largest_aligned_one_within_the_target() -> None:
+    clock = Clock()
+    # 2 decodes: 10 + 2x2 = 14 ms; 80 ms leaves 66 tokens -> 64 (a multiple of 32).
+    s = make(clock, itl_target_s=0.080)
+    runner = FakeRunner()
+    for rid in ("a", "b"):
+        s.add_request(req(rid, 8, 0.0, max_tokens=50))
+    assert step(s, runner, clock) == [("a", 8), ("b", 8)]  # no decodes yet: whole budget
+    s.add_request(req("long", 200, clock.t))
+    sizes = [step(s, runner, clock) for _ in range(4)]
+    assert sizes == [[("a", 1), ("b", 1), ("long", 64)]] * 3 + [[("a", 1), ("b", 1),
+                                                                  ("long", 8)]]
+    assert all(s.step_model.predict(s.shape_of(o)) <= 0.080 for o in runner.steps)
+    # Without the target the same prompt is one chunk of the token budget left.
+    s2 = make(Clock())
+    for rid in ("a", "b"):
+        s2.add_request(req(rid, 8, 0.0, max_tokens=50))
+    step(s2, FakeRunner(), Clock())
+    s2.add_request(req("long", 200, 0.0))
+    assert step(s2, FakeRunner(), Clock()) == [("a", 1), ("b", 1), ("long", 200)]
+
+
+def test_no_decodes_means_the_whole_token_budget() -> None:
+    clock = Clock()
+    s = make(clock, itl_target_s=0.020, max_num_batched_tokens=256)
+    s.add_request(req("long", 600, 0.0))
+    assert step(s, FakeRunner(), clock) == [("long", 256)]
+
+
+def test_prefill_progresses_when_decodes_alone_fill_the_target() -> None:
+    clock = Clock()
+    s = make(clock, itl_target_s=0.012)  # one decode step is 12 ms: nothing is left
+    runner = FakeRunner()
+    s.add_request(req("a", 8, 0.0, max_tokens=50))
+    step(s, runner, clock)
+    s.add_request(req("long", 100, clock.t))
+    out = s.schedule()
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [
+        ("a", 1), ("long", PREFILL_ALIGN)]
+    assert out.admission_blocked_by is None
+
+
+def test_srpt_serves_the_shortest_remaining_prefill_first() -> None:
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64)
+    s.add_request(req("long", 300, 0.000))
+    s.add_request(req("mid", 100, 0.001))
+    s.add_request(req("short", 20, 0.002))
+    # Places: long 0.15 s, mid 0.051, short 0.012 (arrival + 0.5 ms per token).
+    assert step(s, FakeRunner(), clock) == [("short", 20), ("mid", 44)]
+    fcfs = make(Clock(), max_num_batched_tokens=64, prefill_scheduling="fcfs")
+    for r in (req("long", 300, 0.0), req("mid", 100, 0.001), req("short", 20, 0.002)):
+        fcfs.add_request(r)
+    assert step(fcfs, FakeRunner(), Clock()) == [("long", 64)]
+
+
+@pytest.mark.parametrize("aging", [0.5e-3, 1.0])
+def test_aging_bounds_the_wait_of_a_long_prompt(aging: float) -> None:
+    """A 400-token prompt at t=0 among 32-token prompts arriving faster than they are served:
+    its place is 0 + 400 x aging; no prompt that arrived after place - 32 x aging passes it.
+    With aging that slow (1 s a token: pure SRPT for these 8 s) it is starved for as long as
+    short prompts keep coming."""
+    clock = Clock()
+    # No prefix cache: a short prompt sharing a block with an earlier one would cost less.
+    s = make(clock, max_num_batched_tokens=32, prefill_aging_s_per_token=aging,
+             enable_prefix_caching=False)
+    runner = FakeRunner()
+    s.add_request(req("long", 400, 0.0))
+    arrived: dict[str, float] = {}
+    first: dict[str, int] = {}
+    next_arrival, k = 0.0, 0
+    for n in range(200):
+        while next_arrival <= clock.t:  # one short prompt every 30 ms; a step takes 42 ms
+            rid = f"s{k}"
+            s.add_request(req(rid, 32, next_arrival))
+            arrived[rid] = next_arrival
+            next_arrival += 0.030
+            k += 1
+        for rid, _ in step(s, runner, clock):
+            first.setdefault(rid, n)
+        if "long" in first:
+            break
+    bound = (400 - 32) * aging
+    if bound > clock.t:
+        assert "long" not in first  # starved for all 200 steps
+        return
+    started = first["long"]
+    passed = [rid for rid, n in first.items() if rid != "long" and n <= started]
+    assert passed and max(arrived[r] for r in passed) <= bound
+    # And it did wait for every short prompt that arrived before its bound and was queued.
+    assert all(first.get(r, started + 1) <= started for r, t in arrived.items()
+               if t < bound - 0.030 and r in first)
+
+
+def test_max_num_partial_prefills_is_enforced() -> None:
+    def first_step(limit: int) -> tuple[list[tuple[str, int]], str | None]:
+        clock = Clock()
+        s = make(clock, max_num_batched_tokens=96, long_prefill_token_threshold=32,
+                 max_num_partial_prefills=limit)
+        s.add_request(req("a", 200, 0.0))
+        s.add_request(req("b", 200, 0.001))
+        s.add_request(req("c", 10, 0.002))
+        out = s.schedule()
+        return [(x.request_id, len(x.token_ids)) for x in out.scheduled], \
+            out.admission_blocked_by
+
+    # c (done in this step) goes first; a is left part-way; b would be a second partial.
+    assert first_step(1) == ([("c", 10), ("a", 32)], "partial_prefills")
+    assert first_step(2) == ([("c", 10), ("a", 32), ("b", 32)], None)
+
+
+def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> None:
+    clock = Clock()
+    s = make(clock, ttft_slo_s=0.100, scheduling_policy="priority")
+    # On an idle engine 200 tokens take 10 + 200 = 210 ms: never within 100 ms.
+    with pytest.raises(SLOUnattainableError, match=r"200 tokens .* 210 ms .* idle engine"):
+        s.add_request(req("big", 200, 0.0))
+    s.add_request(req("first", 50, 0.0))  # 60 ms: admitted
+    with pytest.raises(SLORefusedError, match=r"predicted time to first token 120 ms exceeds "
+                       r"the TTFT SLO of 100 ms") as exc:
+        s.add_request(req("second", 50, 0.001))
+    assert isinstance(exc.value, QueueFullError)  # a 429
+    assert exc.value.predicted_ttft_s == pytest.approx(0.120)
+    assert exc.value.retry_after_s == 1.0
+    # A more urgent request does not count the queue behind it.
+    s.add_request(req("urgent", 50, 0.002, priority=-1))
+    assert [r.request_id for r in s.waiting] == ["urgent", "first"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("itl_target_ms", 0.0), ("itl_target_ms", -5.0), ("itl_target_ms", 1e9),
+    ("itl_target_ms", float("nan")), ("ttft_slo_ms", 0.0), ("ttft_slo_ms", -1.0),
+    ("ttft_slo_ms", 1e12), ("max_num_partial_prefills", 0),
+    ("prefill_aging_s_per_1k_tokens", 0.0),
+])
+def test_bad_flag_values_fail_at_start_up_with_the_numbers(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=rf"{field} must be .*got {value}"):
+        EngineArgs(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_engines_model_follows_a_throttled_runner() -> None:
+    """The scheduler's own model, fed the fake runner's step times: the host turns twice as
+    slow at step 60 and the predictions the scheduler budgets with follow within FOLLOW_STEPS
+    (the host's multiplier moves at most 7.5% a step, so a 2x change takes ~10 to be seen)."""
+    FOLLOW_STEPS = 40
+    clock = Clock()
+    s = make(clock, itl_target_s=0.200)
+    # Seeded as the engine seeds it: the calibration plan's shapes, timed on this "host".
+    s.step_model = StepTimeModel()
+    plan = [StepShape(c, d, d * ctx, prefill_attention_pairs(st, c)) for d, ctx, c, st in PLAN]
+    s.step_model.seed(plan, [StepTimeModel(COEF).predict(sh) for sh in plan])
+    runner = FakeRunner()
+    errors: list[float] = []
+    k = 0
+    for n in range(120):
+        if n % 3 == 0:  # a stream of mixed prompts keeps prefill and decodes in the steps
+            s.add_request(req(f"r{k}", 16 + 48 * (k % 5), clock.t, max_tokens=12))
+            k += 1
+        out = s.schedule()
+        truth = StepTimeModel(COEF).predict(s.shape_of(out)) * (2.0 if n >= 60 else 1.0)
+        if n >= 10 and out.predicted_s is not None:
+            errors.append(abs(out.predicted_s - truth) / truth)
+        clock.t += truth
+        s.update_from_output(out, runner.execute(out), truth)
+    before, surprise, after = errors[40:50], errors[50], errors[50 + FOLLOW_STEPS:]
+    # Followed: every prediction within 15% again, half of them within 6% (the multiplier
+    # chases step-to-step ratios, so the structure of the fit wobbles a little around it).
+    assert max(before) < 0.05 and surprise > 0.4, (before, surprise)
+    assert max(after) < 0.15 and sorted(after)[len(after) // 2] < 0.06, after
