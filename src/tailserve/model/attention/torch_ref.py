@@ -77,8 +77,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
         v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        # A 16-bit cache under float32 activations: stored rounded to nearest even (the bits
+        # the C++ decode step writes too), read back widened.
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
@@ -102,6 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         n = group.end - group.start
         keys, values = self._gather(kv_cache, group.block_index)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         # [n * L, H_kv, D] -> [n, H_kv, L, D] as a strided view
         shape = (n, -1, keys.shape[1], keys.shape[2])
         out = F.scaled_dot_product_attention(
@@ -132,7 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             table = meta.block_tables[i, : -(-ctx // meta.block_size)]
             keys, values = self._gather(kv_cache, table)
-            keys, values = keys[:ctx], values[:ctx]
+            keys, values = keys[:ctx].to(q.dtype), values[:ctx].to(q.dtype)
             # Query j sits at position ctx - n + j and sees keys 0 .. ctx - n + j.
             qpos = torch.arange(ctx - n, ctx, device=q.device)
             mask = (torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None])[None, None]
