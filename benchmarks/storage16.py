@@ -104,6 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: "
+                    + ", ".join(RUNS))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's configuration
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -114,7 +116,7 @@ def main() -> None:
 
     folder = save_default_model_as_hf(tempfile.mkdtemp(prefix="smol-bf16-"), torch.bfloat16)
     results = {}
-    for name in RUNS:
+    for name in args.runs.split(","):
         proc = subprocess.run(
             [sys.executable, __file__, "--one", name, "--folder", folder,
              "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)

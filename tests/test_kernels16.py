@@ -179,3 +179,42 @@ def test_f_linear_reference_is_what_linear16_computes() -> None:
         ops.set_bf16_dot(True)
     torch.testing.assert_close(got, F.linear(x, lin.weight.float(), lin.bias), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_torch_reference_backend_over_a_16bit_pool(kv_dtype: torch.dtype) -> None:
+    """The torch path (no kernels; prefill with context everywhere) writes float32 K/V rounded
+    into a 16-bit pool and attends over them widened: decodes as the kernel does, a prefill
+    chunk over its earlier context as float64 causal attention over the pool."""
+    from tailserve.model.attention import AttentionMetadata
+    from tailserve.model.attention.torch_ref import TorchAttentionBackend
+
+    lens, bs, h, h_kv, d = [9, 40], 16, 4, 2, 64
+    _, kv32, tables = make_pool(lens, h, h_kv, d, torch.float32, seed=4)
+    kv = kv32.to(kv_dtype)
+    g = torch.Generator().manual_seed(8)
+    # step: sequence 0 decodes its 9th token, sequence 1 prefills tokens 32..39 of 40
+    chunk = 8
+    n = 1 + chunk
+    qs = torch.randn(n, h, d, generator=g)
+    ks, vs = torch.randn(n, h_kv, d, generator=g), torch.randn(n, h_kv, d, generator=g)
+    pos = [8, *range(32, 40)]
+    seqs = [0] + [1] * chunk
+    slots = torch.tensor([int(tables[s, p // bs]) * bs + p % bs for s, p in zip(seqs, pos,
+                                                                                strict=True)])
+    meta = AttentionMetadata(
+        num_decodes=1, slot_mapping=slots, query_start_loc=[0, 1, n], query_lens=[1, chunk],
+        seq_lens_list=lens, seq_lens=torch.tensor(lens), block_tables=tables, block_size=bs,
+        scale=0.125,
+    )
+    backend = TorchAttentionBackend()
+    backend.begin_step(meta)
+    out = backend.forward(qs, ks, vs, kv, meta)
+    flat = kv.view(2, -1, h_kv, d)
+    assert torch.equal(flat[0, slots], ks.to(kv_dtype))  # stored rounded, in its slots
+    pool = kv.float()
+    want = reference_decode(qs[:1], pool, tables[:1], lens[:1], 0.125)
+    assert (out[:1].double() - want).abs().max().item() < 1e-5
+    for j in range(chunk):  # query at position 32 + j sees keys 0 .. 32 + j
+        ref = reference_decode(qs[1 + j : 2 + j], pool, tables[1:], [33 + j], 0.125)
+        assert (out[1 + j].double() - ref[0]).abs().max().item() < 1e-5

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "cpu_ops.h"
 #include "simd.h"
@@ -55,6 +56,9 @@ bool cpu_has_bf16_dot() {
 // Rows per chunk of x kept hot while every panel of a work item runs over it: 64 rows of
 // K = 1536 floats are 384 KiB, within L2 next to the panels.
 constexpr int64_t kRowBlock = 64;
+// From this many rows in a block the widened-tile path runs (below: widening in registers);
+// both sum alike, so the choice never changes a bit.
+constexpr int64_t kTileMinRows = 8;
 
 #ifdef TS_AVX2
 // Each output is (bias + the sum over the first half of k) + (the sum over the second half),
@@ -173,8 +177,8 @@ inline void f16_rows_widen(const float* x, int64_t ldx, const uint16_t* w, int64
     TS_F16_ROW(3)
     TS_F16_ROW(4)
     TS_F16_ROW(5)
-#undef TS_F16_ROW
   }
+  // TS_F16_ROW and TS_STORE stay defined: tile_rows below uses them too.
 #define TS_STORE(r)                                                               \
   if constexpr (MR > r) {                                                         \
     if constexpr (Accumulate) {                                                   \
@@ -190,7 +194,6 @@ inline void f16_rows_widen(const float* x, int64_t ldx, const uint16_t* w, int64
   TS_STORE(3)
   TS_STORE(4)
   TS_STORE(5)
-#undef TS_STORE
 }
 
 inline void f16_row_two_streams(const float* x, int64_t K, const uint16_t* w, float* y,
@@ -211,6 +214,81 @@ inline void f16_row_two_streams(const float* x, int64_t K, const uint16_t* w, fl
   if (K - h > h) step(K - 1, b0, b1);
   _mm256_storeu_ps(y, _mm256_add_ps(a0, b0));
   _mm256_storeu_ps(y + 8, _mm256_add_ps(a1, b1));
+}
+
+// ------------------------------------------------------------------ widened tile, many rows
+// For a block of many rows the widening is paid once per panel instead of once per four
+// rows: the panel is widened into a float32 tile [K, 16] (L1/L2-resident) and a float32
+// microkernel of six rows (12 accumulators, as panel_linear's) runs over it. Same sums in the
+// same order as the widening kernels above, so the bits do not depend on which path ran.
+inline void widen_tile(bool bf16, const uint16_t* w, int64_t K, float* tile) {
+  if (bf16) {
+    const int64_t P = (K + 1) / 2;
+    for (int64_t q = 0; q < P; ++q) {
+      const Bf16Pair p(w + q * 32);
+      _mm256_storeu_ps(tile + 2 * q * 16, p.lo0);
+      _mm256_storeu_ps(tile + 2 * q * 16 + 8, p.lo1);
+      if (2 * q + 1 < K) {
+        _mm256_storeu_ps(tile + (2 * q + 1) * 16, p.hi0);
+        _mm256_storeu_ps(tile + (2 * q + 1) * 16 + 8, p.hi1);
+      }
+    }
+    return;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    _mm256_storeu_ps(tile + k * 16, load8_f32(reinterpret_cast<const c10::Half*>(w + k * 16)));
+    _mm256_storeu_ps(tile + k * 16 + 8,
+                    load8_f32(reinterpret_cast<const c10::Half*>(w + k * 16 + 8)));
+  }
+}
+
+template <int MR, bool Accumulate>
+inline void tile_rows(const float* x, int64_t ldx, const float* t, int64_t k0, int64_t k1,
+                      float* y, int64_t N, const float* bias) {
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  c00 = c10 = c20 = c30 = c40 = c50 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  c01 = c11 = c21 = c31 = c41 = c51 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(t + k * 16), w1 = _mm256_loadu_ps(t + k * 16 + 8);
+    const float* xk = x + k;
+    TS_F16_ROW(0)
+    TS_F16_ROW(1)
+    TS_F16_ROW(2)
+    TS_F16_ROW(3)
+    TS_F16_ROW(4)
+    TS_F16_ROW(5)
+  }
+  TS_STORE(0)
+  TS_STORE(1)
+  TS_STORE(2)
+  TS_STORE(3)
+  TS_STORE(4)
+  TS_STORE(5)
+}
+
+template <int MR>
+inline void tile_halves(const float* x, int64_t K, int64_t h, const float* t, float* y,
+                        int64_t N, const float* bias) {
+  tile_rows<MR, false>(x, K, t, 0, h, y, N, bias);
+  tile_rows<MR, true>(x, K, t, h, K, y, N, nullptr);
+}
+
+// Rows [0, rows) (any number) of x against one panel through a widened tile.
+inline void rows_through_tile(bool bf16, int64_t rows, const float* x, int64_t K,
+                              const uint16_t* w, float* y, int64_t N, const float* bias,
+                              float* tile) {
+  widen_tile(bf16, w, K, tile);
+  const int64_t h = bf16 ? 2 * (((K + 1) / 2) / 2) : K / 2;
+  int64_t m = 0;
+  for (; m + 6 <= rows; m += 6) tile_halves<6>(x + m * K, K, h, tile, y + m * N, N, bias);
+  switch (rows - m) {
+    case 5: return tile_halves<5>(x + m * K, K, h, tile, y + m * N, N, bias);
+    case 4: return tile_halves<4>(x + m * K, K, h, tile, y + m * N, N, bias);
+    case 3: return tile_halves<3>(x + m * K, K, h, tile, y + m * N, N, bias);
+    case 2: return tile_halves<2>(x + m * K, K, h, tile, y + m * N, N, bias);
+    case 1: return tile_halves<1>(x + m * K, K, h, tile, y + m * N, N, bias);
+    default: return;
+  }
 }
 #endif
 
@@ -428,9 +506,21 @@ at::Tensor panel16_linear(const at::Tensor& x, const at::Tensor& wp,
     const int64_t rb = item / runs, run = item % runs;
     const int64_t m0 = rb * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
     const int64_t p1 = std::min(np, (run + 1) * per_item);
+#ifdef TS_AVX2
+    const bool tiled = !dot && m1 - m0 >= kTileMinRows && (bf16 || has_load8<c10::Half>());
+    thread_local std::vector<float> tile;
+    if (tiled && static_cast<int64_t>(tile.size()) < K * 16) tile.resize(K * 16);
+#endif
     for (int64_t p = run * per_item; p < p1; ++p) {
       const uint16_t* panel = w + p * panel_elems;
       const float* b = bp ? bp + p * 16 : nullptr;
+#ifdef TS_AVX2
+      if (tiled) {
+        rows_through_tile(bf16, m1 - m0, xp + m0 * K, K, panel, yp + m0 * N + p * 16, N, b,
+                          tile.data());
+        continue;
+      }
+#endif
       for (int64_t m = m0; m < m1; m += mr) {
         const int64_t rows = std::min(mr, m1 - m);
         float* yo = yp + m * N + p * 16;

@@ -13,9 +13,12 @@ plain module       swapped for          computes
 
 ``panel16_linear`` widens the weights in registers (AVX2 + F16C), or for bfloat16 on a CPU with
 AVX512-BF16 uses its native dot product on activations rounded to bfloat16
-(``TAILSERVE_CPU_BF16_DOT=0`` forces the widening). It serves prefill chunks too: at 512 rows
-the native path ran 1.9x oneDNN's float32 GEMM, the widening one at oneDNN's speed, without
-a float32 copy of the weights (benchmarks/RESULTS.md, "16-bit weights").
+(``TAILSERVE_CPU_BF16_DOT=0`` forces the widening). It serves prefill chunks too, without a
+float32 copy of the weights: one thread, 256 x 576 x 1536 on this Zen 5 host, the native path
+did 293 GFLOPS, oneDNN's float32 GEMM on a prepacked weight 66, the widening path (blocks of 8+
+rows widen each panel once into a float32 tile) 30, as fast as the float32 panel kernel
+(33); widening the whole weight per call and calling MKL was slower still (benchmarks/
+RESULTS.md, "16-bit storage").
 
 A tied LM head is the embedding table: ``share_tied_table`` makes the embedding read its rows
 from the head's panels, so the table is stored once.
