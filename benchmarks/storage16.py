@@ -10,7 +10,8 @@ loader dequantizes them, rounded to bfloat16), then served in-process by ``LLM``
 
 and measures single-stream decode TPOT (128-token prompt, 128 tokens), prompt tokens/s of a
 1,000-token prompt (its first token, one request), batched decode at long context (16
-sequences of ~1,900 tokens: attention reads dominate) and the engine's RSS after start-up.
+sequences of ~1,000 tokens: KV reads 0.74 GB a step in float32 against 0.54 GB of weights)
+and the engine's RSS after start-up.
 Best of ``--repeats``: the machine is shared.
 
     python benchmarks/storage16.py [--repeats 3] [--json out.json]
@@ -65,7 +66,7 @@ def measure(llm: LLM, repeats: int, long_context: bool) -> dict[str, float]:
     if long_context:
         step = []
         for r in range(max(1, repeats - 1)):
-            ts = timing(llm, [prompt_ids(1900, 200 + 16 * r + i) for i in range(16)], 32)
+            ts = timing(llm, [prompt_ids(1000, 200 + 16 * r + i) for i in range(16)], 16)
             step.append(max(t["decode_s"] / (t["output_tokens"] - 1) for t in ts) * 1e3)
         out["long16_tpot_ms"] = min(step)
     return out
@@ -79,7 +80,7 @@ RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
     "kv-bf16": ({"kv_cache_dtype": "bfloat16"}, True, True),
     "bf16-dot+kv-bf16": ({"model": "FOLDER", "kv_cache_dtype": "bfloat16"}, True, True),
 }
-COMMON: dict[str, Any] = {"kv_cache_memory": 2.0, "max_model_len": 2048}
+COMMON: dict[str, Any] = {"kv_cache_memory": 1.0, "max_model_len": 2048}
 
 
 def run_one(name: str, folder: str, repeats: int) -> dict[str, Any]:
@@ -106,6 +107,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: "
                     + ", ".join(RUNS))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations interleaved this many times (A B A B ...), "
+                    "keeping each figure's best: neighbours' load drifts over minutes")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's configuration
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -115,15 +119,24 @@ def main() -> None:
     from tiny_models import save_default_model_as_hf
 
     folder = save_default_model_as_hf(tempfile.mkdtemp(prefix="smol-bf16-"), torch.bfloat16)
-    results = {}
-    for name in args.runs.split(","):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--folder", folder,
-             "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(name, json.dumps({k: round(v, 2) if isinstance(v, float) else v
-                                for k, v in row.items()}), flush=True)
-        results[name] = row
+    results: dict[str, dict[str, Any]] = {}
+    for _ in range(args.rounds):
+        for name in args.runs.split(","):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--one", name, "--folder", folder,
+                 "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(name, json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                                    for k, v in row.items()}), flush=True)
+            best = results.setdefault(name, row)
+            for key, value in row.items():  # lower is better but for tokens/s
+                if key.endswith("_ms"):
+                    best[key] = min(best[key], value)
+                elif key.endswith("tok_s"):
+                    best[key] = max(best[key], value)
+    for name, row in results.items():
+        print("best", name, json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                                        for k, v in row.items()}), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
