@@ -14,11 +14,11 @@ plain module       swapped for          computes
 ``panel16_linear`` widens the weights in registers (AVX2 + F16C), or for bfloat16 on a CPU with
 AVX512-BF16 uses its native dot product on activations rounded to bfloat16
 (``TAILSERVE_CPU_BF16_DOT=0`` forces the widening). It serves prefill chunks too, without a
-float32 copy of the weights: one thread, 256 x 576 x 1536 on this Zen 5 host, the native path
-did 293 GFLOPS, oneDNN's float32 GEMM on a prepacked weight 66, the widening path (blocks of 8+
-rows widen each panel once into a float32 tile) 30, as fast as the float32 panel kernel
-(33); widening the whole weight per call and calling MKL was slower still (benchmarks/
-RESULTS.md, "16-bit storage").
+float32 copy of the weights: one thread, 256 x 576 x 1536 on a Zen 5 host, the native path
+did 303 GFLOPS, oneDNN's float32 GEMM on a prepacked weight 228, the widening path (blocks of
+8+ rows widen each panel once into a float32 tile) 119, as fast as the float32 panel kernel
+(121); widening the whole weight per call and calling MKL was slower still (benchmarks/
+RESULTS.md, "16-bit storage"; benchmarks/storage16_kernels.py).
 
 A tied LM head is the embedding table: ``share_tied_table`` makes the embedding read its rows
 from the head's panels, so the table is stored once.
