@@ -77,7 +77,12 @@ def test_max_model_len_default_and_limit() -> None:
 
 def test_num_kv_blocks_from_memory_dtype_and_override() -> None:
     assert cpu(kv_cache_memory=0.05).cache.num_kv_blocks == int(0.05 * (1 << 30)) // 8192
-    bf16 = EngineArgs(device="cpu", dtype="bfloat16", kv_cache_memory=0.05).resolve(MODEL, HOST)
+    # The pool follows kv_cache_dtype (auto: the activations', float32 on the CPU kernels
+    # whatever the weights are stored in).
+    bf16w = EngineArgs(device="cpu", dtype="bfloat16", kv_cache_memory=0.05).resolve(MODEL, HOST)
+    assert bf16w.cache.block_bytes == 8192
+    bf16 = EngineArgs(device="cpu", kv_cache_dtype="bfloat16", kv_cache_memory=0.05).resolve(
+        MODEL, HOST)
     assert bf16.cache.block_bytes == 4096
     assert bf16.cache.num_kv_blocks == int(0.05 * (1 << 30)) // 4096
     assert cpu(block_size=32).cache.block_bytes == 16384
@@ -93,11 +98,12 @@ def test_a_pool_too_small_for_one_sequence_fails_at_resolve() -> None:
 
 
 def test_cuda_pool_is_sized_by_the_measurement() -> None:
-    cpu_unsized = EngineArgs(device="cpu", dtype="float16").resolve_unsized(MODEL, HOST)
+    cpu_unsized = EngineArgs(device="cpu", dtype="float16", kv_cache_dtype="float16"
+                             ).resolve_unsized(MODEL, HOST)
     assert not cpu_unsized.needs_kv_measurement
-    unsized = dataclasses.replace(
-        cpu_unsized, runner=RunnerConfig(device="cuda", dtype="float16"), kv_cache_bytes=None,
-    )
+    cuda = RunnerConfig(device="cuda", dtype="float16", compute_dtype="float16",
+                        kv_cache_dtype="float16")
+    unsized = dataclasses.replace(cpu_unsized, runner=cuda, kv_cache_bytes=None)
     assert unsized.needs_kv_measurement
     with pytest.raises(ConfigError, match="profiling forward"):
         unsized.sized()

@@ -176,6 +176,7 @@ def test_sharded_tiny_llama_equals_its_state_dict(tmp_path: Path) -> None:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "rope_scaling": None,
+        "checkpoint_dtype": "float32",
     }
     assert (loaded.config.bos_token_id, loaded.config.eos_token_ids) == (1, (2,))
     tok = loaded.tokenizer
@@ -312,7 +313,10 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, qtype: Any) -> None:
     config = gguf_model_config(f)
     # GGUF stores the epsilon as float32.
     assert config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps, rel=1e-6)
-    config = dataclasses.replace(config, rms_norm_eps=hf.config.rms_norm_eps)
+    # A GGUF is dequantized to float32: no checkpoint dtype to keep.
+    assert config.checkpoint_dtype is None
+    config = dataclasses.replace(config, rms_norm_eps=hf.config.rms_norm_eps,
+                                 checkpoint_dtype=hf.config.checkpoint_dtype)
     assert _config_without_special_ids(config) == _config_without_special_ids(hf.config)
     assert config.eos_token_ids == (2, 0)
     weights = load_gguf_weights(f, config)

@@ -9,10 +9,13 @@ that transformers initializes to constants, so a parity test notices a dropped b
     path = build_tiny_llama(tmp_path / "llama")              # 2 layers, GQA 4:2, untied
     path = build_tiny_llama(tmp_path / "l3", rope_scaling={"rope_type": "llama3", ...})
     path = build_tiny_qwen2(tmp_path / "qwen2")              # q/k/v biases, untied
+    path = build_tiny_llama(tmp_path / "b", dtype=torch.bfloat16)  # stored in bfloat16
+    path = save_default_model_as_hf(tmp_path / "smol", torch.bfloat16)  # the bundled GGUF's
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -46,10 +49,11 @@ MAX_SHARD_SIZE = "4MB"
 
 def build_tiny_llama(path: str | os.PathLike[str], **overrides: Any) -> str:
     """A random ``LlamaForCausalLM``; ``overrides`` go to ``LlamaConfig`` (e.g. rope_scaling,
-    tie_word_embeddings, attention_bias, num_key_value_heads, seed=...)."""
+    tie_word_embeddings, attention_bias, num_key_value_heads, seed=..., dtype=...)."""
     seed = overrides.pop("seed", 0)
+    dtype = overrides.pop("dtype", torch.float32)
     config = LlamaConfig(**{**_base_config(), **TINY_SHAPE, **overrides})
-    return _build(path, LlamaForCausalLM, config, seed)
+    return _build(path, LlamaForCausalLM, config, seed, dtype)
 
 
 def build_tiny_qwen2(path: str | os.PathLike[str], **overrides: Any) -> str:
@@ -74,6 +78,7 @@ def _build(
     model_class: type[PreTrainedModel],
     config: PretrainedConfig,
     seed: int,
+    dtype: torch.dtype = torch.float32,
 ) -> str:
     folder = os.fspath(path)
     torch.manual_seed(seed)
@@ -86,6 +91,39 @@ def _build(
                 param.normal_(0.0, 0.1)
             else:
                 param.normal_(0.0, 0.05)
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
     load_gguf_tokenizer(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+def save_default_model_as_hf(path: str | os.PathLike[str], dtype: torch.dtype) -> str:
+    """The bundled SmolLM2 GGUF as a Hugging Face folder in ``dtype`` (its weights as the
+    loader dequantizes them, rounded to nearest even): the default model as a bf16 / fp16
+    checkpoint, for parity tests and the 16-bit weight benchmarks."""
+    from safetensors.torch import save_file
+
+    from tailserve.model.loader import load_model
+
+    loaded = load_model(None)
+    cfg = loaded.config
+    folder = os.fspath(path)
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in loaded.weights.items()},
+              os.path.join(folder, "model.safetensors"))
+    config = {
+        "architectures": [cfg.architecture], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids), "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=1)
+    loaded.tokenizer.save_pretrained(folder)
     return folder

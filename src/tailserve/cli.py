@@ -309,8 +309,9 @@ def _add_plan(sub: Any) -> None:
                    "--max-model-len)")
     p.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default="auto",
                    help="weights as served (auto: bfloat16)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="KV cache (auto: --dtype, 16-bit for integer weights)")
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPES,
+                   default="auto", help="KV cache, as serve's --kv-cache-dtype (auto: --dtype, "
+                   "16-bit for integer weights)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--memory-bandwidth", type=float, default=None, metavar="GB/s",

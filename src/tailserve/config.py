@@ -11,7 +11,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
-from tailserve.platforms import DeviceType, Platform, ServingDtype, resolve_device, resolve_dtype
+from tailserve.platforms import (
+    DeviceType,
+    Platform,
+    ServingDtype,
+    compute_dtype,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from tailserve.request import RequestLimits
 
 SUPPORTED_ARCHITECTURES = (
@@ -52,6 +60,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The dtype the checkpoint stores its weights in (config.json's torch_dtype); None where
+    # the loader produces float32 (GGUF). ``dtype=auto`` keeps a 16-bit one on CPU.
+    checkpoint_dtype: str | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -98,6 +109,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
 
 
@@ -109,7 +121,14 @@ class EngineArgs:
         default=None, metadata={"help": "HF folder or .gguf file; default: bundled SmolLM2-135M"}
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
-        default="auto", metadata={"help": "auto: bfloat16 where the device does it well"}
+        default="auto", metadata={"help": "the dtype weights are stored in (CPU kernels compute "
+                                  "in float32 whatever it is); auto: a 16-bit checkpoint's own "
+                                  "on CPU, bfloat16 on GPUs that have it"}
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto", metadata={"help": "the dtype of the KV cache; auto: the activations' "
+                                  "dtype; a 16-bit cache holds twice the tokens and halves "
+                                  "what attention reads"}
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = field(
@@ -287,7 +306,7 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) exceeds the model's context length "
                 f"({model.max_position_embeddings})"
             )
-        runner = self._resolve_runner(platform)
+        runner = self._resolve_runner(platform, model.checkpoint_dtype)
         budget = self.max_num_batched_tokens
         if budget is None:
             # The default must hold every running decode, and whole prompts when not chunking.
@@ -326,7 +345,7 @@ class EngineArgs:
             scheduler=scheduler,
             observability=observability,
             block_size=self.block_size,
-            block_bytes=kv_block_bytes(model, self.block_size, runner.dtype),
+            block_bytes=kv_block_bytes(model, self.block_size, runner.kv_cache_dtype),
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
             num_kv_blocks=self.num_kv_blocks,
@@ -335,11 +354,15 @@ class EngineArgs:
             kv_events=kv_events,
         )
 
-    def _resolve_runner(self, platform: Platform) -> RunnerConfig:
+    def _resolve_runner(self, platform: Platform, checkpoint_dtype: str | None) -> RunnerConfig:
         device = resolve_device(self.device, platform)
+        weights = resolve_dtype(self.dtype, device, platform, checkpoint_dtype)
+        compute = compute_dtype(weights, device, platform)
         return RunnerConfig(
             device=device,
-            dtype=resolve_dtype(self.dtype, device, platform),
+            dtype=weights,
+            compute_dtype=compute,
+            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, compute),
             seed=self.seed,
             enforce_eager=self.enforce_eager,
         )
@@ -356,10 +379,18 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How the model runner runs: device and dtype resolved from ``auto`` to what is used."""
+    """How the model runner runs: device and dtypes resolved from ``auto`` to what is used.
+
+    Three dtypes, each for what it stores: ``dtype`` the weights of the matmuls and the
+    embedding table (the ``dtype`` argument), ``compute_dtype`` the activations (and norms,
+    biases), ``kv_cache_dtype`` the KV pool. On CPU with the compiled kernels compute is
+    float32 and 16-bit weights are widened in registers; elsewhere the first two are equal.
+    """
 
     device: DeviceType
-    dtype: ServingDtype  # weights, activations and the KV cache
+    dtype: ServingDtype  # weights as stored
+    compute_dtype: ServingDtype = "float32"
+    kv_cache_dtype: ServingDtype = "float32"
     seed: int = 0  # the sampler's generator for requests without their own seed
     enforce_eager: bool = False
 
@@ -371,7 +402,7 @@ class CacheConfig:
 
     block_size: int
     num_kv_blocks: int
-    block_bytes: int  # one block, all layers, K and V, in RunnerConfig.dtype
+    block_bytes: int  # one block, all layers, K and V, in RunnerConfig.kv_cache_dtype
     watermark: float = 0.05
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False  # the block pool records what it caches and evicts

@@ -63,6 +63,12 @@ TAILSERVE_KERNEL_SPIN_US: EnvSwitch[int] = EnvSwitch(
     "microseconds the CPU kernels' workers spin after a job before sleeping (0: never spin)",
     read_by="kernels/csrc/work_pool.cpp",
 )
+TAILSERVE_CPU_BF16_DOT: EnvSwitch[bool] = EnvSwitch(
+    "TAILSERVE_CPU_BF16_DOT", True, _flag,
+    "0/false/no/off: bfloat16 weights are widened to float32 in registers even on a CPU with "
+    "AVX512-BF16 (default: its vdpbf16ps dot product, on activations rounded to bfloat16)",
+    read_by="kernels/csrc/linear16.cpp",
+)
 CUDA_VISIBLE_DEVICES: EnvSwitch[str | None] = EnvSwitch(
     "CUDA_VISIBLE_DEVICES", None, str,
     "CUDA's device renumbering; the memory monitor maps torch's index to NVML's through it",
@@ -85,6 +91,7 @@ TRITON_INTERPRET: EnvSwitch[bool] = EnvSwitch(
 
 SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
-    TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, CUDA_VISIBLE_DEVICES,
+    TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_CPU_BF16_DOT,
+    CUDA_VISIBLE_DEVICES,
     TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SWEEP, TRITON_INTERPRET,
 )

@@ -37,19 +37,46 @@ def resolve_device(device: str, platform: Platform) -> DeviceType:
     return "cuda" if device == "cuda" else "cpu"
 
 
-def resolve_dtype(dtype: str, device: DeviceType, platform: Platform) -> ServingDtype:
-    """``auto``: on CUDA bfloat16 where supported, else float16. On CPU float32 whenever the
-    compiled CPU kernels are there: they compute in float32 and are the fast path (SmolLM2-135M
-    on a 2-core AVX512-BF16 host, single stream: 11.0 ms/token in float32 with the kernels,
-    25.3 ms in bfloat16 through torch's own ops; benchmarks/RESULTS.md). Without the kernels,
-    bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32 (bf16 matmuls
-    are emulated on AVX2-only CPUs and slower than float32)."""
-    if dtype in ("float32", "bfloat16", "float16"):
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(
+    dtype: str, device: DeviceType, platform: Platform, checkpoint_dtype: str | None = None
+) -> ServingDtype:
+    """The dtype the weights are stored in (``dtype``).
+
+    ``auto``: on CUDA bfloat16 where supported, else float16. On CPU with the compiled kernels,
+    the checkpoint's own dtype when it is 16-bit (they read bf16 / fp16 weights as stored and
+    compute in float32, see ``compute_dtype``), else float32: the kernels are the fast path
+    (SmolLM2-135M on a 2-core AVX512-BF16 host, single stream: 11.0 ms/token in float32 with
+    the kernels, 25.3 ms in bfloat16 through torch's own ops; benchmarks/RESULTS.md). Without
+    the kernels, bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32
+    (bf16 matmuls are emulated on AVX2-only CPUs and slower than float32)."""
+    if dtype in _DTYPES:
         return typing.cast(ServingDtype, dtype)
     if dtype != "auto":
         raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     if device == "cuda":
         return "bfloat16" if platform.cuda_bf16 else "float16"
-    if platform.cpu_kernels or not platform.cpu_bf16_native:
-        return "float32"
-    return "bfloat16"
+    if platform.cpu_kernels:
+        return "bfloat16" if checkpoint_dtype == "bfloat16" else (
+            "float16" if checkpoint_dtype == "float16" else "float32")
+    return "float32" if not platform.cpu_bf16_native else "bfloat16"
+
+
+def compute_dtype(weight_dtype: ServingDtype, device: DeviceType, platform: Platform
+                  ) -> ServingDtype:
+    """The dtype activations are computed in: float32 on CPU with the compiled kernels (they
+    widen 16-bit weights in registers), else the weights' own dtype (torch's ops)."""
+    return "float32" if device == "cpu" and platform.cpu_kernels else weight_dtype
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, compute: ServingDtype) -> ServingDtype:
+    """``auto``: the activations' dtype; bfloat16 / float16 halve what attention reads (the
+    CPU kernels widen them in registers, writes round to nearest even)."""
+    if kv_cache_dtype == "auto":
+        return compute
+    if kv_cache_dtype not in _DTYPES:
+        raise ConfigError("kv_cache_dtype must be auto, float32, bfloat16 or float16, got "
+                          f"{kv_cache_dtype!r}")
+    return typing.cast(ServingDtype, kv_cache_dtype)

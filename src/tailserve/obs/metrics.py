@@ -124,6 +124,9 @@ class ServerMetrics:
                   CACHE_CONFIG_LABELS, registry=self.registry)
             if enable_vllm_metrics else None
         )
+        self.dtype_info = gauge(
+            "dtype_info", "The dtypes the engine stores weights and the KV cache in and computes "
+            "activations in (labels; value 1).", ("weight_dtype", "compute_dtype", "cache_dtype"))
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV cache blocks.")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
         self.device_memory_used_bytes = gauge(
@@ -283,7 +286,7 @@ class ServerMetrics:
         cache_dtype: str,
     ) -> None:
         """The resolved pool, once at start-up (plain values: obs/ sits below config).
-        ``cache_dtype`` is the runner's dtype, which the KV cache is stored in; vLLM spells the
+        ``cache_dtype`` is the dtype the KV cache is stored in; vLLM spells the
         labels as Python ``str()`` of its values, so ``"True"``, not ``"true"``."""
         if self.cache_config_info is None:
             return
@@ -293,6 +296,11 @@ class ServerMetrics:
             enable_prefix_caching=str(enable_prefix_caching),
             cache_dtype=cache_dtype,
         ).set(1)
+
+    def on_dtypes(self, *, weight_dtype: str, compute_dtype: str, cache_dtype: str) -> None:
+        """The resolved dtypes (``RunnerConfig``), once at start-up."""
+        self.dtype_info.labels(weight_dtype=weight_dtype, compute_dtype=compute_dtype,
+                               cache_dtype=cache_dtype).set(1)
 
     def on_engine_state(self, state: EngineState) -> None:
         self._device = state.device

@@ -92,8 +92,11 @@ class ServerContext:
         metrics.on_cache_config(
             block_size=cache.block_size, num_kv_blocks=cache.num_kv_blocks,
             enable_prefix_caching=cache.enable_prefix_caching,
-            cache_dtype=self.config.runner.dtype,
+            cache_dtype=self.config.runner.kv_cache_dtype,
         )
+        run = self.config.runner
+        metrics.on_dtypes(weight_dtype=run.dtype, compute_dtype=run.compute_dtype,
+                          cache_dtype=run.kv_cache_dtype)
         if client.state is None:
             metrics.on_ready(cache.num_kv_blocks)
         else:

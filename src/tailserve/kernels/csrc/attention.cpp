@@ -15,6 +15,7 @@
 
 #include "cpu_ops.h"
 #include "simd.h"
+#include "simd16.h"
 #include "work_pool.h"
 
 namespace tailserve_cpu {
@@ -62,9 +63,10 @@ struct PagedRows {
   }
 };
 
-// Generic path (any dtype, any head_dim): scores, softmax, weighted sum of V.
-template <typename T>
-void decode_one_generic(const T* qp, int64_t q_s1, T* op, int64_t o_s1, const T* kp,
+// Generic path (any dtype, any head_dim): scores, softmax, weighted sum of V. TQ: q and out;
+// TKV: the pool (a 16-bit pool is widened as it is read).
+template <typename TQ, typename T>
+void decode_one_generic(const TQ* qp, int64_t q_s1, TQ* op, int64_t o_s1, const T* kp,
                         const T* vp, const PagedRows& rows, int64_t len, int64_t group,
                         int64_t head_dim, float scale) {
   std::vector<float> buf(group * (len + 2 * head_dim));
@@ -88,12 +90,13 @@ void decode_one_generic(const T* qp, int64_t q_s1, T* op, int64_t o_s1, const T*
       sum += row[t];
     }
     for (int64_t t = 0; t < len; ++t) axpy<T>(acc + h * head_dim, row[t] / sum, rows.row(vp, t), head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) op[h * o_s1 + d] = static_cast<T>(acc[h * head_dim + d]);
+    for (int64_t d = 0; d < head_dim; ++d) op[h * o_s1 + d] = static_cast<TQ>(acc[h * head_dim + d]);
   }
 }
 
 #ifdef TS_AVX2
-// float32, head_dim = 8 * NV, KV heads [g0, g0 + num_g) of one sequence (their query heads
+// q and out float32, the pool float32 or 16-bit (TKV, widened in registers by load8_f32),
+// head_dim = 8 * NV, KV heads [g0, g0 + num_g) of one sequence (their query heads
 // are num_g * group consecutive heads of q). One pass over the context with an online softmax,
 // eight tokens of one block at a time: the chunk's K rows give the scores of every query head
 // of their group, the running max and sum are updated, then its V rows are added in while
@@ -112,12 +115,13 @@ constexpr int64_t kPrefetchTokens = 16;
 constexpr int64_t kFarTokens = 48;
 
 // K and V row pointers of tokens [t, t + count), one table lookup per block they fall in.
-inline void chunk_rows(const PagedRows& rows, const float* kp, const float* vp, int64_t t,
-                       int64_t count, const float** pk, const float** pv) {
+template <typename TKV>
+inline void chunk_rows(const PagedRows& rows, const TKV* kp, const TKV* vp, int64_t t,
+                       int64_t count, const TKV** pk, const TKV** pv) {
   for (int64_t j = 0; j < count;) {
     const int64_t stop = std::min(count, j + rows.block_size - (t + j) % rows.block_size);
-    const float* kb = rows.row(kp, t + j);
-    const float* vb = rows.row(vp, t + j);
+    const TKV* kb = rows.row(kp, t + j);
+    const TKV* vb = rows.row(vp, t + j);
     for (int64_t i = 0; j < stop; ++j, ++i) {
       pk[j] = kb + i * rows.tok_stride;
       pv[j] = vb + i * rows.tok_stride;
@@ -125,20 +129,20 @@ inline void chunk_rows(const PagedRows& rows, const float* kp, const float* vp, 
   }
 }
 
-// Prefetch `floats` floats from p: Hint _MM_HINT_T0 into L1, _MM_HINT_T1 into L2.
+// Prefetch `bytes` bytes from p: Hint _MM_HINT_T0 into L1, _MM_HINT_T1 into L2.
 template <int Hint>
-inline void prefetch_span(const float* p, int64_t floats) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < floats * 4; b += 64) _mm_prefetch(c + b, static_cast<_mm_hint>(Hint));
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, static_cast<_mm_hint>(Hint));
 }
 
-template <int NV>
-void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const float* kp,
-                       const float* vp, const PagedRows& rows, int64_t len, int64_t num_g,
+template <int NV, typename TKV>
+void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const TKV* kp,
+                       const TKV* vp, const PagedRows& rows, int64_t len, int64_t num_g,
                        int64_t group, float scale) {
   constexpr int64_t D = 8 * NV;
   const int64_t heads = num_g * group;
-  const int64_t span = num_g * D;  // floats of one token this item reads, K or V
+  const int64_t span = num_g * D * int64_t(sizeof(TKV));  // bytes of one token this item reads, K or V
   alignas(32) float qs[kMaxItemHeads * D];
   alignas(32) float acc[kMaxItemHeads * D];
   alignas(32) float p[kMaxItemHeads][8];
@@ -155,15 +159,15 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
   std::fill(acc, acc + heads * D, 0.f);
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const float* pk[8];  // rows kPrefetchTokens ahead
-  const float* pv[8];
-  const float* fk[8];  // rows kFarTokens ahead
-  const float* fv[8];
+  const TKV* pk[8];  // rows kPrefetchTokens ahead
+  const TKV* pv[8];
+  const TKV* fk[8];  // rows kFarTokens ahead
+  const TKV* fv[8];
   for (int64_t t0 = 0; t0 < len;) {
     // A chunk never crosses a block: its rows are tok_stride apart.
     const int64_t n = std::min<int64_t>({8, rows.block_size - t0 % rows.block_size, len - t0});
-    const float* k0 = rows.row(kp, t0);
-    const float* v0 = rows.row(vp, t0);
+    const TKV* k0 = rows.row(kp, t0);
+    const TKV* v0 = rows.row(vp, t0);
     const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kPrefetchTokens));
     const int64_t far = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kFarTokens));
     chunk_rows(rows, kp, vp, t0 + kPrefetchTokens, ahead, pk, pv);
@@ -175,14 +179,14 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
         prefetch_span<_MM_HINT_T1>(fk[j], span);
         prefetch_span<_MM_HINT_T1>(fv[j], span);
       }
-      const float* kr = k0 + std::min(j, n - 1) * rows.tok_stride;  // lanes >= n are masked
+      const TKV* kr = k0 + std::min(j, n - 1) * rows.tok_stride;  // lanes >= n are masked
       for (int64_t g = 0; g < num_g; ++g) {
-        const float* k = kr + g * D;
+        const TKV* k = kr + g * D;
         for (int64_t hg = 0; hg < group; ++hg) {
           const int64_t h = g * group + hg;
           const float* qh = qs + h * D;
-          __m256 a = _mm256_mul_ps(_mm256_load_ps(qh), _mm256_loadu_ps(k));
-          for (int v = 1; v < NV; ++v) a = _mm256_fmadd_ps(_mm256_load_ps(qh + 8 * v), _mm256_loadu_ps(k + 8 * v), a);
+          __m256 a = _mm256_mul_ps(_mm256_load_ps(qh), load8_f32(k));
+          for (int v = 1; v < NV; ++v) a = _mm256_fmadd_ps(_mm256_load_ps(qh + 8 * v), load8_f32(k + 8 * v), a);
           part[h][j] = a;
         }
       }
@@ -214,14 +218,14 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
       for (int64_t j = h * 8 / heads; j < (h + 1) * 8 / heads; ++j) {
         if (j < ahead) prefetch_span<_MM_HINT_T0>(pv[j], span);
       }
-      const float* vr = v0 + (h / group) * D;
+      const TKV* vr = v0 + (h / group) * D;
       float* a = acc + h * D;
       __m256 av[NV];
       for (int v = 0; v < NV; ++v) av[v] = _mm256_load_ps(a + 8 * v);
       for (int64_t j = 0; j < n; ++j) {
         const __m256 w = _mm256_set1_ps(p[h][j]);
-        const float* r = vr + j * rows.tok_stride;
-        for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * v), av[v]);
+        const TKV* r = vr + j * rows.tok_stride;
+        for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(w, load8_f32(r + 8 * v), av[v]);
       }
       for (int v = 0; v < NV; ++v) _mm256_store_ps(a + 8 * v, av[v]);
     }
@@ -236,7 +240,7 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
 }
 #endif
 
-template <typename T>
+template <typename TQ, typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale) {
@@ -251,8 +255,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t blk_stride = block_size * tok_stride;
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
+  TQ* op = out.data_ptr<TQ>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
@@ -273,23 +277,23 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     const int64_t g = (item % (num_kv_heads / per_item)) * per_item;
     const int64_t len = lens[s];
     const PagedRows rows{bt + s * bt_s0, block_size, blk_stride, tok_stride, g * head_dim};
-    const T* qs = qp + s * q_s0 + g * group * q_s1;
-    T* os = op + s * o_s0 + g * group * o_s1;
+    const TQ* qs = qp + s * q_s0 + g * group * q_s1;
+    TQ* os = op + s * o_s0 + g * group * o_s1;
 #ifdef TS_AVX2
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<TQ, float> && has_load8<T>()) {
       if (per_item * group <= kMaxItemHeads && head_dim == 64) {
-        decode_heads_avx2<8>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        decode_heads_avx2<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
         return;
       }
       if (per_item * group <= kMaxItemHeads && head_dim == 128) {
-        decode_heads_avx2<16>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        decode_heads_avx2<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
         return;
       }
     }
 #endif
     for (int64_t gi = 0; gi < per_item; ++gi) {
       const PagedRows rg{rows.table, block_size, blk_stride, tok_stride, (g + gi) * head_dim};
-      decode_one_generic<T>(qs + gi * group * q_s1, q_s1, os + gi * group * o_s1, o_s1, kp, vp,
+      decode_one_generic<TQ, T>(qs + gi * group * q_s1, q_s1, os + gi * group * o_s1, o_s1, kp, vp,
                             rg, len, group, head_dim, fscale);
     }
   });
@@ -297,6 +301,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 // out [n, H, D] (last dim contiguous) = attention of q [n, H, D] over each sequence's first
 // seq_lens[i] cached tokens. kv_cache: [2, num_blocks, block_size, H_kv, D], contiguous.
+// dtypes: q, out and kv_cache alike, or q and out float32 over a bfloat16 / float16 pool
+// (widened as it is read: half the bytes of a float32 pool).
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale) {
@@ -304,8 +310,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [n, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, out and kv_cache must share a dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || q.scalar_type() == at::kFloat,
+              "paged_decode_attention: q is ", q.scalar_type(), " over a ",
+              kv_cache.scalar_type(), " kv_cache (want the same dtype, or float32 q)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
   TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
@@ -313,18 +321,31 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(block_tables.size(0) >= q.size(0), "block_tables has too few rows");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
   const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
-  switch (q.scalar_type()) {
+  const bool fq = q.scalar_type() == at::kFloat;
+  switch (kv_cache.scalar_type()) {
     case at::kFloat:
-      decode_attention_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+      decode_attention_impl<float, float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
       break;
     case at::kBFloat16:
-      decode_attention_impl<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+      if (fq) {
+        decode_attention_impl<float, c10::BFloat16>(out, q, k_cache, v_cache, block_tables,
+                                                    seq_lens, scale);
+      } else {
+        decode_attention_impl<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache,
+                                                            block_tables, seq_lens, scale);
+      }
       break;
     case at::kHalf:
-      decode_attention_impl<c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+      if (fq) {
+        decode_attention_impl<float, c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                scale);
+      } else {
+        decode_attention_impl<c10::Half, c10::Half>(out, q, k_cache, v_cache, block_tables,
+                                                    seq_lens, scale);
+      }
       break;
     default:
-      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
+      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", kv_cache.scalar_type());
   }
 }
 

@@ -12,6 +12,8 @@ TORCH_LIBRARY(tailserve, m) {
   m.def("set_kernel_spin_us(int us) -> ()");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("panel16_linear(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("set_bf16_dot(bool enabled) -> bool");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -24,12 +26,14 @@ TORCH_LIBRARY(tailserve, m) {
 // No tensor arguments: registered for every backend.
 TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
   m.impl("set_kernel_spin_us", &tailserve_cpu::set_kernel_spin_us);
+  m.impl("set_bf16_dot", &tailserve_cpu::set_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
   m.impl("paged_decode_attention", &tailserve_cpu::paged_decode_attention);
   m.impl("skinny_linear", &tailserve_cpu::skinny_linear);
   m.impl("panel_linear", &tailserve_cpu::panel_linear);
+  m.impl("panel16_linear", &tailserve_cpu::panel16_linear);
   m.impl("rms_norm", &tailserve_cpu::rms_norm);
   m.impl("fused_add_rms_norm", &tailserve_cpu::fused_add_rms_norm);
   m.impl("silu_and_mul", &tailserve_cpu::silu_and_mul);

@@ -5,6 +5,7 @@
 //                                            K/V blocks, read in place
 //   panel_linear            linear.cpp       decode batches (1-128 rows) on a panel copy of W
 //   skinny_linear           linear.cpp       a few rows on W as stored (no panel copy)
+//   panel16_linear          linear16.cpp     any rows on 16-bit (bf16 / fp16) weight panels
 //   rms_norm, fused_add_rms_norm, silu_and_mul, rope_
 //                           elementwise.cpp  one pass each instead of several torch ops
 //   decode_layers           decode_layers.cpp  every decoder layer of a decode-only step
@@ -28,6 +29,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp,
                         const c10::optional<at::Tensor>& bias);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
                          const c10::optional<at::Tensor>& bias);
+at::Tensor panel16_linear(const at::Tensor& x, const at::Tensor& wp,
+                          const c10::optional<at::Tensor>& bias);
+// panel_linear for float32 panels, panel16_linear for 16-bit ones (decode_layers' products).
+at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& wp,
+                         const c10::optional<at::Tensor>& bias);
+// Whether bfloat16 panels may use vdpbf16ps; returns whether they now do (the CPU has it).
+bool set_bf16_dot(bool enabled);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);

@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "cpu_ops.h"
+#include "simd16.h"
 
 namespace tailserve_cpu {
 namespace {
@@ -22,19 +23,30 @@ namespace {
 // Per layer, in this order: input norm weight, qkv panels, qkv bias (empty when the model has
 // none), o panels, post-attention norm weight, gate_up panels, down panels
 // (DecodeLayerWeights.op_args in model/cpu_decode.py).
+// Panels are float32 or 16-bit (decode_linear picks the kernel by their dtype).
 constexpr int64_t kWeightsPerLayer = 7;
 
-// K and V of this step's tokens into their slots: qkv rows are [q | k | v].
-void write_kv(const at::Tensor& kv_cache, const at::Tensor& qkv, int64_t q_size, int64_t kv_size,
-              const int64_t* slots) {
-  float* k_pool = kv_cache.data_ptr<float>();
-  float* v_pool = k_pool + kv_cache.size(1) * kv_cache.size(2) * kv_size;
+// K and V of this step's tokens into their slots: qkv rows are [q | k | v]. A 16-bit pool
+// (T) gets them rounded to nearest even, the bits the module forward's .to() writes.
+template <typename T>
+void write_kv_as(const at::Tensor& kv_cache, const at::Tensor& qkv, int64_t q_size,
+                 int64_t kv_size, const int64_t* slots) {
+  T* k_pool = kv_cache.data_ptr<T>();
+  T* v_pool = k_pool + kv_cache.size(1) * kv_cache.size(2) * kv_size;
   const float* src = qkv.data_ptr<float>();
   const int64_t row = qkv.size(1);
   for (int64_t t = 0; t < qkv.size(0); ++t) {
-    std::memcpy(k_pool + slots[t] * kv_size, src + t * row + q_size, kv_size * sizeof(float));
-    std::memcpy(v_pool + slots[t] * kv_size, src + t * row + q_size + kv_size,
-                kv_size * sizeof(float));
+    store_from_f32(k_pool + slots[t] * kv_size, src + t * row + q_size, kv_size);
+    store_from_f32(v_pool + slots[t] * kv_size, src + t * row + q_size + kv_size, kv_size);
+  }
+}
+
+void write_kv(const at::Tensor& kv_cache, const at::Tensor& qkv, int64_t q_size, int64_t kv_size,
+              const int64_t* slots) {
+  switch (kv_cache.scalar_type()) {
+    case at::kBFloat16: return write_kv_as<c10::BFloat16>(kv_cache, qkv, q_size, kv_size, slots);
+    case at::kHalf: return write_kv_as<c10::Half>(kv_cache, qkv, q_size, kv_size, slots);
+    default: return write_kv_as<float>(kv_cache, qkv, q_size, kv_size, slots);
   }
 }
 
@@ -58,8 +70,11 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
   const at::Tensor& pool0 = kv_caches[0];
   TORCH_CHECK(pool0.dim() == 5 && pool0.size(0) == 2, "decode_layers: kv cache must be 5-D");
   for (const at::Tensor& pool : kv_caches) {
+    const auto dt = pool.scalar_type();
     TORCH_CHECK(pool.sizes() == pool0.sizes() && pool.is_contiguous() &&
-                    pool.scalar_type() == at::kFloat, "decode_layers: kv caches must be float32, "
+                    dt == pool0.scalar_type() &&
+                    (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
+                "decode_layers: kv caches must be float32, bfloat16 or float16, of one dtype, "
                 "contiguous and of one shape");
   }
   const int64_t T = embeds.size(0);
@@ -92,16 +107,16 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
     }
     const std::optional<at::Tensor> qkv_bias =
         w[2].numel() ? std::optional<at::Tensor>(w[2]) : std::nullopt;
-    at::Tensor qkv = panel_linear(h, w[1], qkv_bias);  // [T, q_size + 2 * kv_size]
+    at::Tensor qkv = decode_linear(h, w[1], qkv_bias);  // [T, q_size + 2 * kv_size]
     rope_(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim}), cos,
           sin);
     write_kv(kv_caches[l], qkv, q_size, kv_size, slots);
     at::Tensor attn = at::empty({T, num_heads, head_dim}, x.options());
     paged_decode_attention(attn, qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim}),
                            kv_caches[l], block_tables, seq_lens, scale);
-    h = panel_linear(attn.view({T, q_size}), w[3], std::nullopt);
+    h = decode_linear(attn.view({T, q_size}), w[3], std::nullopt);
     fused_add_rms_norm(h, residual, w[4], eps);
-    x = panel_linear(silu_and_mul(panel_linear(h, w[5], std::nullopt)), w[6], std::nullopt);
+    x = decode_linear(silu_and_mul(decode_linear(h, w[5], std::nullopt)), w[6], std::nullopt);
   }
   fused_add_rms_norm(x, residual, final_norm, eps);
   return x;

@@ -35,6 +35,7 @@ class _Group:
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._workspace = torch.empty(0)
+        self._wide = torch.empty(0)  # a 16-bit cache's gathered K/V, widened (same reuse)
         self._groups: list[_Group] = []
 
     def begin_step(self, meta: AttentionMetadata) -> None:
@@ -51,9 +52,10 @@ class TorchAttentionBackend(AttentionBackend):
             self._groups.append(_Group(start, end, num_blocks, index, mask[:, None, None, :]))
 
     def _gather(
-        self, kv_cache: torch.Tensor, block_index: torch.Tensor
+        self, kv_cache: torch.Tensor, block_index: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``block_index`` into the workspace: each [len(index) * block_size, H, D]."""
+        """K and V of ``block_index`` into the workspace: each [len(index) * block_size, H, D],
+        in ``dtype`` (the queries'; a 16-bit cache is widened into a second workspace)."""
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         n = block_index.numel()
         need = 2 * n * block_size * num_kv_heads * head_dim
@@ -63,6 +65,11 @@ class TorchAttentionBackend(AttentionBackend):
         buf = ws[:need].view(2, n, block_size, num_kv_heads, head_dim)
         torch.index_select(kv_cache[0], 0, block_index, out=buf[0])
         torch.index_select(kv_cache[1], 0, block_index, out=buf[1])
+        if dtype != kv_cache.dtype:
+            wide = self._wide
+            if wide.numel() < need or wide.dtype != dtype or wide.device != kv_cache.device:
+                self._wide = wide = torch.empty(need, dtype=dtype, device=kv_cache.device)
+            buf = wide[:need].view(buf.shape).copy_(buf)
         flat = (n * block_size, num_kv_heads, head_dim)
         return buf[0].view(flat), buf[1].view(flat)
 
@@ -77,8 +84,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
         v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        # A 16-bit cache under float32 activations: stored rounded to nearest even (the bits
+        # the C++ decode step writes too), read back widened.
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
@@ -101,7 +110,7 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, group: _Group
     ) -> torch.Tensor:
         n = group.end - group.start
-        keys, values = self._gather(kv_cache, group.block_index)
+        keys, values = self._gather(kv_cache, group.block_index, q.dtype)
         # [n * L, H_kv, D] -> [n, H_kv, L, D] as a strided view
         shape = (n, -1, keys.shape[1], keys.shape[2])
         out = F.scaled_dot_product_attention(
@@ -131,7 +140,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = None
         else:
             table = meta.block_tables[i, : -(-ctx // meta.block_size)]
-            keys, values = self._gather(kv_cache, table)
+            keys, values = self._gather(kv_cache, table, q.dtype)
             keys, values = keys[:ctx], values[:ctx]
             # Query j sits at position ctx - n + j and sees keys 0 .. ctx - n + j.
             qpos = torch.arange(ctx - n, ctx, device=q.device)

@@ -14,6 +14,7 @@ from tailserve.model.transforms.cpu_kernels import (
     apply_cpu_kernels,
 )
 from tailserve.model.transforms.kernel_linear import KernelLinear
+from tailserve.model.transforms.linear16 import Linear16, WideEmbedding
 from tailserve.model.transforms.report import TransformReport
 
 __all__ = [
@@ -21,6 +22,8 @@ __all__ = [
     "FusedRMSNorm",
     "FusedSiluAndMul",
     "KernelLinear",
+    "Linear16",
     "TransformReport",
+    "WideEmbedding",
     "apply_cpu_kernels",
 ]

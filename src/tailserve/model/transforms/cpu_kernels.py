@@ -9,6 +9,9 @@ plain module       swapped for          computes, in one op each
 ``ApplyRope``      ``FusedApplyRope``   rotate-half rope on q and k, in place
 =================  ==================  ==============================================
 
+A model that stores its weights in 16 bits (``RunnerConfig.dtype``) and computes in float32
+gets ``Linear16`` and ``WideEmbedding`` for those (``linear16.py``).
+
 The fused forms need the compiled ``torch.ops.tailserve`` ops (``compiled``); ``KernelLinear``
 is applied without them too where torch has oneDNN (its blocked GEMM and a weight reordered
 once beat ``F.linear`` for every row count). Only exact types are swapped: a subclass may
@@ -27,6 +30,13 @@ from torch import nn
 
 from tailserve.model.layers import ApplyRope, RMSNorm, SiluAndMul
 from tailserve.model.transforms.kernel_linear import KernelLinear
+from tailserve.model.transforms.linear16 import (
+    HALF_DTYPES,
+    Linear16,
+    WideEmbedding,
+    computes_in_float32,
+    share_tied_table,
+)
 from tailserve.model.transforms.report import TransformReport
 
 log = logging.getLogger(__name__)
@@ -80,10 +90,11 @@ def apply_cpu_kernels(model: nn.Module, *, compiled: bool) -> TransformReport:
     """Swap a float32 CPU model's modules for their faster forms, in place; what it did.
 
     ``compiled``: the ``torch.ops.tailserve`` ops are built (``cpu_ops_available()``). Another
-    dtype or device is left as it is (empty report): the kernels are float32 CPU only.
+    compute dtype or device is left as it is (empty report): the kernels compute in float32 on
+    CPU (their weights may be 16-bit).
     """
     first = next(model.parameters(), None)
-    if first is None or first.device.type != "cpu" or first.dtype != torch.float32:
+    if first is None or first.device.type != "cpu" or not computes_in_float32(model):
         return TransformReport()
     # Parameters owned by more than one module (a tied LM head is the embedding table).
     owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -100,8 +111,9 @@ def apply_cpu_kernels(model: nn.Module, *, compiled: bool) -> TransformReport:
             continue
         swapped[type(getattr(parent, child)).__name__] += 1
         setattr(parent, child, new)
-        if isinstance(new, KernelLinear):
+        if isinstance(new, KernelLinear | Linear16):
             added += new.bytes_added
+    added -= share_tied_table(model)
     report = TransformReport(bytes_added=added, swapped=dict(swapped))
     log.debug("CPU kernels applied: %s", report)
     return report
@@ -112,6 +124,13 @@ def _replacement(
 ) -> nn.Module | None:
     """The faster form of one module, or None to keep it (exact types only)."""
     kind = type(module)
+    if kind in (nn.Linear, nn.Embedding) and module.weight.dtype in HALF_DTYPES:
+        if not compiled:  # 16-bit weights with float32 compute exist only with the kernels
+            return None
+        if kind is nn.Embedding:
+            return WideEmbedding(typing.cast(nn.Embedding, module))
+        linear16 = typing.cast(nn.Linear, module)
+        return Linear16(linear16, shared=owners[id(linear16.weight)] > 1)
     if kind is nn.Linear and (compiled or onednn):
         linear = typing.cast(nn.Linear, module)
         return KernelLinear(linear, compiled=compiled, onednn=onednn,
