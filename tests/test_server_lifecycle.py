@@ -579,6 +579,46 @@ def test_a_failed_hand_off_leaks_no_slot(bounded_server: ServerProcess) -> None:
     assert "Traceback" not in bounded_server.output(), bounded_server.output()
 
 
+def test_a_full_server_refuses_before_reading_the_body(bounded_server: ServerProcess) -> None:
+    """Full (one streamed request of n = the whole capacity): a request that has sent only its
+    headers, announcing a 100 kB body, gets its 429 (Retry-After, x-request-id, counted as
+    queue_full) without sending a byte of the body. The capacity comes back when the stream
+    is closed."""
+    url = bounded_server.url
+
+    async def run() -> tuple[bytes, float, float]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            before = (await client.get(url + "/metrics")).text
+            started = asyncio.Event()
+            body = {**completion(400, stream=True), "n": BOUNDED_CAPACITY}
+            stream = asyncio.create_task(
+                stream_completion(client, url, body, first_chunk=started)
+            )
+            await asyncio.wait_for(started.wait(), 30)
+            reader, writer = await asyncio.open_connection("127.0.0.1", bounded_server.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            writer.close()
+            stream.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stream
+            after = await poll_metrics(client, url, engine_idle, timeout=5.0)
+        rejected = "tailserve:requests_rejected_total"
+        return (head,
+                metric_value(before, rejected, {"reason": "queue_full"}) or 0,
+                metric_value(after, rejected, {"reason": "queue_full"}) or 0)
+
+    head, before, after = asyncio.run(run())
+    lines = head.decode().lower().split("\r\n")
+    assert lines[0] == "http/1.1 429 too many requests", head
+    assert "retry-after: 1" in lines and any(h.startswith("x-request-id: ") for h in lines), head
+    assert after == before + 1
+    with httpx.Client(base_url=url, timeout=60) as client:
+        assert_all_slots_free(client)
+
+
 # ---------------------------------------------------------------------------- SIGTERM drain
 def test_sigterm_drain(long_model_dir: str, tmp_path: Any) -> None:
     """SIGTERM with --shutdown-timeout 3: new work gets 503 and /health 503 at once; in-flight

@@ -25,12 +25,18 @@ from tailserve.request import RequestStatus
 from tailserve.sampling_params import SamplingParams
 from tailserve.server.dashboard.feed import DashboardFeed
 from tailserve.server.errors import APIError, bad_request, unavailable
+from tailserve.server.heap import HeapTrimmer
 from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_TICKET = "tailserve.admission_ticket"
+# A body this large is a prompt worth trimming the heap after (a 64 kB prompt tokenizes into
+# ~16k ids); glibc's malloc arenas capped at two (the event loop's and the workers' share).
+LARGE_REQUEST_BYTES = 64 << 10
+MALLOC_ARENA_MAX = 2
 
 
 def served_names(model: str | None, source: str, override: str | None) -> list[str]:
@@ -78,6 +84,12 @@ class ServerContext:
         self.tokenize_pool = ThreadPoolExecutor(
             settings.tokenizer_workers, thread_name_prefix="tailserve-tokenize"
         )
+        # What a huge prompt's tokenizing took goes back to the OS once it is done (heap.py);
+        # the arena cap is set here, before the first tokenize thread starts.
+        self.heap = HeapTrimmer(LARGE_REQUEST_BYTES, MALLOC_ARENA_MAX, self.tokenize_pool.submit)
+        # Generation requests past the early gate (shedding.py) and not yet admitted: each
+        # holds one sequence's place while its body is parsed and its prompt tokenized.
+        self.num_pending = 0
         self.draining = False
         self.exit_code = 0
         self.started = time.time()
@@ -117,15 +129,51 @@ class ServerContext:
         """The name responses carry: the first served name, whichever alias was asked for."""
         return self.model_names[0]
 
-    def admit(self, num_prompts: int, n: int) -> None:
+    # ---------------------------------------------------------------- admission
+    def early_refusal(self) -> APIError | None:
+        """The answer for a generation request before its body is read, if it can only be a
+        refusal: 503 while the engine is gone or the server drains, 429 when the requests in
+        flight and those already past this gate fill the capacity (every request is at least
+        one sequence). ``None``: let it in; it takes a ticket (``take_ticket``)."""
+        if self.client.gone_reason is not None:
+            return self.dead_error()
+        if self.draining:
+            return unavailable("the server is shutting down", "draining")
+        cfg = self.config.scheduler
+        if cfg.max_queue_len is None:
+            return None
+        capacity = cfg.max_num_seqs + cfg.max_queue_len
+        inflight = self.client.num_inflight
+        if inflight + self.num_pending + 1 > capacity:
+            return self.queue_full_error(
+                f"the server is at capacity ({inflight} requests in flight and "
+                f"{self.num_pending} arriving; max_num_seqs {cfg.max_num_seqs} + "
+                f"max_queue_len {cfg.max_queue_len})"
+            )
+        return None
+
+    def take_ticket(self, state: dict[str, Any]) -> None:
+        self.num_pending += 1
+        state[_TICKET] = True
+
+    def return_ticket(self, state: dict[str, Any] | None) -> None:
+        """Give back the request's place at the gate, once: at admission or when it ends."""
+        if state is not None and state.pop(_TICKET, False):
+            self.num_pending -= 1
+
+    def admit(self, num_prompts: int, n: int, state: dict[str, Any] | None = None) -> None:
         """Shed load before any work is done, for a request of ``num_prompts`` x ``n`` engine
         requests: 400 when no amount of waiting could admit it, 503 while dead or draining,
-        429 when full.
+        429 when full. ``state``: the request's ASGI state, whose gate ticket is given back
+        first (from here the request is counted in flight or refused).
 
         Admission counts the client's in-flight requests, which ``EngineClient.add_request``
         and ``finish`` keep exact on every path: nothing is reserved here that a failed
-        hand-off would have to give back.
+        hand-off would have to give back (the gate's ticket is returned in the same
+        synchronous stretch that registers the request, and by the gate itself on any other
+        way out).
         """
+        self.return_ticket(state)
         cfg = self.config.scheduler
         capacity = None
         if cfg.max_queue_len is not None:

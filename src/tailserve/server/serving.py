@@ -168,7 +168,7 @@ class OpenAIServing:
         ]
         # No await from here to the end of submit(): no other request is admitted between
         # the count and the registrations, and submit() is all or nothing.
-        ctx.admit(len(parents), params.n)
+        ctx.admit(len(parents), params.n, http.scope.get("state"))
         gen = Generation(
             ctx.client, self.tokenizer, parents, params, arrival, priority,
             ctx.on_choice_finished(http, params), record_id=http.state.request_id,
