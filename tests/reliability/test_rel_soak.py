@@ -25,7 +25,9 @@ from test_server_lifecycle import (
 
 SOAK_S = 180.0
 RATE_PER_S = 6.0
-MAX_SLOPE_MB_PER_MIN = 5.0
+# A leak of 10 kB per request at this rate is 3.6 MB/min; warm-up (the engine's allocator
+# meeting new batch shapes) is excluded by fitting the second half only.
+MAX_SLOPE_MB_PER_MIN = 10.0
 
 
 def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
@@ -36,8 +38,10 @@ def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
 
 def test_soak(long_model_dir: str, figures: dict[str, Any]) -> None:
     rng = random.Random(11)
-    with ServerProcess(["--max-num-seqs", "16", "--max-queue-len", "64"],
-                       model=long_model_dir) as srv:
+    # A small timeline ring (default 20,000 records, ~20 MB when full): full within seconds,
+    # so what the slope measures is growth that has no bound, not the ring filling up.
+    with ServerProcess(["--max-num-seqs", "16", "--max-queue-len", "64",
+                        "--timeline-buffer", "500"], model=long_model_dir) as srv:
         assert srv.proc is not None
         api, engine = psutil.Process(srv.proc.pid), engine_process(srv)
         rss: dict[str, list[tuple[float, float]]] = {"api": [], "engine": []}

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,25 @@ def served_names(model: str | None, source: str, override: str | None) -> list[s
     return names
 
 
+def tokenize_pool(workers: int, nice: int) -> ThreadPoolExecutor:
+    """The threads that tokenize and template prompts, each ``nice`` below its process.
+
+    Which work gets the cores when all of it is busy, made explicit: the engine process
+    (steps every admitted request waits on) and the event loop (/health, refusals, every
+    stream's tokens) run at the process's priority; a worker's bulk tokenizing of a huge
+    prompt, done for one request, yields to both. Linux gives each thread its own niceness;
+    raising it needs no privilege.
+    """
+
+    def lower_priority() -> None:
+        if nice and hasattr(os, "setpriority"):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+
+    return ThreadPoolExecutor(workers, thread_name_prefix="tailserve-tokenize",
+                              initializer=lower_priority)
+
+
 class ServerContext:
     def __init__(
         self,
@@ -81,9 +101,7 @@ class ServerContext:
         # loop that would stall /health and every running stream's tokens. The fast
         # tokenizer's Rust encode releases the GIL, so a few threads keep the loop free; a
         # bounded pool so a burst of huge prompts queues here instead of taking every core.
-        self.tokenize_pool = ThreadPoolExecutor(
-            settings.tokenizer_workers, thread_name_prefix="tailserve-tokenize"
-        )
+        self.tokenize_pool = tokenize_pool(settings.tokenizer_workers, settings.tokenizer_nice)
         # What a huge prompt's tokenizing took goes back to the OS once it is done (heap.py);
         # the arena cap is set here, before the first tokenize thread starts.
         self.heap = HeapTrimmer(LARGE_REQUEST_BYTES, MALLOC_ARENA_MAX, self.tokenize_pool.submit)
@@ -145,10 +163,10 @@ class ServerContext:
         capacity = cfg.max_num_seqs + cfg.max_queue_len
         inflight = self.client.num_inflight
         if inflight + self.num_pending + 1 > capacity:
+            arriving = f" and {self.num_pending} arriving" if self.num_pending else ""
             return self.queue_full_error(
-                f"the server is at capacity ({inflight} requests in flight and "
-                f"{self.num_pending} arriving; max_num_seqs {cfg.max_num_seqs} + "
-                f"max_queue_len {cfg.max_queue_len})"
+                f"the server is at capacity ({inflight} requests in flight{arriving}; "
+                f"max_num_seqs {cfg.max_num_seqs} + max_queue_len {cfg.max_queue_len})"
             )
         return None
 
