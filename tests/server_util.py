@@ -60,7 +60,13 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=self.env)
         if self.wait_healthy:
-            self.wait_until_healthy()
+            try:
+                self.wait_until_healthy()
+            except BaseException:
+                # __exit__ does not run when __enter__ raises: stop the server here, or it
+                # (and its engine) outlives the test that gave up on it.
+                self.__exit__(None, None, None)
+                raise
         return self
 
     def wait_until_healthy(self) -> None:

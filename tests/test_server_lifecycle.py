@@ -318,6 +318,56 @@ def test_a_disconnect_storm_is_counted_and_recorded(long_model_dir: str) -> None
             assert r["arrival_time"] <= r["first_token_time"] <= r["finished_time"], r
 
 
+def test_a_client_gone_before_its_stream_began_is_aborted(long_server: ServerProcess) -> None:
+    """Streaming clients that hang up after their request reached the engine but before its
+    first output came back: the handler gets the first output before its next disconnect poll
+    and hands Starlette a streaming response for a client that is gone. Their engine requests
+    must still be aborted at once and counted as client disconnects, not left generating
+    thousands of tokens for nobody. (With uvicorn's ASGI spec 2.3 the body still starts and
+    its own cleanup aborts; where the body never starts, ``GenerationStream`` does:
+    test_server_streaming.py.)"""
+    url = long_server.url
+    host, port = "127.0.0.1", long_server.port
+    engine = engine_process(long_server)
+    n = 8
+    payload = json.dumps(completion(LONG_CONTEXT - 64, stream=True)).encode()
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+           + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+    async def run() -> tuple[str, str]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            before = await poll_metrics(client, url, engine_idle, timeout=5.0)
+            assert engine_idle(before), idle_summary(before)
+            expected = (aborts(before, "client_disconnect") or 0) + n
+            # The engine held still, so every request waits for its first output; the clients
+            # hang up and the engine resumes at once: the outputs arrive within a few ms,
+            # before most handlers' next disconnect poll (every 0.1 s).
+            engine.suspend()
+            try:
+                writers = []
+                for _ in range(n):
+                    _, writer = await asyncio.open_connection(host, port)
+                    writer.write(raw)
+                    await writer.drain()
+                    writers.append(writer)
+                await asyncio.sleep(0.5)  # every request is in the engine's inbox
+                for writer in writers:
+                    writer.close()
+            finally:
+                engine.resume()
+            after = await poll_metrics(
+                client, url,
+                lambda t: engine_idle(t) and aborts(t, "client_disconnect") == expected,
+                timeout=3.0,
+            )
+        return before, after
+
+    before, after = asyncio.run(run())
+    assert engine_idle(after), idle_summary(after)
+    assert aborts(after, "client_disconnect") == (aborts(before, "client_disconnect") or 0) + n
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
 def test_a_stop_string_is_counted_as_the_reason_its_request_ended(
     long_server: ServerProcess,
 ) -> None:
@@ -527,6 +577,46 @@ def test_a_failed_hand_off_leaks_no_slot(bounded_server: ServerProcess) -> None:
         assert r.json()["usage"]["completion_tokens"] == 4
         assert_all_slots_free(client)
     assert "Traceback" not in bounded_server.output(), bounded_server.output()
+
+
+def test_a_full_server_refuses_before_reading_the_body(bounded_server: ServerProcess) -> None:
+    """Full (one streamed request of n = the whole capacity): a request that has sent only its
+    headers, announcing a 100 kB body, gets its 429 (Retry-After, x-request-id, counted as
+    queue_full) without sending a byte of the body. The capacity comes back when the stream
+    is closed."""
+    url = bounded_server.url
+
+    async def run() -> tuple[bytes, float, float]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            before = (await client.get(url + "/metrics")).text
+            started = asyncio.Event()
+            body = {**completion(400, stream=True), "n": BOUNDED_CAPACITY}
+            stream = asyncio.create_task(
+                stream_completion(client, url, body, first_chunk=started)
+            )
+            await asyncio.wait_for(started.wait(), 30)
+            reader, writer = await asyncio.open_connection("127.0.0.1", bounded_server.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            writer.close()
+            stream.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stream
+            after = await poll_metrics(client, url, engine_idle, timeout=5.0)
+        rejected = "tailserve:requests_rejected_total"
+        return (head,
+                metric_value(before, rejected, {"reason": "queue_full"}) or 0,
+                metric_value(after, rejected, {"reason": "queue_full"}) or 0)
+
+    head, before, after = asyncio.run(run())
+    lines = head.decode().lower().split("\r\n")
+    assert lines[0] == "http/1.1 429 too many requests", head
+    assert "retry-after: 1" in lines and any(h.startswith("x-request-id: ") for h in lines), head
+    assert after == before + 1
+    with httpx.Client(base_url=url, timeout=60) as client:
+        assert_all_slots_free(client)
 
 
 # ---------------------------------------------------------------------------- SIGTERM drain

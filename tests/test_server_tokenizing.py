@@ -81,3 +81,28 @@ def test_the_tokenize_pool_needs_a_worker() -> None:
     with pytest.raises(ConfigError) as e:
         ServerSettings(tokenizer_workers=0)
     assert str(e.value) == "tokenizer_workers must be >= 1, got 0"
+
+
+def test_the_tokenize_threads_yield_to_the_engine_and_the_loop() -> None:
+    """The pool's threads run ``tokenizer_nice`` below the process (the event loop's thread
+    and the engine keep its priority); the setting is checked."""
+    import os
+    import threading
+
+    from tailserve.errors import ConfigError
+    from tailserve.server.context import tokenize_pool
+    from tailserve.server.settings import ServerSettings
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = niceness()
+    pool = tokenize_pool(2, ServerSettings().tokenizer_nice)
+    try:
+        assert {pool.submit(niceness).result() for _ in range(4)} == {min(19, base + 5)}
+    finally:
+        pool.shutdown()
+    assert niceness() == base
+    with pytest.raises(ConfigError) as e:
+        ServerSettings(tokenizer_nice=20)
+    assert str(e.value) == "tokenizer_nice must be in [0, 19], got 20"

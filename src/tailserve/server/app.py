@@ -41,6 +41,7 @@ from tailserve.server.errors import (
     error_response,
 )
 from tailserve.server.header_timeout import header_timeout_protocol
+from tailserve.server.heap import TrimAfterLargeRequests
 from tailserve.server.middleware import EdgeMiddleware
 from tailserve.server.protocol import (
     ChatCompletionRequest,
@@ -50,6 +51,7 @@ from tailserve.server.protocol import (
 )
 from tailserve.server.serving import OpenAIServing
 from tailserve.server.settings import ServerSettings
+from tailserve.server.shedding import SheddingMiddleware
 
 logger = logging.getLogger("tailserve.server")
 
@@ -217,7 +219,7 @@ def create_app(ctx: ServerContext) -> Any:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return EdgeMiddleware(
-        app,
+        SheddingMiddleware(TrimAfterLargeRequests(app, ctx.heap), ctx),
         api_key=ctx.settings.api_key,
         max_request_bytes=ctx.settings.max_request_bytes,
         max_header_bytes=ctx.settings.max_header_bytes,
@@ -261,8 +263,17 @@ class _Server(uvicorn.Server):
 
 
 def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
-    """Start the engine process and the HTTP server; return the exit status."""
-    return asyncio.run(_serve(engine_args, settings))
+    """Start the engine process and the HTTP server; return the exit status.
+
+    On uvloop where it is installed (uvicorn[standard] brings it), as ``uvicorn.run`` would
+    choose: ``asyncio.run`` alone gives the stock loop, whose per-connection and per-callback
+    costs are what a burst of connections pays for.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_serve(engine_args, settings))
+    return int(uvloop.run(_serve(engine_args, settings)))
 
 
 async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:

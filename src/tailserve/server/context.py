@@ -9,6 +9,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,12 +27,18 @@ from tailserve.request import RequestStatus
 from tailserve.sampling_params import SamplingParams
 from tailserve.server.dashboard.feed import DashboardFeed
 from tailserve.server.errors import APIError, bad_request, unavailable
+from tailserve.server.heap import HeapTrimmer
 from tailserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_TICKET = "tailserve.admission_ticket"
+# A body this large is a prompt worth trimming the heap after (a 64 kB prompt tokenizes into
+# ~16k ids); glibc's malloc arenas capped at two (the event loop's and the workers' share).
+LARGE_REQUEST_BYTES = 64 << 10
+MALLOC_ARENA_MAX = 2
 
 
 def served_names(model: str | None, source: str, override: str | None) -> list[str]:
@@ -47,6 +54,25 @@ def served_names(model: str | None, source: str, override: str | None) -> list[s
         if extra and extra not in names:
             names.append(extra)
     return names
+
+
+def tokenize_pool(workers: int, nice: int) -> ThreadPoolExecutor:
+    """The threads that tokenize and template prompts, each ``nice`` below its process.
+
+    Which work gets the cores when all of it is busy, made explicit: the engine process
+    (steps every admitted request waits on) and the event loop (/health, refusals, every
+    stream's tokens) run at the process's priority; a worker's bulk tokenizing of a huge
+    prompt, done for one request, yields to both. Linux gives each thread its own niceness;
+    raising it needs no privilege.
+    """
+
+    def lower_priority() -> None:
+        if nice and hasattr(os, "setpriority"):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+
+    return ThreadPoolExecutor(workers, thread_name_prefix="tailserve-tokenize",
+                              initializer=lower_priority)
 
 
 class ServerContext:
@@ -76,9 +102,13 @@ class ServerContext:
         # loop that would stall /health and every running stream's tokens. The fast
         # tokenizer's Rust encode releases the GIL, so a few threads keep the loop free; a
         # bounded pool so a burst of huge prompts queues here instead of taking every core.
-        self.tokenize_pool = ThreadPoolExecutor(
-            settings.tokenizer_workers, thread_name_prefix="tailserve-tokenize"
-        )
+        self.tokenize_pool = tokenize_pool(settings.tokenizer_workers, settings.tokenizer_nice)
+        # What a huge prompt's tokenizing took goes back to the OS once it is done (heap.py);
+        # the arena cap is set here, before the first tokenize thread starts.
+        self.heap = HeapTrimmer(LARGE_REQUEST_BYTES, MALLOC_ARENA_MAX, self.tokenize_pool.submit)
+        # Generation requests past the early gate (shedding.py) and not yet admitted: each
+        # holds one sequence's place while its body is parsed and its prompt tokenized.
+        self.num_pending = 0
         self.draining = False
         self.exit_code = 0
         self.started = time.time()
@@ -121,15 +151,51 @@ class ServerContext:
         """The name responses carry: the first served name, whichever alias was asked for."""
         return self.model_names[0]
 
-    def admit(self, num_prompts: int, n: int) -> None:
+    # ---------------------------------------------------------------- admission
+    def early_refusal(self) -> APIError | None:
+        """The answer for a generation request before its body is read, if it can only be a
+        refusal: 503 while the engine is gone or the server drains, 429 when the requests in
+        flight and those already past this gate fill the capacity (every request is at least
+        one sequence). ``None``: let it in; it takes a ticket (``take_ticket``)."""
+        if self.client.gone_reason is not None:
+            return self.dead_error()
+        if self.draining:
+            return unavailable("the server is shutting down", "draining")
+        cfg = self.config.scheduler
+        if cfg.max_queue_len is None:
+            return None
+        capacity = cfg.max_num_seqs + cfg.max_queue_len
+        inflight = self.client.num_inflight
+        if inflight + self.num_pending + 1 > capacity:
+            arriving = f" and {self.num_pending} arriving" if self.num_pending else ""
+            return self.queue_full_error(
+                f"the server is at capacity ({inflight} requests in flight{arriving}; "
+                f"max_num_seqs {cfg.max_num_seqs} + max_queue_len {cfg.max_queue_len})"
+            )
+        return None
+
+    def take_ticket(self, state: dict[str, Any]) -> None:
+        self.num_pending += 1
+        state[_TICKET] = True
+
+    def return_ticket(self, state: dict[str, Any] | None) -> None:
+        """Give back the request's place at the gate, once: at admission or when it ends."""
+        if state is not None and state.pop(_TICKET, False):
+            self.num_pending -= 1
+
+    def admit(self, num_prompts: int, n: int, state: dict[str, Any] | None = None) -> None:
         """Shed load before any work is done, for a request of ``num_prompts`` x ``n`` engine
         requests: 400 when no amount of waiting could admit it, 503 while dead or draining,
-        429 when full.
+        429 when full. ``state``: the request's ASGI state, whose gate ticket is given back
+        first (from here the request is counted in flight or refused).
 
         Admission counts the client's in-flight requests, which ``EngineClient.add_request``
         and ``finish`` keep exact on every path: nothing is reserved here that a failed
-        hand-off would have to give back.
+        hand-off would have to give back (the gate's ticket is returned in the same
+        synchronous stretch that registers the request, and by the gate itself on any other
+        way out).
         """
+        self.return_ticket(state)
         cfg = self.config.scheduler
         capacity = None
         if cfg.max_queue_len is not None:

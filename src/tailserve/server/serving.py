@@ -168,7 +168,7 @@ class OpenAIServing:
         ]
         # No await from here to the end of submit(): no other request is admitted between
         # the count and the registrations, and submit() is all or nothing.
-        ctx.admit(len(parents), params.n)
+        ctx.admit(len(parents), params.n, http.scope.get("state"))
         gen = Generation(
             ctx.client, self.tokenizer, parents, params, arrival, priority,
             ctx.on_choice_finished(http, params), record_id=http.state.request_id,
@@ -260,10 +260,36 @@ class OpenAIServing:
                     gen.abort(reason)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(
-            events(), media_type="text/event-stream",
-            headers={"x-request-id": http.state.request_id, "cache-control": "no-cache"},
+        return GenerationStream(
+            events(), gen, headers={"x-request-id": http.state.request_id,
+                                    "cache-control": "no-cache"},
         )
+
+
+class GenerationStream(StreamingResponse):
+    """A generation's SSE response that aborts the generation whenever the response ends
+    before the generation did, including when its body never ran.
+
+    Starlette iterates the body only after sending the response start, so cleanup inside the
+    body generator is not enough: a server on ASGI spec 2.4 raises on sending to a client that
+    has gone (Starlette turns it into ``ClientDisconnect``) before the generator is entered,
+    and a generator never entered never runs its ``finally``; its engine requests would run
+    on to max_tokens for nobody. ``abort`` finishes only what is still unfinished, so the
+    body's own cleanup and this one never count a choice twice.
+    """
+
+    def __init__(
+        self, content: AsyncIterator[str], gen: Generation, headers: dict[str, str]
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.generation = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.generation.done:
+                self.generation.abort("client_disconnect")
 
 
 def _engine_id() -> str:

@@ -36,6 +36,11 @@ class ServerSettings:
         default=2,
         metadata={"help": "threads that tokenize and template prompts, off the event loop, so "
                   "a huge prompt does not stall /health and running streams"})
+    tokenizer_nice: int = field(
+        default=5,
+        metadata={"help": "niceness added to the tokenizer threads: when the engine and the "
+                  "API are both busy, the engine (what admitted requests wait on) and the "
+                  "event loop (/health, refusals, streams) come first, bulk tokenizing last"})
     timeline: str | None = field(
         default=None, metadata={"help": "append step and request records (JSONL)"})
     timeline_buffer: int = field(
@@ -63,5 +68,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.header_timeout > 0:  # written so that NaN fails it too
             raise ConfigError(f"header_timeout must be > 0 seconds, got {self.header_timeout}")
+        if not 0 <= self.tokenizer_nice <= 19:
+            raise ConfigError(f"tokenizer_nice must be in [0, 19], got {self.tokenizer_nice}")
         if self.tokenizer_workers < 1:
             raise ConfigError(f"tokenizer_workers must be >= 1, got {self.tokenizer_workers}")
