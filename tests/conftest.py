@@ -14,6 +14,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is first
+# imported, which any test module may do at collection (the runner imports the Triton
+# backend). Without a GPU the Triton tests run under the interpreter, so set it before any
+# test module is imported; a CUDA machine keeps compiling for real.
+if not os.environ.get("TRITON_INTERPRET"):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture(scope="session")
 def cpu_kernels() -> None:
