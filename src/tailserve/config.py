@@ -103,6 +103,12 @@ class EngineArgs:
         default="auto", metadata={"help": "auto: bfloat16 where the device does it well"}
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    gguf_weights: Literal["auto", "packed", "dequantize"] = field(
+        default="auto",
+        metadata={"help": "a GGUF's quantized matrices: packed keeps their blocks as stored "
+                  "for the CPU kernels (float32 CPU only); dequantize expands them to float32 "
+                  "(the reference); auto: packed where it can run"},
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest prompt + output; default: the model's context"}
     )
@@ -228,7 +234,7 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) exceeds the model's context length "
                 f"({model.max_position_embeddings})"
             )
-        runner = self._resolve_runner(platform)
+        runner = self.resolve_runner(platform)
         budget = self.max_num_batched_tokens
         if budget is None:
             # The default must hold every running decode, and whole prompts when not chunking.
@@ -268,7 +274,8 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
 
-    def _resolve_runner(self, platform: Platform) -> RunnerConfig:
+    def resolve_runner(self, platform: Platform) -> RunnerConfig:
+        """Device and dtype resolved from ``auto`` (the loader needs them before the model)."""
         device = resolve_device(self.device, platform)
         return RunnerConfig(
             device=device,

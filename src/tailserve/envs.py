@@ -63,6 +63,11 @@ TAILSERVE_KERNEL_SPIN_US: EnvSwitch[int] = EnvSwitch(
     "microseconds the CPU kernels' workers spin after a job before sleeping (0: never spin)",
     read_by="kernels/csrc/work_pool.cpp",
 )
+TAILSERVE_QUANT_ISA: EnvSwitch[str] = EnvSwitch(
+    "TAILSERVE_QUANT_ISA", "auto", str,
+    "the instruction set of the packed-GGUF kernels: auto (the best this CPU has), avx512vnni, "
+    "avx512, avx2 or scalar (to compare paths, or to test the AVX2 one on an AVX512 machine)",
+)
 CUDA_VISIBLE_DEVICES: EnvSwitch[str | None] = EnvSwitch(
     "CUDA_VISIBLE_DEVICES", None, str,
     "CUDA's device renumbering; the memory monitor maps torch's index to NVML's through it",
@@ -79,6 +84,7 @@ TAILSERVE_TEST_SWEEP: EnvSwitch[bool] = EnvSwitch(
 
 SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
-    TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, CUDA_VISIBLE_DEVICES,
+    TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_QUANT_ISA,
+    CUDA_VISIBLE_DEVICES,
     TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SWEEP,
 )

@@ -28,6 +28,7 @@ from tailserve.model.attention.cpu_kernels import CpuKernelAttentionBackend
 from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from tailserve.model.transforms import FusedApplyRope, FusedRMSNorm, FusedSiluAndMul, KernelLinear
+from tailserve.model.transforms.gguf_linear import GGUFEmbedding, GGUFLinear
 from tailserve.model.transforms.kernel_linear import PANEL_MAX_ROWS
 
 log = logging.getLogger(__name__)
@@ -35,27 +36,29 @@ log = logging.getLogger(__name__)
 # What decode_layers knows: every module path of a model it can stand in for (a layer's parts
 # relative to ``layers.<i>``) with the exact type whose forward it reproduces. Anything else in
 # the model, or another type at one of these paths, is refused. The LM head runs after the
-# graph (compute_logits), as after the module forward.
-_MODEL_PARTS: dict[str, type[nn.Module]] = {
-    "": LlamaForCausalLM,
-    "embed_tokens": nn.Embedding,
-    "rope": RotaryEmbedding,
-    "layers": nn.ModuleList,
-    "norm": FusedRMSNorm,
-    "lm_head": KernelLinear,
+# graph (compute_logits), as after the module forward. A projection is a float32 panel
+# (KernelLinear) or GGUF blocks as stored (GGUFLinear, read by quant_linear).
+_LINEAR = (KernelLinear, GGUFLinear)
+_MODEL_PARTS: dict[str, tuple[type[nn.Module], ...]] = {
+    "": (LlamaForCausalLM,),
+    "embed_tokens": (nn.Embedding, GGUFEmbedding),
+    "rope": (RotaryEmbedding,),
+    "layers": (nn.ModuleList,),
+    "norm": (FusedRMSNorm,),
+    "lm_head": _LINEAR,
 }
-_LAYER_PARTS: dict[str, type[nn.Module]] = {
-    "": LlamaDecoderLayer,
-    "input_layernorm": FusedRMSNorm,
-    "self_attn": LlamaAttention,
-    "self_attn.qkv_proj": KernelLinear,
-    "self_attn.apply_rope": FusedApplyRope,
-    "self_attn.o_proj": KernelLinear,
-    "post_attention_layernorm": FusedRMSNorm,
-    "mlp": LlamaMLP,
-    "mlp.gate_up_proj": KernelLinear,
-    "mlp.act": FusedSiluAndMul,
-    "mlp.down_proj": KernelLinear,
+_LAYER_PARTS: dict[str, tuple[type[nn.Module], ...]] = {
+    "": (LlamaDecoderLayer,),
+    "input_layernorm": (FusedRMSNorm,),
+    "self_attn": (LlamaAttention,),
+    "self_attn.qkv_proj": _LINEAR,
+    "self_attn.apply_rope": (FusedApplyRope,),
+    "self_attn.o_proj": _LINEAR,
+    "post_attention_layernorm": (FusedRMSNorm,),
+    "mlp": (LlamaMLP,),
+    "mlp.gate_up_proj": _LINEAR,
+    "mlp.act": (FusedSiluAndMul,),
+    "mlp.down_proj": _LINEAR,
 }
 _LAYER_PATH = re.compile(r"layers\.(\d+)(?:\.(.+))?")
 _NO_BIAS = torch.empty(0)  # decode_layers reads an empty qkv bias as "none"
@@ -63,7 +66,8 @@ _NO_BIAS = torch.empty(0)  # decode_layers reads an empty qkv bias as "none"
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One decoder layer's weights as decode_layers reads them (panels: [out/16, in, 16])."""
+    """One decoder layer's weights as decode_layers reads them: float32 panels
+    [out/16, in, 16], or GGUF blocks [out, blocks, type_size] (uint8)."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # panels of [q_size + 2 * kv_size, hidden]
@@ -149,8 +153,9 @@ def _check_modules(model: nn.Module) -> None:
         name = path or "<model>"
         if want is None:
             raise _Refused(f"{name} ({type(module).__name__}) is not a module it knows")
-        if type(module) is not want:
-            raise _Refused(f"{name} is {type(module).__name__}, not the {want.__name__} it runs")
+        if type(module) not in want:
+            names = " or ".join(w.__name__ for w in want)
+            raise _Refused(f"{name} is {type(module).__name__}, not the {names} it runs")
         if module._forward_hooks or module._forward_pre_hooks:  # code the C++ call never runs
             raise _Refused(f"{name} has forward hooks")
 
@@ -162,6 +167,11 @@ def _layer_weights(path: str, layer: LlamaDecoderLayer) -> DecodeLayerWeights:
                        "not the CpuKernelAttentionBackend it runs")
 
     def panel(name: str, module: nn.Module) -> torch.Tensor:
+        if type(module) is GGUFLinear:
+            packed = typing.cast(GGUFLinear, module).packed
+            if packed is None:
+                raise _Refused(f"{path}.{name} mixes GGUF formats (one block tensor each)")
+            return packed
         linear = typing.cast(KernelLinear, module)
         if linear.panel is None:
             raise _Refused(f"{path}.{name} has no panel copy "

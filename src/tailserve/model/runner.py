@@ -7,6 +7,7 @@ output: a ``RunnerOutput`` of sampled token ids. Nothing here decides who runs.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 
 from tailserve.config import CacheConfig, ModelConfig, RunnerConfig
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph
@@ -21,7 +23,14 @@ from tailserve.model.device import torch_dtype
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.transforms import apply_cpu_kernels
+from tailserve.model.transforms.gguf_linear import (
+    apply_gguf_weights,
+    has_packed,
+    weight_bytes_by_format,
+)
 from tailserve.obs.profiling import span
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,15 +61,32 @@ class ModelRunner:
         # Compiled CPU kernels (built once per machine); the torch paths remain without them.
         self.cpu_kernels = self.device.type == "cpu" and cpu_ops_available()
         self.backend = backend = get_attention_backend(self.device.type, self.cpu_kernels)
+        packed = has_packed(weights)
+        if packed and not (self.cpu_kernels and self.dtype == torch.float32):
+            raise ConfigError(
+                "the weights are packed GGUF blocks, which only the compiled CPU kernels read "
+                f"(float32 on CPU); this runner is {config.dtype} on {config.device}"
+                + ("" if self.cpu_kernels else " without the kernels")
+                + ": load with gguf_weights='dequantize'"
+            )
+        # Bytes of the weights as stored, per format: the start-up log and /metrics.
+        self.weight_bytes = weight_bytes_by_format(weights)
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
+        # Packed GGUF matrices: their modules swapped for block-reading ones before loading.
+        apply_gguf_weights(model, weights)
         model.load_weights(weights)
         # The rope table stays float32; only parameters take the serving dtype.
         for param in model.parameters():
             param.data = param.data.to(self.dtype)
         self.model = model.eval()
         if self.device.type == "cpu":
-            apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
+            report = apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
+            if report.bytes_added:  # panel / oneDNN copies of float weights
+                self.weight_bytes["float32"] = (self.weight_bytes.get("float32", 0)
+                                                + report.bytes_added)
+        log.info("resident weights: %.1f MB (%s)", sum(self.weight_bytes.values()) / 1e6,
+                 ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(self.weight_bytes.items())))
         # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
         self.decode_graph = (
             None if config.enforce_eager or self.device.type != "cpu"

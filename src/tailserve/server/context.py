@@ -93,6 +93,7 @@ class ServerContext:
             enable_prefix_caching=cache.enable_prefix_caching,
             cache_dtype=self.config.runner.dtype,
         )
+        metrics.on_weights(client.info.weight_bytes)
         if client.state is None:
             metrics.on_ready(cache.num_kv_blocks)
         else:

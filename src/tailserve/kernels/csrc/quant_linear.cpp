@@ -1,0 +1,501 @@
+// torch.ops.tailserve.quant_linear, quant_embedding, quant_dequantize, set_quant_isa: products
+// and lookups on GGUF weights kept as their stored blocks (model/quant/formats.py).
+//
+// A packed weight is a uint8 tensor [N, K / block, type_size]: each output row is a run of
+// whole ggml blocks, as in the file. type_size alone names the format (Q4_0 18, Q4_1 20,
+// Q5_0 22, Q5_1 24, Q8_0 34, Q4_K 144, Q5_K 176, Q6_K 210 bytes), so no format argument
+// travels beside the tensor and decode_layers can tell a packed weight from a float panel.
+//
+// y = x W^T works the way llama.cpp gets its speed: each row of x is quantized to int8 in
+// blocks of 32 (scale dx = max|x| / 127, round to nearest), and every format is read as
+//   w_i = a_g * q_i + b_g   (q_i an unsigned integer < 64, or int8 for Q8_0; g a group of 16)
+// so a row's dot product is  sum_blocks dx * sum_g a_g * (integer dot of q and xq over g)
+//                           + sum_g b_g * dx * (sum of xq over g).
+// The integer dots run 32 (AVX2 maddubs) or 64 (AVX512 VNNI dpbusd) values per instruction.
+// Blocks are unpacked (nibbles and high bits merged into bytes, scales expanded) a few rows at
+// a time into a per-thread buffer that stays in L1/L2, and reused for every row of x: the
+// weights are read from memory once per call, in their stored size.
+//
+// The instruction set is chosen at run time (set_quant_isa; -1 = best this CPU has), so tests
+// run the AVX2 path on an AVX512 machine too. All paths compute the same integer sums; they
+// differ only in the order float partial sums are added (~1e-6 relative).
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "simd.h"
+#include "work_pool.h"
+
+namespace tailserve_cpu {
+namespace {
+
+enum class Fmt { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+
+struct FmtInfo {
+  Fmt fmt;
+  int64_t block;  // values per block
+};
+
+bool fmt_of(int64_t type_size, FmtInfo* out) {
+  switch (type_size) {
+    case 18: *out = {Fmt::Q4_0, 32}; return true;
+    case 20: *out = {Fmt::Q4_1, 32}; return true;
+    case 22: *out = {Fmt::Q5_0, 32}; return true;
+    case 24: *out = {Fmt::Q5_1, 32}; return true;
+    case 34: *out = {Fmt::Q8_0, 32}; return true;
+    case 144: *out = {Fmt::Q4_K, 256}; return true;
+    case 176: *out = {Fmt::Q5_K, 256}; return true;
+    case 210: *out = {Fmt::Q6_K, 256}; return true;
+    default: return false;
+  }
+}
+
+inline float h2f(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ggml's 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block.
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One block -> q[block] (bytes), a4[block / 4] (the scale of each run of 4 values: the lanes
+// of the integer dot), b16[block / 16] (the offset of each group of 16).
+inline void set_group(float* a4, float* b16, int64_t g, float a, float b) {
+  for (int i = 0; i < 4; ++i) a4[4 * g + i] = a;
+  b16[g] = b;
+}
+
+void unpack_block(Fmt fmt, const uint8_t* blk, uint8_t* q, float* a4, float* b16) {
+  switch (fmt) {
+    case Fmt::Q4_0:
+    case Fmt::Q4_1: {
+      const float d = h2f(blk);
+      const float b = fmt == Fmt::Q4_0 ? -8.f * d : h2f(blk + 2);
+      const uint8_t* qs = blk + (fmt == Fmt::Q4_0 ? 2 : 4);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = qs[j] & 0xF;
+        q[j + 16] = qs[j] >> 4;
+      }
+      set_group(a4, b16, 0, d, b);
+      set_group(a4, b16, 1, d, b);
+      return;
+    }
+    case Fmt::Q5_0:
+    case Fmt::Q5_1: {
+      const float d = h2f(blk);
+      const float b = fmt == Fmt::Q5_0 ? -16.f * d : h2f(blk + 2);
+      const uint8_t* hp = blk + (fmt == Fmt::Q5_0 ? 2 : 4);
+      uint32_t qh;
+      std::memcpy(&qh, hp, 4);
+      const uint8_t* qs = hp + 4;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+        q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      }
+      set_group(a4, b16, 0, d, b);
+      set_group(a4, b16, 1, d, b);
+      return;
+    }
+    case Fmt::Q8_0: {
+      const float d = h2f(blk);
+      std::memcpy(q, blk + 2, 32);  // int8, read signed by the dot
+      set_group(a4, b16, 0, d, 0.f);
+      set_group(a4, b16, 1, d, 0.f);
+      return;
+    }
+    case Fmt::Q4_K:
+    case Fmt::Q5_K: {
+      const float d = h2f(blk), dmin = h2f(blk + 2);
+      const uint8_t* scales = blk + 4;
+      const bool five = fmt == Fmt::Q5_K;
+      const uint8_t* qh = blk + 16;
+      const uint8_t* ql = blk + (five ? 48 : 16);
+      for (int j = 0; j < 4; ++j) {  // 64 values: low nibbles then high nibbles of 32 bytes
+        int sc1, m1, sc2, m2;
+        scale_min_k4(2 * j, scales, &sc1, &m1);
+        scale_min_k4(2 * j + 1, scales, &sc2, &m2);
+        const uint8_t u1 = static_cast<uint8_t>(1 << (2 * j)), u2 = static_cast<uint8_t>(2 << (2 * j));
+        uint8_t* qo = q + 64 * j;
+        for (int l = 0; l < 32; ++l) {
+          qo[l] = (ql[l] & 0xF) | (five && (qh[l] & u1) ? 16 : 0);
+          qo[l + 32] = (ql[l] >> 4) | (five && (qh[l] & u2) ? 16 : 0);
+        }
+        ql += 32;
+        for (int g = 0; g < 2; ++g) {
+          set_group(a4, b16, 4 * j + g, d * sc1, -dmin * m1);
+          set_group(a4, b16, 4 * j + 2 + g, d * sc2, -dmin * m2);
+        }
+      }
+      return;
+    }
+    case Fmt::Q6_K: {
+      const uint8_t* ql = blk;
+      const uint8_t* qh = blk + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = h2f(blk + 208);
+      for (int n = 0; n < 2; ++n) {  // 128 values each
+        uint8_t* qo = q + 128 * n;
+        for (int l = 0; l < 32; ++l) {
+          qo[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
+          qo[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+          qo[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+          qo[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+        for (int g = 0; g < 8; ++g) {
+          const float a = d * sc[8 * n + g];
+          set_group(a4, b16, 8 * n + g, a, -32.f * a);
+        }
+        ql += 64;
+        qh += 32;
+      }
+      return;
+    }
+  }
+}
+
+// A row of K values, unpacked: K bytes, K / 4 lane scales, K / 16 group offsets.
+void unpack_row(const FmtInfo& f, const uint8_t* row, int64_t K, int64_t type_size, uint8_t* q,
+                float* a4, float* b16) {
+  for (int64_t k = 0; k < K; k += f.block, row += type_size) {
+    unpack_block(f.fmt, row, q + k, a4 + k / 4, b16 + k / 16);
+  }
+}
+
+// ----------------------------------------------------------------- activations to int8
+
+// x [M, K] -> xq [M, K] int8, dx [M, K / 32], xs [M, K / 16] = dx * (sum of xq over 16).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
+  const int64_t nb = K / 32;
+  parallel_dynamic((M + 7) / 8, [&](int64_t item) {
+    const int64_t m1 = std::min(M, item * 8 + 8);
+    for (int64_t m = item * 8; m < m1; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* v = x + m * K + b * 32;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int8_t* o = xq + m * K + b * 32;
+        int s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int qv = static_cast<int>(std::nearbyint(v[i] * id));
+          o[i] = static_cast<int8_t>(qv);
+          (i < 16 ? s0 : s1) += qv;
+        }
+        dx[m * nb + b] = d;
+        xs[m * (K / 16) + 2 * b] = d * static_cast<float>(s0);
+        xs[m * (K / 16) + 2 * b + 1] = d * static_cast<float>(s1);
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------- integer dot products
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+
+int best_isa() {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return kAvx512Vnni;
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+  if (__builtin_cpu_supports("avx512bw")) return kAvx512;
+#endif
+#ifdef TS_AVX2
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+std::atomic<int> g_isa{-1};  // -1: not chosen yet
+
+int current_isa() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa < 0) {
+    isa = best_isa();
+    g_isa.store(isa, std::memory_order_relaxed);
+  }
+  return isa;
+}
+
+// Rows of one x row (xq, dx) against R unpacked weight rows: out[r] = the a-part of the dot.
+template <int R, bool Signed>
+void dot_rows_scalar(const int8_t* xq, const float* dx, int64_t K, const uint8_t* const* q,
+                     const float* const* a4, float* out) {
+  for (int r = 0; r < R; ++r) {
+    double acc = 0.0;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      float blk = 0.f;
+      for (int l = 0; l < 8; ++l) {  // lanes of 4, as the SIMD paths group them
+        int32_t s = 0;
+        for (int i = 0; i < 4; ++i) {
+          const int64_t k = b * 32 + l * 4 + i;
+          const int w = Signed ? static_cast<int8_t>(q[r][k]) : q[r][k];
+          s += w * xq[k];
+        }
+        blk += static_cast<float>(s) * a4[r][b * 8 + l];
+      }
+      acc += static_cast<double>(blk * dx[b]);
+    }
+    out[r] = static_cast<float>(acc);
+  }
+}
+
+#ifdef TS_AVX2
+inline __m256i dot32_avx2(__m256i w, __m256i x, bool is_signed) {
+  const __m256i p = is_signed
+                        ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+                        : _mm256_maddubs_epi16(w, x);
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R, bool Signed>
+void dot_rows_avx2(const int8_t* xq, const float* dx, int64_t K, const uint8_t* const* q,
+                   const float* const* a4, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k));
+    const __m256 d = _mm256_broadcast_ss(dx + k / 32);
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + k));
+      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dot32_avx2(wv, xv, Signed)),
+                                     _mm256_loadu_ps(a4[r] + k / 4));
+      acc[r] = _mm256_fmadd_ps(s, d, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
+}
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+template <bool Vnni, bool Signed>
+inline __m512i dot64_avx512(__m512i w, __m512i x) {
+  if constexpr (Signed) {  // |w| x (x with w's sign): u8 x s8 as the instructions want
+    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    w = _mm512_abs_epi8(w);
+  }
+#ifdef __AVX512VNNI__
+  if constexpr (Vnni) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+#endif
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1));
+}
+
+template <int R, bool Signed, bool Vnni>
+void dot_rows_avx512(const int8_t* xq, const float* dx, int64_t K, const uint8_t* const* q,
+                     const float* const* a4, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512i xv = _mm512_loadu_si512(xq + k);
+    const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(dx[k / 32]),
+                                        _mm256_set1_ps(dx[k / 32 + 1]), 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = _mm512_loadu_si512(q[r] + k);
+      const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot64_avx512<Vnni, Signed>(wv, xv)),
+                                     _mm512_loadu_ps(a4[r] + k / 4));
+      acc[r] = _mm512_fmadd_ps(s, d, acc[r]);
+    }
+  }
+  float tail[R] = {};
+  if (k < K) {  // one block of 32 left (K is a multiple of 32)
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k));
+    const __m256 d = _mm256_broadcast_ss(dx + k / 32);
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + k));
+      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dot32_avx2(wv, xv, Signed)),
+                                     _mm256_loadu_ps(a4[r] + k / 4));
+      tail[r] = hsum256(_mm256_mul_ps(s, d));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+#endif
+
+template <int R, bool Signed>
+void dot_rows(int isa, const int8_t* xq, const float* dx, int64_t K, const uint8_t* const* q,
+              const float* const* a4, float* out) {
+  switch (isa) {
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#ifdef __AVX512VNNI__
+    case kAvx512Vnni: return dot_rows_avx512<R, Signed, true>(xq, dx, K, q, a4, out);
+#endif
+    case kAvx512: return dot_rows_avx512<R, Signed, false>(xq, dx, K, q, a4, out);
+#endif
+#ifdef TS_AVX2
+    case kAvx2: return dot_rows_avx2<R, Signed>(xq, dx, K, q, a4, out);
+#endif
+    default: return dot_rows_scalar<R, Signed>(xq, dx, K, q, a4, out);
+  }
+}
+
+// Weight rows unpacked per hand-out: their buffers (~2.3 bytes a value) stay in L2.
+constexpr int64_t kTileRows = 16;
+constexpr int kDotRows = 4;  // weight rows per x-row pass: each x load feeds four dots
+
+struct Packed {
+  FmtInfo f;
+  int64_t N, K, type_size;
+  const uint8_t* data;
+};
+
+Packed check_packed(const at::Tensor& w, const char* op) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 &&
+                  w.is_contiguous(),
+              op, ": packed weight must be a contiguous uint8 CPU tensor [N, blocks, type_size], "
+              "got ", w.scalar_type(), " ", w.sizes());
+  Packed p;
+  TORCH_CHECK(fmt_of(w.size(2), &p.f), op, ": no ggml format has ", w.size(2),
+              "-byte blocks (Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24, Q8_0 34, Q4_K 144, Q5_K 176, "
+              "Q6_K 210)");
+  p.N = w.size(0);
+  p.K = w.size(1) * p.f.block;
+  p.type_size = w.size(2);
+  p.data = w.data_ptr<uint8_t>();
+  return p;
+}
+
+}  // namespace
+
+int64_t set_quant_isa(int64_t isa) {
+  const int best = best_isa();
+  TORCH_CHECK(isa >= -1 && isa <= kAvx512Vnni, "set_quant_isa: ", isa,
+              " is not -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX512) or 3 (AVX512-VNNI)");
+  TORCH_CHECK(isa <= best, "set_quant_isa: level ", isa, " asked, this CPU/build has ", best);
+  const int chosen = isa < 0 ? best : static_cast<int>(isa);
+  g_isa.store(chosen, std::memory_order_relaxed);
+  return chosen;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias) {
+  const Packed p = check_packed(w, "quant_linear");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "quant_linear: x must be float32 CPU [M, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) == p.K, "quant_linear: x has ", x.size(1), " features, the weight ", p.K);
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = p.K, N = p.N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor bc;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
+                "quant_linear: bias must be float32 [", N, "]");
+    bc = bias->contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return y;
+  // x in int8: xq [M, K], dx [M, K/32], xs [M, K/16]
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * (K / 32)), xs(M * (K / 16));
+  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
+  const int isa = current_isa();
+  const bool is_signed = p.f.fmt == Fmt::Q8_0;
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  parallel_dynamic(tiles, [&](int64_t t) {
+    thread_local std::vector<uint8_t> qbuf;
+    thread_local std::vector<float> abuf, bbuf;
+    const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+    qbuf.resize(kTileRows * K);
+    abuf.resize(kTileRows * K / 4);
+    bbuf.resize(kTileRows * K / 16);
+    const int64_t row_bytes = (K / p.f.block) * p.type_size;
+    for (int64_t r = 0; r < rows; ++r) {
+      unpack_row(p.f, p.data + (n0 + r) * row_bytes, K, p.type_size, qbuf.data() + r * K,
+                 abuf.data() + r * K / 4, bbuf.data() + r * K / 16);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = xq.data() + m * K;
+      const float* dr = dx.data() + m * (K / 32);
+      const float* sr = xs.data() + m * (K / 16);
+      for (int64_t r = 0; r < rows; r += kDotRows) {
+        const uint8_t* qs[kDotRows];
+        const float* as[kDotRows];
+        for (int i = 0; i < kDotRows; ++i) {  // past the tile's end: repeat its last row
+          const int64_t rr = std::min(r + i, rows - 1);
+          qs[i] = qbuf.data() + rr * K;
+          as[i] = abuf.data() + rr * K / 4;
+        }
+        float out[kDotRows];
+        if (is_signed) dot_rows<kDotRows, true>(isa, xr, dr, K, qs, as, out);
+        else dot_rows<kDotRows, false>(isa, xr, dr, K, qs, as, out);
+        for (int i = 0; i < kDotRows && r + i < rows; ++i) {
+          float off = 0.f;
+          if (!is_signed) {
+            const float* b = bbuf.data() + (r + i) * K / 16;
+            for (int64_t g = 0; g < K / 16; ++g) off += b[g] * sr[g];
+          }
+          yp[m * N + n0 + r + i] = out[i] + off + (bp ? bp[n0 + r + i] : 0.f);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// Rows ids of a packed table, dequantized: w = a * q + b, as ggml defines each format.
+at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w) {
+  const Packed p = check_packed(w, "quant_embedding");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_embedding: ids must be "
+              "int64 [T], got ", ids.scalar_type(), " ", ids.sizes());
+  const at::Tensor ic = ids.contiguous();
+  const int64_t T = ic.size(0), K = p.K;
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < p.N, "quant_embedding: id ", ip[t], " outside [0, ", p.N,
+                ")");
+  }
+  at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = (K / p.f.block) * p.type_size;
+  const bool is_signed = p.f.fmt == Fmt::Q8_0;
+  parallel_dynamic((T + 15) / 16, [&](int64_t item) {
+    std::vector<uint8_t> q(K);
+    std::vector<float> a4(K / 4), b16(K / 16);
+    const int64_t t1 = std::min(T, item * 16 + 16);
+    for (int64_t t = item * 16; t < t1; ++t) {
+      unpack_row(p.f, p.data + ip[t] * row_bytes, K, p.type_size, q.data(), a4.data(),
+                 b16.data());
+      float* o = op + t * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float qv = is_signed ? static_cast<float>(static_cast<int8_t>(q[k]))
+                                   : static_cast<float>(q[k]);
+        o[k] = a4[k / 4] * qv + b16[k / 16];
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor quant_dequantize(const at::Tensor& w) {
+  const Packed p = check_packed(w, "quant_dequantize");
+  return quant_embedding(at::arange(p.N, at::TensorOptions().dtype(at::kLong)), w);
+}
+
+}  // namespace tailserve_cpu
