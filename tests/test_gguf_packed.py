@@ -1,17 +1,23 @@
 """GGUF weights served as stored: the packed loader, the module swap, the one-call decode, and
 quality against the float32-dequantized reference of the same file.
 
-Tolerances (stated, measured on this machine, with margin): the packed path quantizes
-activations to int8 per block of 32, so its logits differ from the float32 reference of the
-same file; on the bundled model over a 300-token text the largest logit difference is ~0.6
-(logits span ~40) and perplexity moves by ~0.2%; the tests allow 1.5 and 1%.
+Tolerances (stated; measured on this machine, with margin): the packed path quantizes
+activations to int8 per block of 32 (as llama.cpp does), so its logits differ from the float32
+reference of the same file (the plain PyTorch model on the dequantized weights). On the bundled
+model over the 301 tokens of tests/data/perplexity.txt: largest logit difference 1.08 (logits
+span -34..36), argmax agreement 98.3%, perplexity 30.95 vs 31.06 (-0.36%). The tests allow a
+logit difference of 2.0, 95% argmax agreement and 1% perplexity. (The float32 kernels on the
+same dequantized weights are within 1e-4 of the plain model: the difference is the int8
+activations, not the blocks, which the kernels read exactly: test_quant_kernels.py.)
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import typing
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gguf
@@ -19,12 +25,16 @@ import numpy as np
 import pytest
 import torch
 
+from server_util import metric_value
 from tailserve import LLM, SamplingParams
 from tailserve.config import EngineArgs
+from tailserve.engine.loop import EngineLoop
 from tailserve.errors import ConfigError, ModelLoadError
 from tailserve.model.attention import AttentionMetadata
+from tailserve.model.attention.torch_ref import TorchAttentionBackend
 from tailserve.model.device import detect_platform
 from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
+from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.loader import LoadedModel, load_model, resolve_gguf_weights
 from tailserve.model.quant.formats import (
     PACKED_FORMATS,
@@ -32,15 +42,16 @@ from tailserve.model.quant.formats import (
     format_of,
     is_packed,
 )
-from tailserve.model.runner import ModelRunner
+from tailserve.model.runner import ModelRunner, materialize_model
 from tailserve.model.transforms.gguf_linear import GGUFEmbedding, GGUFLinear
+from tailserve.obs.metrics import ServerMetrics
 from test_cpu_decode import decode_batch
 from test_quant_kernels import random_blocks
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
 Q = gguf.GGMLQuantizationType
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
-MAX_LOGIT_DIFF = 1.5
+MAX_LOGIT_DIFF = 2.0
 PERPLEXITY_RTOL = 0.01
 TINY_RTOL = 0.08  # random 2-layer models, relative (Frobenius) difference to the reference
 
@@ -59,20 +70,38 @@ def make_runner(config: Any, weights: dict[str, torch.Tensor], **args: Any) -> M
     return runner
 
 
-def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """Every position's logits from one prefill of ``ids`` (blocks 0..n/16)."""
-    n = len(ids)
-    bs = runner.block_size
-    table = torch.arange(-(-n // bs)).view(1, -1)
+def prefill_logits(model: LlamaForCausalLM, backend: Any, ids: list[int]) -> torch.Tensor:
+    """Every position's logits from one prefill of ``ids`` into a fresh KV pool."""
+    n, bs = len(ids), 16
+    cfg = model.config
+    num_blocks = -(-n // bs)
+    pools = [torch.zeros(2, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
+             for _ in range(cfg.num_hidden_layers)]
     meta = AttentionMetadata(
         num_decodes=0, slot_mapping=torch.arange(n), query_start_loc=[0, n], query_lens=[n],
-        seq_lens_list=[n], seq_lens=torch.tensor([n]), block_tables=table, block_size=bs,
-        scale=runner.scale,
+        seq_lens_list=[n], seq_lens=torch.tensor([n]),
+        block_tables=torch.arange(num_blocks).view(1, -1), block_size=bs,
+        scale=cfg.head_dim ** -0.5,
     )
     with torch.inference_mode():
-        runner.backend.begin_step(meta)
-        hidden = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
-        return runner.model.compute_logits(hidden)
+        backend.begin_step(meta)
+        hidden = model(torch.tensor(ids), torch.arange(n), pools, meta)
+        return model.compute_logits(hidden)
+
+
+def runner_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    return prefill_logits(runner.model, runner.backend, ids)
+
+
+def reference_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """The float32 weights in the plain PyTorch model (no kernels, no transforms): the
+    reference every fast path is held to."""
+    backend = TorchAttentionBackend()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(loaded.config, backend, max_position=len(ids))
+    materialize_model(model, torch.device("cpu"), len(ids))
+    model.load_weights(loaded.weights)
+    return prefill_logits(model.eval(), backend, ids)
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -105,16 +134,14 @@ def test_logits_and_perplexity_against_the_dequantized_reference(
 ) -> None:
     ids = packed_loaded.tokenizer(TEXT.read_text())["input_ids"]
     assert 250 < len(ids) < 400
-    ref_runner = make_runner(default_loaded.config, default_loaded.weights)
-    ref = prefill_logits(ref_runner, ids)
-    del ref_runner
+    ref = reference_logits(default_loaded, ids)
     runner = make_runner(packed_loaded.config, packed_loaded.weights)
     assert runner.weight_bytes.keys() == {"Q4_1", "Q8_0", "float32"}
     assert type(runner.model.embed_tokens) is GGUFEmbedding
     assert type(runner.model.lm_head) is GGUFLinear
-    got = prefill_logits(runner, ids)
+    got = runner_logits(runner, ids)
     assert (got - ref).abs().max().item() < MAX_LOGIT_DIFF
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.95
     ppl, ppl_ref = perplexity(got, ids), perplexity(ref, ids)
     assert abs(ppl / ppl_ref - 1) < PERPLEXITY_RTOL, (ppl, ppl_ref)
 
@@ -122,16 +149,24 @@ def test_logits_and_perplexity_against_the_dequantized_reference(
 def test_one_call_decode_and_module_forward_give_the_same_tokens(
     packed_loaded: LoadedModel,
 ) -> None:
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     tokens = []
     for eager in (True, False):
         llm = LLM.from_loaded(packed_loaded, dtype="float32", kv_cache_memory=0.5,
                               enforce_eager=eager)
         assert (llm.engine.runner.decode_graph is None) == eager
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
-        del llm
     assert tokens[0] == tokens[1]
+    # The resident bytes reach /metrics through the engine's Ready message.
+    ready = EngineLoop.ready_message(typing.cast(Any, SimpleNamespace(core=llm.engine)))
+    assert ready.weight_bytes == llm.engine.runner.weight_bytes
+    metrics = ServerMetrics()
+    metrics.on_weights(ready.weight_bytes)
+    text = metrics.render()[0].decode()
+    q4 = metric_value(text, "tailserve:model_weight_bytes", {"format": "Q4_1"})
+    q8 = metric_value(text, "tailserve:model_weight_bytes", {"format": "Q8_0"})
+    assert (q4, q8) == (66_355_200, 30_081_024)  # the file's blocks, byte for byte
 
 
 def test_gguf_weights_choice() -> None:
@@ -270,7 +305,7 @@ def test_mixed_formats_and_an_unsupported_type(
     assert [format_of(p).name for p in qkv.parts] == ["Q4_K", "Q6_K"]  # q+k fused, v apart
     assert runner.decode_graph is None  # mixed formats: the module forward runs decodes
     ref_config, ref_weights = tiny(path, packed=False)
-    ref_runner = make_runner(ref_config, ref_weights)
     ids = list(range(3, 40))
-    got, ref = prefill_logits(runner, ids), prefill_logits(ref_runner, ids)
+    got = runner_logits(runner, ids)
+    ref = reference_logits(LoadedModel(ref_config, ref_weights, None, path), ids)
     assert ((got - ref).norm() / ref.norm()).item() < TINY_RTOL

@@ -86,7 +86,7 @@ def test_dequantize_matches_gguf_for_every_format(fmt: BlockFormat) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("rows", [1, 3, 17, 130])
+@pytest.mark.parametrize("rows", [1, 3, 41])
 def test_quant_linear_matches_the_emulated_product(
     isa: str, fmt: BlockFormat, rows: int
 ) -> None:

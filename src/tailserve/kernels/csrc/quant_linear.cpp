@@ -384,7 +384,7 @@ Packed check_packed(const at::Tensor& w, const char* op) {
 // vector registers (no buffer), kFusedRows x rows per pass over W: a decode step reads each
 // weight byte once or twice. Above it unpacking a tile once for every row of x is cheaper
 // (measured on Zen 5, 3072 x 576 Q4_1: 8 rows 0.27 ms fused vs 0.39 ms in panels; 64 rows
-// 0.72 ms in panels). K-quants at few rows take the row-dot path (no panel build).
+// 0.72 ms in panels). The K-quants likewise (fused_kquant_rows).
 constexpr int64_t kFusedRows = 4;
 constexpr int64_t kFusedMaxRows = 8;
 constexpr int64_t kPanelMinRows = 9;
@@ -511,6 +511,115 @@ void fused_linear(Fmt f, int64_t M, const uint8_t* w, int64_t n0, int64_t n1, in
     case Fmt::Q5_1: return fused_dispatch<Fmt::Q5_1, Vnni>(M, w, n0, n1, K, xq, dx, xs32, y, N, bias);
     default: return fused_dispatch<Fmt::Q8_0, Vnni>(M, w, n0, n1, K, xq, dx, xs32, y, N, bias);
   }
+}
+
+// The K-quants at decode rows, unpacked in registers the same way: a Q4_K / Q5_K super-block
+// is 8 groups of 32 with 6-bit scales and mins, a Q6_K one 16 groups of 16 with int8 scales.
+template <Fmt F, bool Vnni, int MR>
+void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t* xq,
+                       const float* dx, const float* xs16, const float* xs32, float* y,
+                       int64_t N, const float* bias) {
+  constexpr int64_t kTs = F == Fmt::Q4_K ? 144 : F == Fmt::Q5_K ? 176 : 210;
+  const int64_t nsb = K / 256, nb = K / 32;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nsb * kTs;
+    __m256 acc0[MR], acc1[MR];
+    float off[MR];
+    for (int m = 0; m < MR; ++m) {
+      acc0[m] = acc1[m] = _mm256_setzero_ps();
+      off[m] = 0.f;
+    }
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = row + sb * kTs;
+      if constexpr (F == Fmt::Q4_K || F == Fmt::Q5_K) {
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        int sc[8], mn[8];
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, blk + 4, &sc[j], &mn[j]);
+        const uint8_t* ql = blk + (F == Fmt::Q5_K ? 48 : 16);
+        __m256i qh = _mm256_setzero_si256();
+        if constexpr (F == Fmt::Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * j));
+          __m256i lo = _mm256_and_si256(v, low4);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (F == Fmt::Q5_K) {
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                _mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+            qh = _mm256_srli_epi16(qh, 2);
+          }
+          const int64_t g0 = sb * 8 + 2 * j, g1 = g0 + 1;
+          const float a0 = d * static_cast<float>(sc[2 * j]), a1 = d * static_cast<float>(sc[2 * j + 1]);
+          const float m0 = dmin * static_cast<float>(mn[2 * j]), m1 = dmin * static_cast<float>(mn[2 * j + 1]);
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* xr = xq + m * K;
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + g0 * 32));
+            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + g1 * 32));
+            acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot32<Vnni>(lo, x0, false)),
+                                      _mm256_set1_ps(a0 * dx[m * nb + g0]), acc0[m]);
+            acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot32<Vnni>(hi, x1, false)),
+                                      _mm256_set1_ps(a1 * dx[m * nb + g1]), acc1[m]);
+            off[m] -= m0 * xs32[m * nb + g0] + m1 * xs32[m * nb + g1];
+          }
+        }
+      } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d; q - 32 per group of 16
+        const uint8_t* ql = blk;
+        const uint8_t* qhp = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = f16_at(blk + 208);
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+          const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qhp + 32 * h));
+          __m256i q[4];
+          q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                 _mm256_slli_epi16(_mm256_and_si256(hv, three), 4));
+          q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
+              _mm256_and_si256(_mm256_srli_epi16(hv, 2), three), 4));
+          q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), three), 4));
+          q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), three), 4));
+          for (int c = 0; c < 4; ++c) {
+            const int64_t b = sb * 8 + h * 4 + c;  // the 32-block of x
+            const float sa = d * static_cast<float>(sc[h * 8 + 2 * c]);
+            const float sb2 = d * static_cast<float>(sc[h * 8 + 2 * c + 1]);
+            for (int m = 0; m < MR; ++m) {
+              const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
+              const float dm = dx[m * nb + b];
+              const __m256 s = _mm256_set_m128(_mm_set1_ps(sb2 * dm), _mm_set1_ps(sa * dm));
+              __m256& acc = (c & 1) ? acc1[m] : acc0[m];
+              acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot32<Vnni>(q[c], xv, false)), s, acc);
+              off[m] -= 32.f * (sa * xs16[m * 2 * nb + 2 * b] + sb2 * xs16[m * 2 * nb + 2 * b + 1]);
+            }
+          }
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      y[m * N + n] = hsum256(_mm256_add_ps(acc0[m], acc1[m])) + off[m] + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+template <bool Vnni>
+void fused_kquant(Fmt f, int64_t M, const uint8_t* w, int64_t n0, int64_t n1, int64_t K,
+                  const int8_t* xq, const float* dx, const float* xs16, const float* xs32,
+                  float* y, int64_t N, const float* bias) {
+#define TS_KQ(F)                                                                            \
+  switch (M) {                                                                              \
+    case 1: return fused_kquant_rows<F, Vnni, 1>(w, n0, n1, K, xq, dx, xs16, xs32, y, N, bias); \
+    case 2: return fused_kquant_rows<F, Vnni, 2>(w, n0, n1, K, xq, dx, xs16, xs32, y, N, bias); \
+    case 3: return fused_kquant_rows<F, Vnni, 3>(w, n0, n1, K, xq, dx, xs16, xs32, y, N, bias); \
+    default: return fused_kquant_rows<F, Vnni, 4>(w, n0, n1, K, xq, dx, xs16, xs32, y, N, bias); \
+  }
+  if (f == Fmt::Q4_K) { TS_KQ(Fmt::Q4_K) }
+  if (f == Fmt::Q5_K) { TS_KQ(Fmt::Q5_K) }
+  TS_KQ(Fmt::Q6_K)
+#undef TS_KQ
 }
 #endif
 
@@ -708,7 +817,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
   const bool is_signed = p.f.fmt == Fmt::Q8_0;
   float* yp = y.data_ptr<float>();
 #ifdef TS_AVX2
-  if (isa >= kAvx2 && M <= kFusedMaxRows && is_block32(p.f.fmt)) {
+  if (isa >= kAvx2 && M <= kFusedMaxRows) {
     // Runs of rows per hand-out: each thread's reads stay sequential.
     const int64_t per_item = std::max<int64_t>(
         16, (N / (8 * at::get_num_threads()) + 15) / 16 * 16);
@@ -716,14 +825,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
       const int64_t n0 = item * per_item, n1 = std::min(N, n0 + per_item);
       for (int64_t m = 0; m < M; m += kFusedRows) {
         const int64_t mr = std::min(kFusedRows, M - m);
-        if (isa >= kAvx512Vnni) {
-          fused_linear<true>(p.f.fmt, mr, p.data, n0, n1, K, xq.data() + m * K,
-                             dx.data() + m * (K / 32), xs32.data() + m * (K / 32),
-                             yp + m * N, N, bp);
+        const int8_t* xr = xq.data() + m * K;
+        const float* dr = dx.data() + m * (K / 32);
+        const float* s16 = xs.data() + m * (K / 16);
+        const float* s32 = xs32.data() + m * (K / 32);
+        float* yr = yp + m * N;
+        const bool vnni = isa >= kAvx512Vnni;
+        if (is_block32(p.f.fmt)) {
+          if (vnni) fused_linear<true>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s32, yr, N, bp);
+          else fused_linear<false>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s32, yr, N, bp);
         } else {
-          fused_linear<false>(p.f.fmt, mr, p.data, n0, n1, K, xq.data() + m * K,
-                              dx.data() + m * (K / 32), xs32.data() + m * (K / 32),
-                              yp + m * N, N, bp);
+          if (vnni) fused_kquant<true>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s16, s32, yr, N, bp);
+          else fused_kquant<false>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s16, s32, yr, N, bp);
         }
       }
     });
