@@ -124,7 +124,8 @@ class CpuDecodeGraph:
     @staticmethod
     def supports(meta: AttentionMetadata) -> bool:
         """Decode-only steps of up to PANEL_MAX_ROWS sequences: there the module forward runs
-        every linear on the panel kernel too, so both paths compute the same."""
+        every linear on the panel kernel (or, for packed GGUF weights, quant_linear) too, so
+        both paths compute the same."""
         return meta.num_decodes == meta.num_seqs and 0 < meta.num_seqs <= PANEL_MAX_ROWS
 
     def __call__(
