@@ -35,8 +35,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from roofline import decode_bytes, measure_bandwidth
     from tailserve import LLM, SamplingParams
 
+    # No prefix caching: the same prompts are timed again and must be computed again.
     llm = LLM(args.model, dtype="float32", kv_cache_memory=args.kv_gib, gguf_weights=mode,
-              max_model_len=2048)
+              max_model_len=2048, enable_prefix_caching=False)
     loaded_rss = rss_mb()
     prompt = list(range(1000, 1000 + args.prompt_len))
     long = list(range(2000, 2000 + args.long_prompt_len))

@@ -180,28 +180,71 @@ void unpack_row(const FmtInfo& f, const uint8_t* row, int64_t K, int64_t type_si
 
 // ----------------------------------------------------------------- activations to int8
 
-// x [M, K] -> xq [M, K] int8, dx [M, K / 32], xs [M, K / 16] = dx * (sum of xq over 16).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
+#ifdef TS_AVX2
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// x [M, K] -> xq [M, K] int8, dx [M, K / 32], xs [M, K / 16] = dx * (sum of xq over 16),
+// xs32 [M, K / 32] the same over 32. Every path (and the torch reference) rounds the same
+// float32 products x * (1 / d) to nearest even, so they agree on every integer.
+inline void quantize_block(const float* v, int8_t* o, float* d_out, float* s16, float* s32) {
+#ifdef TS_AVX2
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i) x[i] = _mm256_loadu_ps(v + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
+                            _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256 r[4];
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_round_ps(_mm256_mul_ps(x[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q[i] = _mm256_cvtps_epi32(r[i]);
+  }
+  const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), b);
+  const float lo = hsum256(_mm256_add_ps(r[0], r[1])), hi = hsum256(_mm256_add_ps(r[2], r[3]));
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  int lo_i = 0, hi_i = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int qv = static_cast<int>(std::nearbyint(v[i] * id));
+    o[i] = static_cast<int8_t>(qv);
+    (i < 16 ? lo_i : hi_i) += qv;
+  }
+  const float lo = static_cast<float>(lo_i), hi = static_cast<float>(hi_i);
+#endif
+  *d_out = d;
+  s16[0] = d * lo;
+  s16[1] = d * hi;
+  *s32 = d * (lo + hi);
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs,
+                   float* xs32) {
   const int64_t nb = K / 32;
   parallel_dynamic((M + 7) / 8, [&](int64_t item) {
     const int64_t m1 = std::min(M, item * 8 + 8);
     for (int64_t m = item * 8; m < m1; ++m) {
       for (int64_t b = 0; b < nb; ++b) {
-        const float* v = x + m * K + b * 32;
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.f;
-        const float id = d != 0.f ? 1.f / d : 0.f;
-        int8_t* o = xq + m * K + b * 32;
-        int s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int qv = static_cast<int>(std::nearbyint(v[i] * id));
-          o[i] = static_cast<int8_t>(qv);
-          (i < 16 ? s0 : s1) += qv;
-        }
-        dx[m * nb + b] = d;
-        xs[m * (K / 16) + 2 * b] = d * static_cast<float>(s0);
-        xs[m * (K / 16) + 2 * b + 1] = d * static_cast<float>(s1);
+        quantize_block(x + m * K + b * 32, xq + m * K + b * 32, dx + m * nb + b,
+                       xs + m * (K / 16) + 2 * b, xs32 + m * nb + b);
       }
     }
   });
@@ -266,12 +309,6 @@ inline __m256i dot32_avx2(__m256i w, __m256i x, bool is_signed) {
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <int R, bool Signed>
 void dot_rows_avx2(const int8_t* xq, const float* dx, int64_t K, const uint8_t* const* q,
@@ -811,8 +848,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
   // x in int8: xq [M, K], dx [M, K/32], xs [M, K/16] (and per 32: xs32)
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * (K / 32)), xs(M * (K / 16)), xs32(M * (K / 32));
-  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data());
-  for (int64_t i = 0; i < M * (K / 32); ++i) xs32[i] = xs[2 * i] + xs[2 * i + 1];
+  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data(), xs32.data());
   const int isa = current_isa();
   const bool is_signed = p.f.fmt == Fmt::Q8_0;
   float* yp = y.data_ptr<float>();
