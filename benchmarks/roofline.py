@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tailserve.model.quant.formats import is_packed
+
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -94,22 +96,28 @@ def decode_bytes(
     element_size: int,
 ) -> DecodeBytes:
     """Count from Hugging Face-named tensors. With tied embeddings there is no
-    ``lm_head.weight``: the LM head *is* the embedding matrix, counted once, as the LM head."""
+    ``lm_head.weight``: the LM head *is* the embedding matrix, counted once, as the LM head.
+    Packed GGUF blocks (uint8 ``[rows, blocks, type_size]``) count as stored: they are what the
+    kernels read; float tensors count at ``element_size`` (the serving dtype)."""
+
+    def nbytes(w: torch.Tensor) -> int:
+        return w.numel() if is_packed(w) else w.numel() * element_size
+
     embed = weights["model.embed_tokens.weight"]
     lm_head = weights.get("lm_head.weight", embed)
     linear = norms = 0
     for name, w in weights.items():
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             continue
-        if w.dim() == 2:
-            linear += w.numel()
+        if w.dim() >= 2:
+            linear += nbytes(w)
         else:
-            norms += w.numel()
+            norms += nbytes(w)
     return DecodeBytes(
-        linear_bytes=linear * element_size,
-        lm_head_bytes=lm_head.numel() * element_size,
-        norm_bytes=norms * element_size,
-        embedding_row_bytes=embed.shape[1] * element_size,
+        linear_bytes=linear,
+        lm_head_bytes=nbytes(lm_head),
+        norm_bytes=norms,
+        embedding_row_bytes=nbytes(embed) // embed.shape[0],
         kv_bytes_per_context_token=num_layers * 2 * num_kv_heads * head_dim * element_size,
         element_size=element_size,
     )

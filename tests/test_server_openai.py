@@ -32,8 +32,11 @@ def timeline_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server(timeline_path: str) -> Iterator[ServerProcess]:
+    # The GGUF dequantized, as the offline reference engine (default_llm) loads it: the
+    # completions are compared token for token (packed-vs-float: tests/test_gguf_packed.py).
     with ServerProcess(
-        ["--dtype", "float32", "--max-model-len", "2048", "--timeline", timeline_path]
+        ["--dtype", "float32", "--max-model-len", "2048", "--timeline", timeline_path,
+         "--gguf-weights", "dequantize"]
     ) as srv:
         yield srv
 
@@ -237,6 +240,9 @@ def test_request_id_metrics_and_timeline(server: ServerProcess, timeline_path: s
     assert metric_value(metrics, "tailserve:num_requests_running") == 0
     total = metric_value(metrics, "tailserve:kv_cache_total_blocks")
     assert total and metric_value(metrics, "tailserve:kv_cache_free_blocks") == total
+    # 135M float32 parameters, plus the kernels' panel copies.
+    weights = metric_value(metrics, "tailserve:model_weight_bytes", {"format": "float32"})
+    assert weights is not None and weights > 4 * 134e6
 
     recent = httpx.get(server.url + "/debug/timeline", params={"since": t0}).json()["records"]
     mine = [r for r in recent if r["kind"] == "request" and r["request_id"] == "abc-123"]

@@ -131,6 +131,12 @@ class EngineArgs:
                                   "what attention reads"}
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    gguf_weights: Literal["auto", "packed", "dequantize"] = field(
+        default="auto",
+        metadata={"help": "a GGUF's quantized matrices: packed keeps their blocks as stored "
+                  "for the CPU kernels (float32 CPU only); dequantize expands them to float32 "
+                  "(the reference); auto: packed where it can run"},
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest prompt + output; default: the model's context"}
     )
@@ -306,7 +312,7 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) exceeds the model's context length "
                 f"({model.max_position_embeddings})"
             )
-        runner = self._resolve_runner(platform, model.checkpoint_dtype)
+        runner = self.resolve_runner(platform, model.checkpoint_dtype)
         budget = self.max_num_batched_tokens
         if budget is None:
             # The default must hold every running decode, and whole prompts when not chunking.
@@ -354,7 +360,11 @@ class EngineArgs:
             kv_events=kv_events,
         )
 
-    def _resolve_runner(self, platform: Platform, checkpoint_dtype: str | None) -> RunnerConfig:
+    def resolve_runner(
+        self, platform: Platform, checkpoint_dtype: str | None = None
+    ) -> RunnerConfig:
+        """Device and dtypes resolved from ``auto`` (the loader needs the device and the weight
+        dtype before the model; ``checkpoint_dtype`` is what the checkpoint stores, if known)."""
         device = resolve_device(self.device, platform)
         weights = resolve_dtype(self.dtype, device, platform, checkpoint_dtype)
         compute = compute_dtype(weights, device, platform)

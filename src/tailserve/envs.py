@@ -69,6 +69,11 @@ TAILSERVE_CPU_BF16_DOT: EnvSwitch[bool] = EnvSwitch(
     "AVX512-BF16 (default: its vdpbf16ps dot product, on activations rounded to bfloat16)",
     read_by="kernels/csrc/linear16.cpp",
 )
+TAILSERVE_QUANT_ISA: EnvSwitch[str] = EnvSwitch(
+    "TAILSERVE_QUANT_ISA", "auto", str,
+    "the instruction set of the packed-GGUF kernels: auto (the best this CPU has), avx512vnni, "
+    "avx512, avx2 or scalar (to compare paths, or to test the AVX2 one on an AVX512 machine)",
+)
 CUDA_VISIBLE_DEVICES: EnvSwitch[str | None] = EnvSwitch(
     "CUDA_VISIBLE_DEVICES", None, str,
     "CUDA's device renumbering; the memory monitor maps torch's index to NVML's through it",
@@ -92,6 +97,6 @@ TRITON_INTERPRET: EnvSwitch[bool] = EnvSwitch(
 SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
     TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_CPU_BF16_DOT,
-    CUDA_VISIBLE_DEVICES,
+    TAILSERVE_QUANT_ISA, CUDA_VISIBLE_DEVICES,
     TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SWEEP, TRITON_INTERPRET,
 )

@@ -80,11 +80,14 @@ class EngineCore:
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> EngineCore:
         """Load (unless ``loaded`` is given), resolve ``args`` against the model, build."""
+        platform = detect_platform()
         if loaded is None:
-            from tailserve.model.loader import load_model
+            from tailserve.model.loader import load_model, resolve_gguf_weights
 
-            loaded = load_model(args.model)
-        unsized = args.resolve_unsized(loaded.config, detect_platform())
+            runner_config = args.resolve_runner(platform)
+            loaded = load_model(args.model, gguf_weights=resolve_gguf_weights(
+                args.gguf_weights, runner_config.device, runner_config.dtype))
+        unsized = args.resolve_unsized(loaded.config, platform)
         runner = None
         measured = None
         if unsized.needs_kv_measurement:

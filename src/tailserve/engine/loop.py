@@ -60,7 +60,8 @@ class EngineLoop:
 
     def ready_message(self) -> Ready:
         core = self.core
-        return Ready(config=core.config, model=core.loaded.source, pid=os.getpid())
+        return Ready(config=core.config, model=core.loaded.source, pid=os.getpid(),
+                     weight_bytes=dict(core.runner.weight_bytes))
 
     def state(self) -> EngineState:
         snap = self.core.snapshot()

@@ -69,6 +69,8 @@ class Ready(msgspec.Struct, tag="ready"):
     config: EngineConfig
     model: str  # the weights' path
     pid: int
+    # Resident weight bytes per storage format (GGUF block formats, float32): /metrics.
+    weight_bytes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

@@ -103,6 +103,19 @@ def cpu_ops_error() -> str | None:
     return _result.error if _result is not None else None
 
 
+# TAILSERVE_QUANT_ISA names -> the levels of set_quant_isa in csrc/quant_linear.cpp.
+QUANT_ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+
+
+def set_quant_isa(name: str) -> str:
+    """The packed-GGUF kernels' instruction set (``QUANT_ISAS``); returns the one in use.
+    A level this CPU lacks is an error (the op names the best it has)."""
+    if name not in QUANT_ISAS:
+        raise ValueError(f"TAILSERVE_QUANT_ISA={name!r}: expected one of {', '.join(QUANT_ISAS)}")
+    level = int(torch.ops.tailserve.set_quant_isa(QUANT_ISAS[name]))
+    return next(k for k, v in QUANT_ISAS.items() if v == level)
+
+
 def cpu_ops_available() -> bool:
     """Build (first time on this machine) and load the CPU kernels; False if they cannot be."""
     global _result
@@ -130,4 +143,6 @@ def cpu_ops_available() -> bool:
         except Exception as exc:  # no compiler, headers or ninja: the torch paths still work
             log.warning("tailserve CPU kernels unavailable, using torch fallbacks: %s", exc)
             _result = _BuildResult(ok=False, error=f"{type(exc).__name__}: {exc}")
+        if _result.ok:  # outside the try: a bad TAILSERVE_QUANT_ISA is the user's to fix
+            set_quant_isa(envs.TAILSERVE_QUANT_ISA.get())
         return _result.ok

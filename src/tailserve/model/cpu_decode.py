@@ -35,6 +35,7 @@ from tailserve.model.transforms import (
     Linear16,
     WideEmbedding,
 )
+from tailserve.model.transforms.gguf_linear import GGUFEmbedding, GGUFLinear
 from tailserve.model.transforms.kernel_linear import PANEL_MAX_ROWS
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,13 @@ log = logging.getLogger(__name__)
 # What decode_layers knows: every module path of a model it can stand in for (a layer's parts
 # relative to ``layers.<i>``) with the exact type whose forward it reproduces. Anything else in
 # the model, or another type at one of these paths, is refused. The LM head runs after the
-# graph (compute_logits), as after the module forward. A linear is float32 panels
-# (KernelLinear) or 16-bit ones (Linear16); decode_layers reads either.
-_LINEAR = (KernelLinear, Linear16)
+# graph (compute_logits), as after the module forward. A projection is float32 panels
+# (KernelLinear), 16-bit ones (Linear16) or GGUF blocks as stored (GGUFLinear, read by
+# quant_linear); decode_layers reads each.
+_LINEAR = (KernelLinear, Linear16, GGUFLinear)
 _MODEL_PARTS: dict[str, tuple[type[nn.Module], ...]] = {
     "": (LlamaForCausalLM,),
-    "embed_tokens": (nn.Embedding, WideEmbedding),
+    "embed_tokens": (nn.Embedding, WideEmbedding, GGUFEmbedding),
     "rope": (RotaryEmbedding,),
     "layers": (nn.ModuleList,),
     "norm": (FusedRMSNorm,),
@@ -72,8 +74,9 @@ _NO_BIAS = torch.empty(0)  # decode_layers reads an empty qkv bias as "none"
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One decoder layer's weights as decode_layers reads them (panels: float32
-    [out/16, in, 16], or 16-bit as ``Linear16`` keeps them)."""
+    """One decoder layer's weights as decode_layers reads them: panels [out/16, in, 16]
+    (float32, or 16-bit as ``Linear16`` keeps them), or GGUF blocks [out, blocks, type_size]
+    (uint8)."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # panels of [q_size + 2 * kv_size, hidden]
@@ -130,7 +133,8 @@ class CpuDecodeGraph:
     @staticmethod
     def supports(meta: AttentionMetadata) -> bool:
         """Decode-only steps of up to PANEL_MAX_ROWS sequences: there the module forward runs
-        every linear on the panel kernel too, so both paths compute the same."""
+        every linear on the panel kernel (or, for packed GGUF weights, quant_linear) too, so
+        both paths compute the same."""
         return meta.num_decodes == meta.num_seqs and 0 < meta.num_seqs <= PANEL_MAX_ROWS
 
     def __call__(
@@ -179,6 +183,11 @@ def _layer_weights(path: str, layer: LlamaDecoderLayer) -> DecodeLayerWeights:
                 raise _Refused(f"{path}.{name} has padded panels "
                                f"({linear16.out_features} outputs, not a multiple of 16)")
             return linear16.panel
+        if type(module) is GGUFLinear:
+            packed = typing.cast(GGUFLinear, module).packed
+            if packed is None:
+                raise _Refused(f"{path}.{name} mixes GGUF formats (one block tensor each)")
+            return packed
         linear = typing.cast(KernelLinear, module)
         if linear.panel is None:
             raise _Refused(f"{path}.{name} has no panel copy "

@@ -1,4 +1,8 @@
-"""Read a llama.cpp GGUF file into a ``ModelConfig`` and Hugging Face-named float32 weights.
+"""Read a llama.cpp GGUF file into a ``ModelConfig`` and Hugging Face-named weights.
+
+Weights come out as float32 (every tensor dequantized: the reference path), or, with
+``packed=True``, the matrices of the formats the CPU kernels read (``model/quant/formats.py``)
+as their stored blocks, byte for byte, and only the rest (norms, F16 matrices) as float32.
 
 The metadata and tensor table are parsed here rather than with ``gguf.GGUFReader``: that reader
 builds a numpy view for every element of the vocabulary and merge arrays (~150k strings), which
@@ -12,6 +16,7 @@ order, so a ``[ne0, ne1]`` matrix becomes ``[ne1, ne0]`` = ``[out_features, in_f
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
@@ -25,6 +30,9 @@ import torch
 
 from tailserve.config import ModelConfig
 from tailserve.errors import ModelLoadError
+from tailserve.model.quant.formats import PACKED_FORMATS, pack_rows
+
+log = logging.getLogger(__name__)
 
 # llama.cpp architecture name -> the Hugging Face class whose weights and math it stores.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -65,6 +73,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Types that are values, not blocks: float32 serves them with nothing lost.
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                gguf.GGMLQuantizationType.BF16)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -119,6 +130,14 @@ class GGUFFile:
         if not values.flags.writeable or not values.flags.c_contiguous:
             values = np.array(values, dtype=np.float32, order="C")
         return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(info.shape)
+
+    def packed(self, name: str) -> torch.Tensor:
+        """Matrix ``name`` as its stored blocks: uint8 ``[rows, blocks, type_size]``, a copy."""
+        info = self.tensors[name]
+        fmt = PACKED_FORMATS[info.ggml_type]
+        raw = np.frombuffer(self.blob, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        rows, cols = info.shape
+        return pack_rows(raw, fmt, (rows, cols))
 
 
 def read_gguf(path: str) -> GGUFFile:
@@ -256,8 +275,12 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def load_gguf_weights(f: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its Hugging Face name, Q/K un-permuted."""
+def load_gguf_weights(
+    f: GGUFFile, config: ModelConfig, *, packed: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every tensor under its Hugging Face name, Q/K un-permuted: dequantized to float32, or
+    with ``packed`` the matrices in a format of ``PACKED_FORMATS`` as their blocks (a
+    matrix of another quantized type is dequantized, with a warning naming it)."""
     names: dict[str, str] = {}
     unknown: list[str] = []
     for name in f.tensors:
@@ -272,9 +295,16 @@ def load_gguf_weights(f: GGUFFile, config: ModelConfig) -> dict[str, torch.Tenso
             f"{', '.join(sorted(unknown)[:8])}"
         )
     weights: dict[str, torch.Tensor] = {}
+    fallback: list[str] = []
     for name, hf_name in names.items():
+        info = f.tensors[name]
         try:
-            tensor = f.dequantize(name)
+            if packed and len(info.shape) == 2 and info.ggml_type in PACKED_FORMATS:
+                tensor = f.packed(name)
+            else:
+                if packed and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES:
+                    fallback.append(f"{name} ({info.ggml_type.name})")
+                tensor = f.dequantize(name)
         except NotImplementedError as exc:  # a type gguf's numpy code has no dequantizer for
             raise ModelLoadError(f"{f.path}: cannot dequantize {name}: {exc}") from exc
         # Only llama.cpp's "llama" converter permutes; its qwen2 converter stores HF order.
@@ -283,6 +313,12 @@ def load_gguf_weights(f: GGUFFile, config: ModelConfig) -> dict[str, torch.Tenso
         elif f.architecture == "llama" and ".self_attn.k_proj." in hf_name:
             tensor = unpermute_rows(tensor, config.num_key_value_heads).contiguous()
         weights[hf_name] = tensor
+    if fallback:
+        log.warning(
+            "%s: %d matrices are in ggml types the packed kernels do not read (supported: %s); "
+            "dequantized to float32 instead: %s", f.path, len(fallback),
+            ", ".join(fmt.name for fmt in PACKED_FORMATS.values()), ", ".join(fallback[:8]),
+        )
     return weights
 
 

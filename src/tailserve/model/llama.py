@@ -140,23 +140,33 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
             return weights[name]
 
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        # A module apply_gguf_weights swapped in (transforms/gguf_linear.py) holds its weights
+        # already: only plain nn.Linear / nn.Embedding are loaded here.
+        def plain(module: nn.Module) -> bool:
+            return type(module) in (nn.Linear, nn.Embedding)
+
+        if plain(self.embed_tokens):
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and plain(self.lm_head):
             self.lm_head.weight.copy_(take("lm_head.weight"))
         for i, module in enumerate(self.layers):
             layer = typing.cast(LlamaDecoderLayer, module)
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight")
-                                                  for n in "qkv"]))
-            if cfg.attention_bias:
-                attn.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias")
-                                                    for n in "qkv"]))
-            attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-            layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            )
-            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+            if plain(attn.qkv_proj):
+                attn.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight")
+                                                      for n in "qkv"]))
+                if cfg.attention_bias:
+                    attn.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias")
+                                                        for n in "qkv"]))
+            if plain(attn.o_proj):
+                attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            if plain(layer.mlp.gate_up_proj):
+                layer.mlp.gate_up_proj.weight.copy_(
+                    torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                )
+            if plain(layer.mlp.down_proj):
+                layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))

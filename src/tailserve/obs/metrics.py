@@ -129,6 +129,10 @@ class ServerMetrics:
             "activations in (labels; value 1).", ("weight_dtype", "compute_dtype", "cache_dtype"))
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV cache blocks.")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
+        self.model_weight_bytes = gauge(
+            "model_weight_bytes", "Resident weight bytes by storage format (Q4_1, Q8_0, "
+            "float32: GGUF blocks as stored, float tensors and their kernel copies).", ("format",)
+        )
         self.device_memory_used_bytes = gauge(
             "device_memory_used_bytes", "Device memory in use (all processes).", ("device",)
         )
@@ -280,6 +284,11 @@ class ServerMetrics:
         # Reusable prefix-cache blocks count as free. The pool always has a block (the config
         # checks one max_model_len sequence fits), so total_blocks is never 0 here.
         self.kv_cache_usage_perc.set(1.0 - free_blocks / total_blocks if total_blocks else 0.0)
+
+    def on_weights(self, weight_bytes: dict[str, int]) -> None:
+        """The model's resident weight bytes per storage format, once at start-up."""
+        for fmt, nbytes in weight_bytes.items():
+            self.model_weight_bytes.labels(format=fmt).set(nbytes)
 
     def on_cache_config(
         self, *, block_size: int, num_kv_blocks: int, enable_prefix_caching: bool,

@@ -127,6 +127,7 @@ class ServerContext:
         run = self.config.runner
         metrics.on_dtypes(weight_dtype=run.dtype, compute_dtype=run.compute_dtype,
                           cache_dtype=run.kv_cache_dtype)
+        metrics.on_weights(client.info.weight_bytes)
         if client.state is None:
             metrics.on_ready(cache.num_kv_blocks)
         else:

@@ -21,12 +21,17 @@ TORCH_LIBRARY(tailserve, m) {
   m.def("decode_layers(Tensor(a!) embeds, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor final_norm, int num_heads, float eps, float scale) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("quant_embedding(Tensor ids, Tensor w) -> Tensor");
+  m.def("quant_dequantize(Tensor w) -> Tensor");
+  m.def("set_quant_isa(int isa) -> int");
 }
 
 // No tensor arguments: registered for every backend.
 TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
   m.impl("set_kernel_spin_us", &tailserve_cpu::set_kernel_spin_us);
   m.impl("set_bf16_dot", &tailserve_cpu::set_bf16_dot);
+  m.impl("set_quant_isa", &tailserve_cpu::set_quant_isa);
 }
 
 TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
@@ -39,4 +44,7 @@ TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
   m.impl("silu_and_mul", &tailserve_cpu::silu_and_mul);
   m.impl("rope_", &tailserve_cpu::rope_);
   m.impl("decode_layers", &tailserve_cpu::decode_layers);
+  m.impl("quant_linear", &tailserve_cpu::quant_linear);
+  m.impl("quant_embedding", &tailserve_cpu::quant_embedding);
+  m.impl("quant_dequantize", &tailserve_cpu::quant_dequantize);
 }

@@ -10,6 +10,8 @@
 //                           elementwise.cpp  one pass each instead of several torch ops
 //   decode_layers           decode_layers.cpp  every decoder layer of a decode-only step
 //   set_kernel_spin_us      work_pool.cpp    how long idle workers spin before they sleep
+//   quant_linear, quant_embedding, quant_dequantize, set_quant_isa
+//                           quant_linear.cpp products and lookups on GGUF blocks as stored
 //
 // Parallel work runs on the kernels' own work pool (work_pool.h), handed out dynamically
 // through an atomic counter because decode contexts differ in length by 10x within one step.
@@ -45,5 +47,10 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& final_norm,
                          int64_t num_heads, double eps, double scale);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias);
+at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w);
+at::Tensor quant_dequantize(const at::Tensor& w);
+int64_t set_quant_isa(int64_t isa);
 
 }  // namespace tailserve_cpu

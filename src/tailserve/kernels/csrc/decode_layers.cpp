@@ -23,7 +23,7 @@ namespace {
 // Per layer, in this order: input norm weight, qkv panels, qkv bias (empty when the model has
 // none), o panels, post-attention norm weight, gate_up panels, down panels
 // (DecodeLayerWeights.op_args in model/cpu_decode.py).
-// Panels are float32 or 16-bit (decode_linear picks the kernel by their dtype).
+// Projections are float32 or 16-bit panels, or GGUF blocks (project picks the kernel).
 constexpr int64_t kWeightsPerLayer = 7;
 
 // K and V of this step's tokens into their slots: qkv rows are [q | k | v]. A 16-bit pool
@@ -48,6 +48,16 @@ void write_kv(const at::Tensor& kv_cache, const at::Tensor& qkv, int64_t q_size,
     case at::kHalf: return write_kv_as<c10::Half>(kv_cache, qkv, q_size, kv_size, slots);
     default: return write_kv_as<float>(kv_cache, qkv, q_size, kv_size, slots);
   }
+}
+
+// A layer's projection: panels [N/16, K, 16] in float32 or 16 bits (decode_linear,
+// linear16.cpp) or GGUF blocks as stored (uint8 [N, blocks, type_size], quant_linear.cpp).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  return w.scalar_type() == at::kByte ? quant_linear(x, w, b) : decode_linear(x, w, b);
+}
+
+int64_t outputs_of(const at::Tensor& w) {
+  return w.scalar_type() == at::kByte ? w.size(0) : w.size(0) * 16;
 }
 
 }  // namespace
@@ -80,8 +90,8 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
   const int64_t T = embeds.size(0);
   const int64_t num_kv_heads = pool0.size(3), head_dim = pool0.size(4);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(weights[1].dim() == 3 && weights[1].size(0) * 16 == q_size + 2 * kv_size,
-              "decode_layers: qkv panels give ", weights[1].size(0) * 16, " outputs for ",
+  TORCH_CHECK(weights[1].dim() == 3 && outputs_of(weights[1]) == q_size + 2 * kv_size,
+              "decode_layers: qkv weights give ", outputs_of(weights[1]), " outputs for ",
               num_heads, " heads and ", num_kv_heads, " KV heads of ", head_dim);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == T, "decode_layers: slot_mapping must be int64 [T]");
@@ -107,16 +117,16 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
     }
     const std::optional<at::Tensor> qkv_bias =
         w[2].numel() ? std::optional<at::Tensor>(w[2]) : std::nullopt;
-    at::Tensor qkv = decode_linear(h, w[1], qkv_bias);  // [T, q_size + 2 * kv_size]
+    at::Tensor qkv = project(h, w[1], qkv_bias);  // [T, q_size + 2 * kv_size]
     rope_(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim}), cos,
           sin);
     write_kv(kv_caches[l], qkv, q_size, kv_size, slots);
     at::Tensor attn = at::empty({T, num_heads, head_dim}, x.options());
     paged_decode_attention(attn, qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim}),
                            kv_caches[l], block_tables, seq_lens, scale);
-    h = decode_linear(attn.view({T, q_size}), w[3], std::nullopt);
+    h = project(attn.view({T, q_size}), w[3], std::nullopt);
     fused_add_rms_norm(h, residual, w[4], eps);
-    x = decode_linear(silu_and_mul(decode_linear(h, w[5], std::nullopt)), w[6], std::nullopt);
+    x = project(silu_and_mul(project(h, w[5], std::nullopt)), w[6], std::nullopt);
   }
   fused_add_rms_norm(x, residual, final_norm, eps);
   return x;
