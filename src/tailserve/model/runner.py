@@ -101,7 +101,7 @@ class ModelRunner:
         self.cpu_kernels = self.device.type == "cpu" and cpu_ops_available()
         self.backend = backend = get_attention_backend(self.device.type, self.cpu_kernels)
         packed = has_packed(weights)
-        if packed and not (self.cpu_kernels and self.dtype == torch.float32):
+        if packed and not (self.cpu_kernels and self.dtype == self.weight_dtype == torch.float32):
             raise ConfigError(
                 "the weights are packed GGUF blocks, which only the compiled CPU kernels read "
                 f"(float32 on CPU); this runner is {config.dtype} on {config.device}"
