@@ -26,7 +26,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_util import free_port
+from server_util import free_port, wait_for_health
 
 
 def mb(p: psutil.Process) -> float:
@@ -64,16 +64,8 @@ def main() -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                             env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.25)
+        if not wait_for_health(url, proc, 180):
+            raise SystemExit("the server did not start")
         api = psutil.Process(proc.pid)
         engine = next(c for c in api.children(recursive=True)
                       if "spawn_main" in " ".join(c.cmdline()))

@@ -31,10 +31,8 @@ import sys
 import time
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_util import free_port
+from server_util import free_port, wait_for_health
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -171,16 +169,8 @@ def main() -> None:
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.25)
+        if not wait_for_health(url, proc, 180):
+            raise SystemExit("the server did not start")
     else:
         url = args.url
     if args.pin:

@@ -29,6 +29,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_for_health(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Poll ``url``/health until it answers 200 (True), or until ``proc`` exits or ``timeout``
+    seconds pass (False; ``proc.poll()`` tells which)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    return False
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -71,19 +87,13 @@ class ServerProcess:
 
     def wait_until_healthy(self) -> None:
         assert self.proc is not None
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.engine_pids = [
-                        c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
-                    ]
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        if wait_for_health(self.url, self.proc, self.startup_timeout):
+            self.engine_pids = [
+                c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
+            ]
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
         raise RuntimeError(f"server not healthy after {self.startup_timeout}s:\n{self.output()}")
 
     def output(self) -> str:
