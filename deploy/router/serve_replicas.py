@@ -108,6 +108,20 @@ def router_command(
     return cmd + args.router_arg
 
 
+def replica_envs(items: list[str], n: int) -> dict[int, dict[str, str]]:
+    """``["1:A=x", "1:B=y"]`` -> ``{1: {"A": "x", "B": "y"}}``."""
+    out: dict[int, dict[str, str]] = {}
+    for item in items:
+        index, _, assign = item.partition(":")
+        name, eq, value = assign.partition("=")
+        if not index.isdigit() or not name or not eq:
+            raise ValueError(f"--replica-env wants I:NAME=VALUE, got {item!r}")
+        if int(index) >= n:
+            raise ValueError(f"--replica-env {item!r}: replica {index} of {n} (0-based)")
+        out.setdefault(int(index), {})[name] = value
+    return out
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     serve_args: list[str] = []
     if "--" in argv:
@@ -134,11 +148,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--router-arg", action="append", default=[],
                    help="one more argument for vllm-router (repeat)")
     p.add_argument("--router-log-level", default="warning")
+    p.add_argument("--replica-env", action="append", default=[], metavar="I:NAME=VALUE",
+                   help="an environment variable for replica I only (repeat), e.g. "
+                   "1:TAILSERVE_TEST_SLOW_STEP_MS=20 to make replica 1 slow")
     p.add_argument("--state-file", default=None)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error(f"--replicas must be >= 1, got {args.replicas}")
+    try:
+        args.replica_env_of = replica_envs(args.replica_env, args.replicas)
+    except ValueError as exc:
+        p.error(str(exc))
     if "--block-size" not in serve_args:
         serve_args += ["--block-size", str(args.block_size)]
     return args, serve_args
@@ -178,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         replicas: list[Replica] = []
         threads = split_threads(args.threads, args.replicas)
         for i in range(args.replicas):
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads[i])}
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads[i]),
+                   **args.replica_env_of.get(i, {})}
             # Own session: killing a replica's group takes its engine process with it.
             proc = subprocess.Popen(replica_command(args, i, serve_args), env=env,
                                     start_new_session=True)

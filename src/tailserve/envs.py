@@ -83,6 +83,11 @@ TAILSERVE_TEST_FAIL_FORWARD_AT_STEP: EnvSwitch[int | None] = EnvSwitch(
     "tests only: the engine's forward raises from this step (1-based) on, so tests can see "
     "what users get when the model fails mid-flight",
 )
+TAILSERVE_TEST_SLOW_STEP_MS: EnvSwitch[float] = EnvSwitch(
+    "TAILSERVE_TEST_SLOW_STEP_MS", 0.0, float,
+    "tests only: every engine step's forward takes this many milliseconds longer (a sleep "
+    "inside the step's time), so a test can run one replica slower than its peers",
+)
 TAILSERVE_TEST_SWEEP: EnvSwitch[bool] = EnvSwitch(
     "TAILSERVE_TEST_SWEEP", False, _flag,
     "tests only: run the slow `tailserve plan --sweep` test (it starts servers)",
@@ -98,5 +103,6 @@ SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
     TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_CPU_BF16_DOT,
     TAILSERVE_QUANT_ISA, CUDA_VISIBLE_DEVICES,
-    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SWEEP, TRITON_INTERPRET,
+    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SLOW_STEP_MS, TAILSERVE_TEST_SWEEP,
+    TRITON_INTERPRET,
 )

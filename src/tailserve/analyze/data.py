@@ -137,6 +137,8 @@ class RunData:
     # (closed loop). Either makes "offered load" a property of the client, not of traffic.
     request_rate: float | None = None
     max_concurrency: int | None = None
+    # A run through a router (bench --replica): each replica's own view (analyze/replicas.py).
+    replicas: list[Any] | None = None
 
     @property
     def closed_loop(self) -> bool:
@@ -184,6 +186,10 @@ def run_from_result(result: dict[str, Any],
     ts = result.get("tailserve")
     if not isinstance(ts, dict):
         return _from_vllm(result)
+    if ts.get("replicas"):
+        from tailserve.analyze.replicas import joined_run
+
+        return joined_run(result, extra_timeline)
     start = float(ts["start_time"])
     server = ts.get("server") or {}
     records = list(server.get("timeline") or []) + list(extra_timeline or [])

@@ -46,9 +46,11 @@ class Diagnosis:
     errors: dict[str, int]
     cannot_judge: list[str]
     findings: list[str] = field(default_factory=list)
+    replicas: list[dict[str, Any]] | None = None  # per-replica breakdown (analyze/replicas.py)
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        extra = {} if self.replicas is None else {"replicas": self.replicas}
+        return extra | {
             "tail": {m: t.as_json() for m, t in self.tails.items()},
             "windows": self.windows,
             "errors": self.errors,
@@ -64,6 +66,8 @@ class Diagnosis:
 def diagnose(run: RunData, percentile: float = 99.0) -> Diagnosis:
     if not 0 < percentile < 100:
         raise ValueError(f"--percentile must be between 0 and 100, got {percentile}")
+    if run.replicas:
+        return _diagnose_replicas(run, percentile)
     model = None
     if run.steps is not None and len(run.steps) >= MIN_STEPS_FOR_FIT:
         model = fit_step_model(run.steps)
@@ -94,6 +98,17 @@ def diagnose(run: RunData, percentile: float = 99.0) -> Diagnosis:
     d = Diagnosis(run, percentile, model, samples, tails, find_windows(run, samples), errors,
                   cannot)
     d.findings = _findings(d)
+    return d
+
+
+def _diagnose_replicas(run: RunData, percentile: float) -> Diagnosis:
+    from tailserve.analyze.replicas import findings, judge
+
+    samples, tails, model, cannot = judge(run, percentile)
+    errors = dict(Counter(q.error_type or "error" for q in run.requests if not q.ok))
+    d = Diagnosis(run, percentile, model, samples, tails, find_windows(run, samples), errors,
+                  cannot, replicas=[r.breakdown for r in run.replicas or []])
+    d.findings = findings(run, tails) + _findings(d)
     return d
 
 
@@ -159,6 +174,30 @@ def print_summary(d: Diagnosis, console: Any) -> None:
         console.print("[bold]windows where the P99 jumps[/]")
         for w in d.windows:
             console.print(f"  {w['summary']}")
+    if d.replicas:
+        _print_replicas(d.replicas, console)
     console.print("[bold]findings[/]")
     for f in d.findings:
         console.print(f"  • {f}")
+
+
+def _print_replicas(rows: list[dict[str, Any]], console: Any) -> None:
+    from rich.table import Table
+
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    table = Table(title="replicas", title_justify="left")
+    for col in ("replica", "requests", "TTFT P50/P99 ms", "ITL P50/P99 ms", "step P50/P99 ms",
+                "queue P99 ms", "max waiting", "busy", "slowness"):
+        table.add_column(col, justify="left" if col == "replica" else "right")
+    for r in rows:
+        slow = "-" if r["slowness"] is None else f"{r['slowness']:.2f}x"
+        table.add_row(r["url"] + ("" if r["healthy"] else " (unhealthy)"),
+                      f"{r['num_requests']} ({r['share_of_requests']:.0%})",
+                      f"{ms(r['ttft_p50_ms'])} / {ms(r['ttft_p99_ms'])}",
+                      f"{ms(r['itl_p50_ms'])} / {ms(r['itl_p99_ms'])}",
+                      f"{ms(r['step_p50_ms'])} / {ms(r['step_p99_ms'])}",
+                      ms(r["queue_p99_ms"]), str(r["max_waiting"]), f"{r['busy_share']:.0%}",
+                      slow)
+    console.print(table)

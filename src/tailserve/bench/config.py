@@ -176,6 +176,12 @@ class BenchConfig:
                          "TTFT; for low-rate latency runs on a host where the client has a "
                          "core to itself (costs up to one core while requests are in flight)"))
     argv: list[str] = field(default_factory=list, metadata={"cli": False})
+    # Replicas behind a router (bench/replicas.py): each observed, each request attributed.
+    replicas: list[str] = field(
+        default_factory=list,
+        metadata=_target("a replica behind the --base-url router (repeat): its /metrics, "
+                         "/health and timeline are observed and each request is attributed "
+                         "to the replica that served it", flag="replica", metavar="URL"))
     # Canary split (bench/canary.py): a second server and the share of users sent to it.
     base_url_b: str | None = field(
         default=None,

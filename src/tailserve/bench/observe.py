@@ -78,11 +78,20 @@ def timeline_key(record: dict[str, Any]) -> tuple[Any, ...]:
 
 
 class ObserverProcess:
-    """Start before the step (returns once the "before" sample is taken), ``stop()`` after."""
+    """Start before the step (returns once the "before" sample is taken), ``stop()`` after.
 
-    def __init__(self, base_url: str, headers: dict[str, str], metrics: bool, timeline: bool,
-                 interval_s: float = 1.0) -> None:
-        self.args = (base_url, headers, metrics, timeline, interval_s)
+    One server (``base_url``), or with ``replicas`` several more watched by the same process
+    (bench/replicas.py): ``stop()`` then also returns ``"replicas"``, one observation per URL
+    in the order given, each with its ``/health`` at every sample as well.
+    """
+
+    def __init__(self, base_url: str | None, headers: dict[str, str], metrics: bool,
+                 timeline: bool, interval_s: float = 1.0,
+                 replicas: list[tuple[str, bool, bool]] | None = None) -> None:
+        targets = [] if base_url is None else [(base_url, metrics, timeline, False)]
+        targets += [(url, m, t, True) for url, m, t in replicas or []]
+        self.args = (targets, headers, interval_s)
+        self.has_main = base_url is not None
         self._conn: Connection | None = None
         self._proc: Any = None
 
@@ -101,17 +110,24 @@ class ObserverProcess:
     def stop(self) -> dict[str, Any]:
         """The samples and timeline records; empty lists if the observer failed."""
         assert self._conn is not None and self._proc is not None
+        outs: list[dict[str, Any]] | None = None
         try:
             self._conn.send_bytes(b"stop")
             if self._conn.poll(120):
-                out: dict[str, Any] = json.loads(self._conn.recv_bytes())
-                return out
+                outs = json.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             pass
         finally:
             self._proc.join(10)
             self._kill()
-        return {"metric_samples": [], "timeline": [], "errors": ["observer process died"]}
+        n = len(self.args[0])
+        if outs is None:
+            outs = [{"metric_samples": [], "timeline": [], "errors": ["observer process died"]}
+                    for _ in range(n)]
+        out = outs[0] if self.has_main else {}
+        if n > int(self.has_main):
+            out = {**out, "replicas": outs[int(self.has_main):]}
+        return out
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -119,49 +135,83 @@ class ObserverProcess:
             self._proc.join(5)
 
 
-def _observer_main(conn: Connection, base_url: str, headers: dict[str, str], metrics: bool,
-                   timeline: bool, interval_s: float) -> None:
-    from tailserve.bench import BenchError
-    from tailserve.bench.preflight import SyncHTTP
+class _Target:
+    """One server's samples and timeline records, as the observer process collects them."""
 
-    http = SyncHTTP(base_url, headers, timeout_s=10.0)
-    samples: list[dict[str, Any]] = []
-    records: dict[tuple[Any, ...], dict[str, Any]] = {}
-    errors: list[str] = []
-    start = time.time()
-    since = start - TIMELINE_OVERLAP_S
+    def __init__(self, base_url: str, headers: dict[str, str], metrics: bool, timeline: bool,
+                 health: bool, start: float) -> None:
+        from tailserve.bench.preflight import SyncHTTP
 
-    def sample(phase: str) -> None:
+        self.http = SyncHTTP(base_url, headers, timeout_s=10.0)
+        self.metrics, self.timeline, self.health = metrics, timeline, health
+        self.samples: list[dict[str, Any]] = []
+        self.health_samples: list[dict[str, Any]] = []
+        self.records: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.errors: list[str] = []
+        self.start = start
+        self.since = start - TIMELINE_OVERLAP_S
+
+    def sample(self, phase: str) -> None:
+        from tailserve.bench import BenchError
+
+        if self.health:
+            t = time.time()
+            try:
+                status, _ = self.http.request("GET", "/health")
+                self.health_samples.append({"t": t, "phase": phase, "status": status})
+            except BenchError as exc:
+                self.health_samples.append({"t": t, "phase": phase, "error": str(exc)})
+        if not self.metrics:
+            return
         t = time.time()
         try:
-            status, raw = http.request("GET", "/metrics")
+            status, raw = self.http.request("GET", "/metrics")
         except BenchError as exc:
-            samples.append({"t": t, "phase": phase, "error": str(exc)})
+            self.samples.append({"t": t, "phase": phase, "error": str(exc)})
             return
         if status != 200:
-            samples.append({"t": t, "phase": phase, "error": f"HTTP {status}"})
+            self.samples.append({"t": t, "phase": phase, "error": f"HTTP {status}"})
             return
-        samples.append({"t": t, "phase": phase, "values": parse_metrics(raw.decode())})
+        self.samples.append({"t": t, "phase": phase, "values": parse_metrics(raw.decode())})
 
-    def poll_timeline() -> None:
-        nonlocal since
+    def poll_timeline(self) -> None:
+        from tailserve.bench import BenchError
+
+        if not self.timeline:
+            return
         try:
-            status, body = http.get_json(f"/debug/timeline?since={since}")
+            status, body = self.http.get_json(f"/debug/timeline?since={self.since}")
         except BenchError as exc:
-            errors.append(f"timeline: {exc}")
+            self.errors.append(f"timeline: {exc}")
             return
         if status != 200 or not isinstance(body, dict):
-            errors.append(f"timeline: HTTP {status}")
+            self.errors.append(f"timeline: HTTP {status}")
             return
         got = body.get("records") or []
         for r in got:
             if isinstance(r, dict):
-                records[timeline_key(r)] = r
+                self.records[timeline_key(r)] = r
         if got:
-            since = max(since, float(got[-1].get("t", since)) - TIMELINE_OVERLAP_S)
+            self.since = max(self.since, float(got[-1].get("t", self.since)) - TIMELINE_OVERLAP_S)
 
-    if metrics:
-        sample("before")
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"metric_samples": self.samples, "errors": self.errors}
+        if self.health:
+            out["health"] = self.health_samples
+        if self.timeline:
+            ordered = sorted(self.records.values(), key=lambda r: float(r.get("t", 0.0)))
+            out["timeline"] = [r for r in ordered if float(r.get("t", 0.0)) >= self.start - 1.0]
+        self.http.close()
+        return out
+
+
+def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]],
+                   headers: dict[str, str], interval_s: float) -> None:
+    start = time.time()
+    watched = [_Target(url, headers, m, t, h, start) for url, m, t, h in targets]
+    sampled = any(w.metrics or w.health for w in watched)
+    for w in watched:
+        w.sample("before")
     conn.send_bytes(b"ready")
     next_sample = time.monotonic() + interval_s
     next_poll = time.monotonic() + TIMELINE_POLL_S
@@ -171,21 +221,17 @@ def _observer_main(conn: Connection, base_url: str, headers: dict[str, str], met
             conn.recv_bytes()
             break
         now = time.monotonic()
-        if metrics and now >= next_sample:
-            sample("during")
+        if sampled and now >= next_sample:
+            for w in watched:
+                w.sample("during")
             next_sample += interval_s
             if next_sample < now:  # a slow scrape: skip the missed ticks, don't burst
                 next_sample = now + interval_s
-        if timeline and now >= next_poll:
-            poll_timeline()
+        if now >= next_poll:
+            for w in watched:
+                w.poll_timeline()
             next_poll = now + TIMELINE_POLL_S
-    if metrics:
-        sample("after")
-    if timeline:
-        poll_timeline()
-    ordered = sorted(records.values(), key=lambda r: float(r.get("t", 0.0)))
-    out = {"metric_samples": samples, "errors": errors}
-    if timeline:
-        out["timeline"] = [r for r in ordered if float(r.get("t", 0.0)) >= start - 1.0]
-    conn.send_bytes(json.dumps(out).encode())
-    http.close()
+    for w in watched:
+        w.sample("after")
+        w.poll_timeline()
+    conn.send_bytes(json.dumps([w.result() for w in watched]).encode())

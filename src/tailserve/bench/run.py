@@ -33,6 +33,7 @@ from tailserve.bench.datasets import BenchRequest, DatasetOptions, load_dataset
 from tailserve.bench.http11 import HTTP_CLIENTS, LeanStreamClient, make_client
 from tailserve.bench.observe import ObserverProcess
 from tailserve.bench.preflight import ServerInfo, SyncHTTP, normalize_base_url, preflight
+from tailserve.bench.replicas import ReplicaInfo, probe_replicas, replicas_block
 from tailserve.bench.report import Progress, print_step, print_sweep
 from tailserve.bench.result import (
     StepData,
@@ -95,6 +96,9 @@ def run_bench(cfg: BenchConfig, console: Any = None) -> list[dict[str, Any]]:
                          f"{cfg.http_client!r}")
     if cfg.sweep and cfg.request_rates:
         raise BenchError("--sweep and --request-rates are two ways to choose rates: pick one")
+    if cfg.replicas and cfg.base_url_b:
+        raise BenchError("--replica observes the replicas behind one --base-url; a canary "
+                         "split (--base-url-b) compares two servers: use one or the other")
     if cfg.base_url_b:
         from tailserve.bench import canary
 
@@ -149,6 +153,8 @@ async def _steps(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
                  info_b: ServerInfo | None, session: aiohttp.ClientSession,
                  client: BenchClient, ignore_eos: bool) -> list[dict[str, Any]]:
     ctx = _Ctx(cfg, info, counter, headers, client, console, ignore_eos, loop_name)
+    if cfg.replicas:
+        ctx.replicas = probe_replicas(cfg.replicas, headers)
     await ctx.test_request()
     if info_b is not None:
         return await _canary(ctx, info_b, session)
@@ -222,6 +228,7 @@ class _Ctx:
     ignore_eos: bool
     loop_name: str
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    replicas: list[ReplicaInfo] = field(default_factory=list)  # --replica, probed
 
     @property
     def client_name(self) -> str:
@@ -299,10 +306,16 @@ class _Ctx:
             f"burstiness {cfg.burstiness:g}, max concurrency {plan.max_concurrency or '-'} "
             f"(prepared in {perf_counter() - t_prep:.1f} s)")
         observer = None
-        if cfg.observe and (self.info.metrics_names or self.info.has_timeline):
-            observer = ObserverProcess(self.info.base_url, self.headers,
-                                       bool(self.info.metrics_names), self.info.has_timeline,
-                                       cfg.metrics_interval_s)
+        reps = self.replicas
+        # The --base-url itself is one of the replicas (the bench bypasses the router): it is
+        # observed once, as a replica.
+        main = cfg.observe and bool(self.info.metrics_names or self.info.has_timeline) and \
+            self.info.base_url not in [r.url for r in reps]
+        if main or (cfg.observe and reps):
+            observer = ObserverProcess(
+                self.info.base_url if main else None, self.headers,
+                bool(self.info.metrics_names), self.info.has_timeline, cfg.metrics_interval_s,
+                [(r.url, r.metrics, r.timeline) for r in reps] if cfg.observe else None)
             observer.start()
         load_before = os.getloadavg()
         # Everything allocated so far is long-lived: keep the collector from walking it
@@ -339,6 +352,12 @@ class _Ctx:
             environment=environment(cfg.argv, self.info, self.loop_name, load_before,
                                     self.client_name, cfg.busy_poll),
         ))
+        if server is not None and "replicas" in server:
+            ts = result["tailserve"]
+            observed = server.pop("replicas")
+            if not main:
+                ts.pop("server", None)
+            ts |= replicas_block(reps, observed, ts["requests"])
         print_step(self.console, result, cfg.percentiles)
         return result
 

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tailserve import envs
 from tailserve.data.records import EngineState
@@ -57,6 +58,17 @@ class EngineLoop:
         self.profile: ProfileCapture | None = None
         # Read once, when the loop is built (see envs.py).
         self._fail_at_step = envs.TAILSERVE_TEST_FAIL_FORWARD_AT_STEP.get()
+        slow_s = envs.TAILSERVE_TEST_SLOW_STEP_MS.get() / 1e3
+        if slow_s > 0:
+            # Around the runner, so the sleep lands inside the step's measured step_s: the
+            # step is slower for the same batch, as on a slower host.
+            execute = self.core.runner.execute
+
+            def slow_execute(sched: Any) -> Any:
+                time.sleep(slow_s)
+                return execute(sched)
+
+            self.core.runner.execute = slow_execute  # type: ignore[method-assign]
 
     def ready_message(self) -> Ready:
         core = self.core
