@@ -194,5 +194,32 @@ def test_cli_json_html_and_compare(tmp_path: Path, capsys: pytest.CaptureFixture
     out = json.loads(capsys.readouterr().out)
     assert [r["url"] for r in out["replicas"]] == URLS
     assert out["tail"]["ttft"]["causes"][0]["cause"] == "slow_replica"
-    assert "slow_replica" in html.read_text()
+    page = html.read_text()
+    assert "slow_replica" in page and "<h2>Replicas</h2>" in page and URLS[1] in page
     assert main(["compare", str(path), str(path)]) == 0
+
+
+def test_replica_flag() -> None:
+    from tailserve.cli import bench_config_from, build_parser
+
+    ns = build_parser().parse_args(["bench", "--replica", URLS[0], "--replica", URLS[1]])
+    assert bench_config_from(ns, argv=[]).replicas == URLS
+    assert bench_config_from(build_parser().parse_args(["bench"]), argv=[]).replicas == []
+    with pytest.raises(SystemExit):  # tune starts its own server: no replicas to observe
+        build_parser().parse_args(["tune", "--replica", URLS[0]])
+
+
+def test_replica_mistakes_are_said_before_any_load() -> None:
+    from server_util import free_port
+    from tailserve.bench import BenchError
+    from tailserve.bench.config import BenchConfig
+    from tailserve.bench.replicas import probe_replicas
+    from tailserve.bench.run import run_bench
+
+    with pytest.raises(BenchError, match="--base-url-b"):
+        run_bench(BenchConfig(replicas=URLS, base_url_b=URLS[1]))
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(BenchError, match="connection refused"):
+        probe_replicas([dead], {})
+    with pytest.raises(BenchError, match="given twice"):
+        probe_replicas([dead + "/v1", dead], {})

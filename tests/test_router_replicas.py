@@ -16,6 +16,7 @@ Skips, with the reason, only where the vllm-router executable is missing or cann
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import random
@@ -26,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,15 +62,18 @@ def router_bin() -> str:
     return found
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@contextlib.contextmanager
+def start_cluster(folder: Path, serve_args: list[str],
+                  script_args: Sequence[str] = ()) -> Iterator[dict[str, Any]]:
+    """serve_replicas.py with two replicas (``serve_args`` to each, ``script_args`` to the
+    script); yields its state file (the router's and the replicas' URLs and pids)."""
     binary = router_bin()
-    state_file = tmp_path_factory.mktemp("router") / "state.json"
+    state_file = folder / "state.json"
     log = open(state_file.with_suffix(".log"), "wb")  # noqa: SIM115 - read on failure
     cmd = [sys.executable, str(SCRIPT), "--replicas", "2", "--port", str(free_port()),
            "--replica-base-port", str(two_free_ports()), "--router-bin", binary,
            "--state-file", str(state_file), "--threads", str(os.cpu_count() or 2),
-           "--", *SERVE_ARGS]
+           *script_args, "--", *serve_args]
     # The torch paths: routing is under test, not kernels, and they start seconds sooner.
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "TAILSERVE_CPU_KERNELS": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -90,6 +94,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    with start_cluster(tmp_path_factory.mktemp("router"), SERVE_ARGS) as state:
+        yield state
 
 
 def two_free_ports() -> int:

@@ -187,7 +187,8 @@ def _add_diagnose(sub: Any) -> None:
         "diagnose", help="explain the tail latency of a bench result",
         description="Split the tail (requests above --percentile) of TTFT, TPOT, ITL and E2EL "
         "into causes (queueing, prefill_interference, own_prefill, preemption, "
-        "kv_cache_pressure, engine_stall, client_or_network, none), with evidence and advice, "
+        "kv_cache_pressure, engine_stall, client_or_network, and on a bench --replica result "
+        "router_imbalance, slow_replica; none), with evidence and advice, "
         "and find the time windows where the P99 jumps.",
     )
     d.add_argument("result", metavar="RESULT.json", help="a tailserve bench --save-result file")
@@ -337,7 +338,7 @@ def _add_plan(sub: Any) -> None:
 TUNE_BENCH_SKIP = (
     "base_url", "model", "api_key", "request_rates", "sweep", "sweep_steps", "goodput",
     "percentiles", "save_result", "save_detailed", "label", "progress", "base_url_b", "split",
-    "users",
+    "users", "replicas",
 )
 TUNE_DATASET_DEFAULTS = {"num_prompts": 100}
 TUNE_BENCH_DEFAULTS = {"request_rate": 1.0}

@@ -11,9 +11,10 @@ joined, so the tail is the run's tail, and two causes only a router's run can ha
   ``slowness``. At ``SLOW_FACTOR`` or more, ``1 - 1/slowness`` of each of its samples' server
   time is the slowness's, moved from the other server-side parts (queueing included: a slow
   replica also drains its queue slowly).
-- ``router_imbalance``: a request that queued on its replica while another healthy replica had
-  no queue waited because of where the router sent it. Its queueing part, times the share of
-  its wait during which some other replica had no queue, is moved to ``router_imbalance``.
+- ``router_imbalance``: a request that queued on its replica (others waiting ahead of it)
+  while another healthy replica had no queue waited because of where the router sent it. Its
+  queueing part, times the share of its wait during which that held, is moved to
+  ``router_imbalance``. Not on a slow replica: its queue is the slowness's.
 
 Either is reassignment, not addition: the parts still sum to what the sample cost, and the
 attribution (attribution.py) is the one every run gets.
@@ -208,7 +209,9 @@ def reassign(s: Samples, run: RunData, reps: list[ReplicaRun], mine: int,
     """Move the replica causes' seconds out of the parts they hide in (in place)."""
     n = len(s.values)
     imb = np.zeros(n)
-    if "queueing" in s.parts and n:
+    # A slow replica's queue is its slowness's (it drains slowly), not the router's: the
+    # router's part is judged on replicas of normal speed only.
+    if "queueing" in s.parts and n and slow is None:
         reqs = [run.requests[int(k)] for k in s.req]
         arr = np.array([q.arrival_t or 0.0 for q in reqs], dtype=float)
         wait = np.array([float((q.timing or {}).get("queue_s") or 0.0) for q in reqs])

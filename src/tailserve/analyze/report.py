@@ -197,6 +197,13 @@ def render_html(d: Diagnosis) -> str:
              f"the tail is every sample at or above P{d.percentile:g}.</p>",
              "<h2>Findings</h2><ul class='findings'>",
              *(f"<li>{e(f)}</li>" for f in d.findings), "</ul>"]
+    if d.replicas:
+        cols = [k for k in d.replicas[0] if k != "index"]
+        parts.append("<h2>Replicas</h2><table><tr>"
+                     + "".join(f"<th>{e(k)}</th>" for k in cols) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{e(str(r.get(k)))}</td>" for k in cols) + "</tr>"
+                  for r in d.replicas]
+        parts.append("</table>")
     for m, t in d.tails.items():
         parts.append(f"<h2>{NAMES[m]}: P50 {t.p50_s * 1e3:.2f} ms, P99 {t.p99_s * 1e3:.2f} ms"
                      "</h2><table><tr><th>cause</th><th>share</th><th>evidence</th>"

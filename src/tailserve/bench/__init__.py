@@ -11,6 +11,7 @@
     report.py    the terminal tables and the latency-vs-rate plot
     run.py       arrivals, the open loop, steps and sweeps
     canary.py    --base-url-b: users split between two servers in one run
+    replicas.py  --replica: the replicas behind a router, each request's replica
 """
 
 from __future__ import annotations

@@ -38,24 +38,24 @@ class ReplicaInfo:
 def probe_replicas(urls: list[str], headers: dict[str, str]) -> list[ReplicaInfo]:
     """What each replica offers; a replica that is down or is not a server is a user mistake
     (a typo in the URL), said before any load is sent."""
-    out = []
-    seen: set[str] = set()
-    for raw in urls:
-        url = normalize_base_url(raw)
-        if url in seen:
+    normalized = [normalize_base_url(u) for u in urls]
+    for url in normalized:
+        if normalized.count(url) > 1:
             raise BenchError(f"--replica {url} is given twice")
-        seen.add(url)
+    out = []
+    for url in normalized:
         http = SyncHTTP(url, headers, timeout_s=10.0)
         try:
             status, _ = http.request("GET", "/health")
             if status != 200:
-                raise BenchError(f"--replica {url}: GET /health answered HTTP {status}; is the "
-                                 "replica up?")
+                raise BenchError(f"GET /health answered HTTP {status}; is the replica up?")
             status, raw_metrics = http.request("GET", "/metrics")
-            metrics = status == 200 and bool(available_gauges(raw_metrics.decode("utf-8",
-                                                                                  "replace")))
+            metrics = status == 200 and bool(
+                available_gauges(raw_metrics.decode("utf-8", "replace")))
             status, body = http.get_json("/debug/timeline?limit=1")
             timeline = status == 200 and isinstance(body, dict) and "records" in body
+        except BenchError as exc:
+            raise BenchError(f"--replica {url}: {exc}") from None
         finally:
             http.close()
         out.append(ReplicaInfo(url, metrics, timeline))

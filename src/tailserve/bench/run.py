@@ -307,10 +307,11 @@ class _Ctx:
             f"(prepared in {perf_counter() - t_prep:.1f} s)")
         observer = None
         reps = self.replicas
-        # The --base-url itself is one of the replicas (the bench bypasses the router): it is
-        # observed once, as a replica.
+        # With --replica the --base-url is not observed: a router answers /metrics and
+        # /debug/timeline by forwarding them to one of its workers, so they would be some
+        # replica's, a different one from call to call.
         main = cfg.observe and bool(self.info.metrics_names or self.info.has_timeline) and \
-            self.info.base_url not in [r.url for r in reps]
+            not reps
         if main or (cfg.observe and reps):
             observer = ObserverProcess(
                 self.info.base_url if main else None, self.headers,
@@ -337,6 +338,9 @@ class _Ctx:
         finally:
             gc.unfreeze()
             server = observer.stop() if observer is not None else None
+        observed = server.pop("replicas", None) if server is not None else None
+        if not main:
+            server = None
         if interrupted:
             sent = [r for r in results if r.send_s is not None]
             warnings.append(f"interrupted after {duration:.1f} s: {len(sent)} of "
@@ -352,12 +356,15 @@ class _Ctx:
             environment=environment(cfg.argv, self.info, self.loop_name, load_before,
                                     self.client_name, cfg.busy_poll),
         ))
-        if server is not None and "replicas" in server:
+        if observed is not None:
             ts = result["tailserve"]
-            observed = server.pop("replicas")
-            if not main:
-                ts.pop("server", None)
             ts |= replicas_block(reps, observed, ts["requests"])
+            for o in ts["replicas"]:
+                steps = sum(r.get("kind") == "step" for r in o.get("timeline") or [])
+                bad = sum(h.get("status") != 200 for h in o.get("health") or [])
+                self.console.print(f"replica {o['url']}: {o['num_requests']} requests, "
+                                   f"{steps} steps, {len(o['metric_samples'])} /metrics "
+                                   f"samples, /health failed {bad} times")
         print_step(self.console, result, cfg.percentiles)
         return result
 
