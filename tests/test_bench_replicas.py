@@ -63,7 +63,9 @@ def test_slow_replica_and_router_imbalance(cluster: dict[str, Any]) -> None:
         assert {h["status"] for h in o["health"]} == {200}
         assert {s["phase"] for s in o["metric_samples"]} >= {"before", "during", "after"}
     assert "server" not in ts  # the router forwards /metrics to some worker: not observed
-    d = diagnose(run_from_result(step))
+    # The tail above P90: with 12 requests a P99 tail is one sample, and on a shared 2-core
+    # host one CPU-contention stall on the fast replica could be that one.
+    d = diagnose(run_from_result(step), percentile=90)
     assert d.replicas is not None and d.replicas[1]["slowness"] > 1.5, d.replicas
     for m in ("ttft", "itl"):
         top = d.tails[m].causes[0]
@@ -72,7 +74,7 @@ def test_slow_replica_and_router_imbalance(cluster: dict[str, Any]) -> None:
 
     step = bench(urls[0], urls, rate=float("inf"), warmup=0)  # both warm by now
     assert [o["num_requests"] for o in step["tailserve"]["replicas"]] == [12, 0]
-    d = diagnose(run_from_result(step))
+    d = diagnose(run_from_result(step), percentile=90)
     top = d.tails["ttft"].causes[0]
     assert (top.cause, top.evidence.get("replica")) == ("router_imbalance", urls[0]), \
         [(c.cause, round(c.share, 3)) for c in d.tails["ttft"].causes]
