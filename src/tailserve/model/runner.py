@@ -33,7 +33,8 @@ from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
 from tailserve.model.sampler import Sampler, SamplingRow
-from tailserve.model.step_buffers import SamplingBuffers, StepInputBuffers
+from tailserve.model.sampling_buffers import SamplingBuffers
+from tailserve.model.step_buffers import StepInputBuffers
 from tailserve.model.transforms import apply_cpu_kernels
 from tailserve.model.transforms.gguf_linear import (
     apply_gguf_weights,
@@ -166,7 +167,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         cache = self.cache
-        self.sampler.buffers = SamplingBuffers(scheduler.max_num_seqs, self.device)
+        # Ragged capacity: the bound on the penalties' distinct (row, token) keys.
+        self.sampler.buffers = SamplingBuffers(
+            scheduler.max_num_seqs, self.device, scheduler.max_num_seqs
+            * min(self.model_config.vocab_size, self.max_model_len),
+        )
         self.step_buffers = StepInputBuffers(
             scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
             -(-self.max_model_len // cache.block_size), cache.num_kv_blocks * cache.block_size,
