@@ -311,9 +311,10 @@ def test_gpu_check_refuses_clearly_without_cuda(
     import subprocess
     import sys
 
-    bash = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")],
-                          capture_output=True, text=True)
-    assert bash.returncode == 0, bash.stderr
+    for script in ("gpu_check.sh", "gpu_bundle.sh"):
+        bash = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)],
+                              capture_output=True, text=True)
+        assert bash.returncode == 0, bash.stderr
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" /
                                                   "gpu_check.py")
     assert spec is not None and spec.loader is not None
