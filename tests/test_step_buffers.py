@@ -26,7 +26,7 @@ from tailserve.model.device import detect_platform
 from tailserve.model.loader import load_model
 from tailserve.model.memory_profile import graph_reserve_bytes, kv_budget
 from tailserve.model.runner import ModelRunner
-from tailserve.model.step_buffers import StepInputBuffers
+from tailserve.model.step_buffers import StepInputBuffers, step_buffer_bytes
 from tiny_models import build_tiny_llama
 
 CPU = torch.device("cpu")
@@ -50,7 +50,7 @@ def test_fill_writes_in_place_and_views_the_same_storage_every_step() -> None:
     for a, b in zip((first.input_ids, first.block_tables, first.seq_lens),
                     (second.input_ids, second.block_tables, second.seq_lens), strict=True):
         assert a.data_ptr() == b.data_ptr()
-    assert buf.nbytes == 8 * (3 * 16 + 4 + 5 + 4 * 3 + 4)
+    assert buf.nbytes == 8 * (3 * 16 + 4 + 5 + 4 * 3 + 4) == step_buffer_bytes(16, 4, 3)
 
 
 def test_fill_refuses_steps_beyond_the_bounds() -> None:
@@ -144,6 +144,9 @@ def test_kv_budget_arithmetic() -> None:
     # 80 GiB at 0.9: 72 GiB less 1 (others), 16 (weights), 4 (activations), 0.5 (graphs)
     assert kv_budget(80 * gib, 0.9, gib, 16 * gib, 4 * gib, gib // 2) == int(50.5 * gib)
     assert kv_budget(8 * gib, 0.5, 0, 6 * gib, 0, 0) == 0  # never negative
+    # the persistent step and sampling buffers come off the pool too
+    assert kv_budget(80 * gib, 0.9, gib, 16 * gib, 4 * gib, gib // 2, gib // 4) == int(
+        50.25 * gib)
     # graphs: the activations of max_num_seqs tokens out of the profiled budget, + margin
     assert graph_reserve_bytes(4096 << 20, 4096, 256) == (256 << 20) + (64 << 20)
     assert graph_reserve_bytes(100, 8, 64) == 100 + (64 << 20)
@@ -359,15 +362,17 @@ def test_sampler_on_persistent_buffers_draws_the_same_tokens() -> None:
 
 
 def test_sampling_buffers_ragged_vectors_grow_once_past_their_start_size() -> None:
-    from tailserve.model.sampling_buffers import SamplingBuffers
+    from tailserve.model.sampling_buffers import SamplingBuffers, sampling_buffer_bytes
 
     buffers = SamplingBuffers(2, CPU, ragged_capacity=4)
+    assert buffers.nbytes == sampling_buffer_bytes(2, 4)  # what the start-up budget counts
     first = buffers.put("penalty_keys", [7, 8, 9])
     assert first.tolist() == [7, 8, 9] and buffers.grown == 0
     assert buffers.put("penalty_keys", [1]).data_ptr() == first.data_ptr()  # in place
-    keys = buffers.put("min_tokens_keys", list(range(10)))  # a request with many stop ids
-    assert keys.tolist() == list(range(10))
-    assert buffers.grown == 1 and buffers.capacity("min_tokens_keys") == 20
+    assert buffers.capacity("min_tokens_keys") == 32  # 16 a row
+    keys = buffers.put("min_tokens_keys", list(range(40)))  # a request with many stop ids
+    assert keys.tolist() == list(range(40))
+    assert buffers.grown == 1 and buffers.capacity("min_tokens_keys") == 80
     assert buffers.put("min_tokens_keys", [3]).data_ptr() == keys.data_ptr()
     with pytest.raises(ValueError, match="3 sampling rows exceed the buffers' 2"):
         buffers.put("logprob_index", [0, 1, 2])  # per-row vectors never grow

@@ -11,12 +11,13 @@ ordered after the copy), and returns the device prefix. An event per name guards
 twin: a second ``put`` of the same name in a step (the top-p retry) waits until the previous
 copy has left it. On CPU the twin is the tensor: written in place, nothing copied.
 
-Capacity: the per-row and index names hold ``max_rows``; the ragged names hold
+Capacity: the per-row and index names hold ``max_rows``; the penalty vectors hold
 ``ragged_capacity`` entries, which the runner sets to the bound of the penalties' distinct
-(row, token) keys (``max_num_seqs x min(vocab, max_model_len)``). The min_tokens keys have
-no such bound (a request lists any number of stop ids): a step needing more grows that
-buffer once, to twice the need, logged — an allocation on a step that sets a new maximum,
-never in the steady state.
+(row, token) keys (``max_num_seqs x min(vocab, max_model_len)``), and the start-up memory
+budget counts them (``sampling_buffer_bytes``). The min_tokens keys have no such bound (a
+request lists any number of stop ids): they start at ``MIN_TOKENS_KEYS_PER_ROW`` a row, and a
+step needing more grows that buffer once, to twice the need, logged — an allocation on a
+step that sets a new maximum, never in the steady state.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ RAGGED_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
 SAMPLING_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({**ROW_DTYPES, **RAGGED_DTYPES})
 
 Values = Sequence[float] | Sequence[int] | Sequence[bool] | np.ndarray
+MIN_TOKENS_KEYS_PER_ROW = 16
+
+
+def _capacities(max_rows: int, ragged_capacity: int) -> dict[str, int]:
+    return {name: max_rows if name in ROW_DTYPES
+            else MIN_TOKENS_KEYS_PER_ROW * max_rows if name == "min_tokens_keys"
+            else ragged_capacity for name in SAMPLING_DTYPES}
+
+
+def sampling_buffer_bytes(max_rows: int, ragged_capacity: int) -> int:
+    """Device bytes ``SamplingBuffers(max_rows, ..., ragged_capacity)`` takes at start."""
+    return sum(n * SAMPLING_DTYPES[name].itemsize
+               for name, n in _capacities(max_rows, ragged_capacity).items())
 
 
 class SamplingBuffers:
@@ -61,8 +75,8 @@ class SamplingBuffers:
         self._np: dict[str, np.ndarray] = {}
         self._copied: dict[str, torch.cuda.Event] = {}
         self.grown = 0  # buffers grown past their start-up size (a new maximum step)
-        for name in self.DTYPES:
-            self._allocate(name, max_rows if name in ROW_DTYPES else self.ragged_capacity)
+        for name, size in _capacities(max_rows, self.ragged_capacity).items():
+            self._allocate(name, size)
 
     def _allocate(self, name: str, size: int) -> None:
         dtype = self.DTYPES[name]

@@ -76,6 +76,11 @@ class CopyOrder(Protocol):
         """On the compute stream, after the step's last read of the device tensors."""
 
 
+def step_buffer_bytes(max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> int:
+    """Device bytes ``StepInputBuffers`` of these bounds takes (all int64)."""
+    return 8 * (3 * max_num_tokens + max_num_seqs * (3 + max_blocks_per_seq) + 1)
+
+
 class CudaCopyOrder:
     """``CopyOrder`` on CUDA: a side stream for the copies and three events."""
 
