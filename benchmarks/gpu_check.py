@@ -338,13 +338,17 @@ def check_memory(small: bool = False) -> None:
         if small:
             return 0
         torch.cuda.synchronize()
-        return int(torch.cuda.memory_stats().get("num_device_alloc", 0))
+        stats = torch.cuda.memory_stats()
+        if "num_device_alloc" not in stats:  # a torch without the counter: fail, don't pass
+            return -1
+        return int(stats["num_device_alloc"])
 
     mixed_round(0)  # warm-up: the steady baseline is its peak (steady_memory_warmup)
     mallocs = cuda_mallocs()
     for seed in range(1, 4):
         mixed_round(seed)
-    grown = cuda_mallocs() - mallocs
+    after = cuda_mallocs()
+    grown = after - mallocs if min(after, mallocs) >= 0 else -1
     steady = loop.steady
     runner = loop.core.runner
     sampling = runner.sampler.buffers
