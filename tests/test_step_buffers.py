@@ -219,7 +219,14 @@ def test_staging_is_double_buffered_and_the_events_keep_the_order() -> None:
 
 def _no_tensor_from_host_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """From here on, building a tensor out of host values fails the test: on CUDA each
-    such call is an allocation and a synchronous copy from pageable memory."""
+    such call is an allocation and a synchronous copy from pageable memory.
+
+    What a step passing under it proves: the runner's CUDA step path (``_stage``, the
+    Triton backend, the sampler over ``SamplingBuffers``; the same code, on CPU tensors)
+    takes every host value through the persistent buffers. What it does not: device
+    intermediates (activations, logits, sampler temporaries) still come from torch's caching
+    allocator each eager step; that they reuse its cached blocks (no cudaMalloc after warm-up)
+    only a GPU can show (``benchmarks/gpu_check.py memory``)."""
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a tensor built from host values inside the step")
 

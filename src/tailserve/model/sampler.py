@@ -92,10 +92,10 @@ def _min_tokens_keys(rows: Sequence[SamplingRow], vocab_size: int) -> np.ndarray
     stop ids outside the vocabulary are skipped (the model cannot sample them anyway)."""
     parts: list[np.ndarray] = []
     for i, row in enumerate(rows):
-        banned = _banned_for_min_tokens(row)
+        # Filtered in Python: a short list, and an id past int64 must not reach numpy.
+        banned = [t for t in _banned_for_min_tokens(row) if 0 <= t < vocab_size]
         if banned:
-            tokens = np.asarray(banned, dtype=np.int64)
-            parts.append(tokens[(tokens >= 0) & (tokens < vocab_size)] + i * vocab_size)
+            parts.append(np.asarray(banned, dtype=np.int64) + i * vocab_size)
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
