@@ -10,13 +10,18 @@
 #   model2/   the second half and the whole file's sha256
 #
 # The tool carries at most 64 MiB a call, so the model travels in two calls to one machine,
-# the second within the machine's 30 s warm window (ignored paths a call carried stay there):
+# the second within the machine's 30 s warm window (ignored paths a call carried stay there).
+# The first call runs the parts that need no model, the second the rest (each well inside
+# the tool's 600 s a command; $OUT comes back from each):
 #
-#   run(carry=[".gpu_bundle/wheels", ".gpu_bundle/model1"], command="true", timeout_s=60)
-#   run(carry=[".gpu_bundle/model2"], command="bash benchmarks/gpu_check.sh", timeout_s=600)
+#   run(carry=[".gpu_bundle/wheels", ".gpu_bundle/model1"], timeout_s=200,
+#       command='PARTS="kernels nvml" bash benchmarks/gpu_check.sh')
+#   run(carry=[".gpu_bundle/model2"], timeout_s=480,
+#       command='PARTS="parity decode memory" bash benchmarks/gpu_check.sh')
 #
 # gpu_check.sh installs the wheels into a scratch folder, joins the halves, checks the sha256
-# and says so when a half is missing (the second call found a fresh machine: do both again).
+# and says so when a half is missing (the second call found a fresh machine: carry model1
+# and the wheels with a no-op command, then model2 again at once).
 set -eu -o pipefail
 
 PY=${PYTHON:-.venv/bin/python}
