@@ -6,7 +6,8 @@ them all (under 8 minutes on one GPU) and collects their JSON lines.
                                              # vs tailserve's CPU path, default model
     python benchmarks/gpu_check.py decode    # decode tokens/s at batch 1/64/256, graphs on
                                              # and off, against the HBM roofline
-    python benchmarks/gpu_check.py memory    # steady memory over a mixed run; cudaMalloc count
+    python benchmarks/gpu_check.py memory    # --assert-steady-memory's engine loop over a mixed
+                                             # run; cudaMalloc count after warm-up
     python benchmarks/gpu_check.py nvml      # the memory alert path with NVML
 
 Each part prints one JSON object per figure (``{"check": ..., "ok": ..., ...}``) and exits 1
@@ -277,38 +278,89 @@ def check_decode() -> None:
 
 
 # ------------------------------------------------------------------------------ memory
-def check_memory() -> None:
-    from tailserve import LLM, SamplingParams
-    from tailserve.model.loader import load_model
-    from tailserve.obs.memory import MemoryMonitor, SteadyMemoryCheck
+def check_memory(small: bool = False) -> None:
+    """``--assert-steady-memory`` itself: the engine loop the engine process runs, built with
+    the flag on, over a mixed run after a warm-up of the longest prompts; also the number of
+    cudaMallocs after the warm-up (the caching allocator reusing its blocks: 0 expected) and
+    whether the sampler's persistent buffers had to grow. ``small``: on CPU, a few short
+    requests (a dry run of this code; the CPU check watches RSS + KV pool, and there is no
+    cudaMalloc count)."""
+    import logging
 
-    llm = LLM.from_loaded(load_model(None), device="cuda", max_num_seqs=64,
-                          gpu_memory_utilization=0.6)
-    monitor = MemoryMonitor("cuda:0", llm.engine.runner.kv_cache_bytes, slow_interval_s=0)
-    steady = SteadyMemoryCheck(True, tolerance_bytes=64 << 20, warmup_requests=0)
+    from tailserve import SamplingParams
+    from tailserve.config import EngineArgs
+    from tailserve.engine.core import EngineCore
+    from tailserve.engine.loop import EngineLoop
+    from tailserve.engine.messages import AddRequest
+    from tailserve.model.loader import load_model
+
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING and "steady memory" in record.getMessage():
+                warnings.append(record.getMessage()[:300])
+
+    logging.getLogger("tailserve.obs.memory").addHandler(Collect())
+    loaded = load_model(None)
+    num_requests, tolerance_mib = (6, 256.0) if small else (48, 64.0)
+    max_len, max_new = (64, 8) if small else (3000, 64)
+    args = EngineArgs(model=loaded.source, device="cpu" if small else "cuda", max_num_seqs=64,
+                      gpu_memory_utilization=0.6, assert_steady_memory=True,
+                      steady_memory_warmup=num_requests, steady_memory_tolerance=tolerance_mib)
+    loop = EngineLoop(EngineCore.from_args(args, loaded), lambda message: None)
+    loop.memory.slow_interval_s = 0  # torch's reserved bytes every step, not every second
+    assert loop.steady is not None
     g = torch.Generator().manual_seed(7)
 
     def mixed_round(seed: int) -> None:
+        """Prompts of 8..max_len tokens, outputs of 1..max_new - 1; greedy and seeded top-p
+        rows, some with penalties, min_tokens and logprobs (every sampler buffer)."""
         g.manual_seed(seed)
-        lens = torch.randint(8, 3000, (48,), generator=g).tolist()
-        prompts = [{"prompt_token_ids": torch.randint(20, 49152, (n,), generator=g).tolist()}
-                   for n in lens]
-        params = [SamplingParams(max_tokens=int(m), temperature=t, top_p=0.9, seed=i)
-                  for i, (m, t) in enumerate(zip(torch.randint(1, 64, (48,), generator=g),
-                                                 [0.0, 0.8] * 24, strict=True))]
-        llm.generate(prompts, params)
+        lens = torch.randint(8, max_len, (num_requests,), generator=g).tolist()
+        if seed == 0:
+            lens[:2] = [max_len, max_len]  # the warm-up holds the longest prompts
+        adds = []
+        for i, n in enumerate(lens):
+            max_tokens = int(torch.randint(1, max_new, (1,), generator=g))
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i,
+                repetition_penalty=1.1 if i % 3 == 0 else 1.0,
+                min_tokens=min(4, max_tokens) if i % 5 == 0 else 0,
+                logprobs=2 if i % 7 == 0 else None)
+            prompt = torch.randint(20, 49152, (n,), generator=g).tolist()
+            adds.append(AddRequest(f"{seed}-{i}", prompt, params, time.monotonic()))
+        loop.handle(adds)
+        while loop.has_work():
+            loop.step()
 
-    mixed_round(0)  # warm-up: the longest prompts and every sampling path once
-    torch.cuda.synchronize()
-    mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
-    steady.observe(monitor.sample(), num_finished=0)
+    def cuda_mallocs() -> int:
+        if small:
+            return 0
+        torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        if "num_device_alloc" not in stats:  # a torch without the counter: fail, don't pass
+            return -1
+        return int(stats["num_device_alloc"])
+
+    mixed_round(0)  # warm-up: the steady baseline is its peak (steady_memory_warmup)
+    mallocs = cuda_mallocs()
     for seed in range(1, 4):
         mixed_round(seed)
-        steady.observe(monitor.sample(), num_finished=seed)
-    grown = torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs
-    emit("memory:steady", steady.violations == 0 and grown == 0,
+    after = cuda_mallocs()
+    grown = after - mallocs if min(after, mallocs) >= 0 else -1
+    steady = loop.steady
+    runner = loop.core.runner
+    sampling = runner.sampler.buffers
+    emit("memory:assert_steady_memory", steady.baseline is not None and steady.violations == 0
+         and not warnings, baseline_mib=round((steady.baseline or 0) / (1 << 20), 1),
          growth_mib=round(steady.growth / (1 << 20), 2), violations=steady.violations,
-         cuda_mallocs_after_warmup=grown)
+         warnings=warnings[:2], requests_after_warmup=3 * num_requests)
+    emit("memory:cuda_mallocs_after_warmup", grown == 0, cuda_mallocs=None if small else grown,
+         sampling_buffers_grown=sampling.grown if sampling else None,
+         step_buffer_mib=round(runner.step_buffers.nbytes / (1 << 20), 2)
+         if runner.step_buffers else None,
+         sampling_buffer_mib=round(sampling.nbytes / (1 << 20), 2) if sampling else None)
 
 
 def check_nvml() -> None:
@@ -340,15 +392,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("part", choices=sorted(PARTS))
     parser.add_argument("--interpret-on-cpu", action="store_true",
-                        help="kernels only: a dry run of this script on CPU under Triton's "
-                        "interpreter with small shapes (checks the script, measures nothing)")
+                        help="kernels and memory only: a dry run of this script's code on CPU "
+                        "(kernels under Triton's interpreter with small shapes; memory with a "
+                        "few short requests); checks the script, measures nothing")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    if args.interpret_on_cpu and args.part == "kernels":
+    if args.interpret_on_cpu and args.part in ("kernels", "memory"):
         import os
 
         os.environ["TRITON_INTERPRET"] = "1"
-        check_kernels(small=True)
+        (check_kernels if args.part == "kernels" else check_memory)(small=True)
     else:
         require_cuda()
         PARTS[args.part]()

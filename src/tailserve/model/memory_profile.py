@@ -4,9 +4,11 @@ One profiling forward at the token budget (``max_num_batched_tokens``, one prefi
 largest activation a step can have), then the LM head and a sampling pass over
 ``max_num_seqs`` rows, measures the activation peak with the caching allocator's own counter.
 The KV pool gets what is left of ``gpu_memory_utilization`` of the device after the memory of
-other processes, the weights, that peak, and a reserve for the decode CUDA graphs::
+other processes, the weights, that peak, a reserve for the decode CUDA graphs and the
+persistent step and sampling buffers (allocated after the pool, sized by the bounds)::
 
     kv_pool = total * utilization - used_by_others - weights - activation_peak - graph_reserve
+              - buffers
 
 ``graph_reserve``: the graphs get a memory pool of their own (their activations cannot reuse
 blocks of the eager pool), as large as the activations of the largest decode batch, which is
@@ -42,6 +44,7 @@ class MemoryProfile:
     activation_peak_bytes: int
     graph_reserve_bytes: int
     kv_cache_bytes: int
+    buffers_bytes: int = 0  # the persistent step and sampling buffers
 
     def describe(self) -> str:
         gib = float(1 << 30)
@@ -49,7 +52,8 @@ class MemoryProfile:
                 f"other processes {self.used_by_others_bytes / gib:.2f} GiB, weights "
                 f"{self.weights_bytes / gib:.2f} GiB, activation peak "
                 f"{self.activation_peak_bytes / gib:.2f} GiB, CUDA graph reserve "
-                f"{self.graph_reserve_bytes / gib:.2f} GiB, KV pool "
+                f"{self.graph_reserve_bytes / gib:.2f} GiB, step and sampling buffers "
+                f"{self.buffers_bytes / gib:.3f} GiB, KV pool "
                 f"{self.kv_cache_bytes / gib:.2f} GiB")
 
 
@@ -66,11 +70,11 @@ def parameter_bytes(model: nn.Module) -> int:
 
 def kv_budget(
     total: int, utilization: float, used_by_others: int, weights: int, activation_peak: int,
-    graph_reserve: int,
+    graph_reserve: int, buffers: int = 0,
 ) -> int:
     """The KV pool's bytes (module docstring); never negative."""
     return max(int(total * utilization) - used_by_others - weights - activation_peak
-               - graph_reserve, 0)
+               - graph_reserve - buffers, 0)
 
 
 def graph_reserve_bytes(activation_peak: int, num_tokens: int, max_num_seqs: int) -> int:
@@ -83,6 +87,7 @@ def profile_memory(
     model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device,
     dtype: torch.dtype, num_kv_heads: int, head_dim: int, num_layers: int, num_tokens: int,
     max_num_seqs: int, block_size: int, scale: float, utilization: float, cuda_graphs: bool,
+    buffers_bytes: int = 0,
 ) -> MemoryProfile:
     """Run the profiling forward on ``device`` (CUDA) and size the KV pool."""
     torch.cuda.synchronize(device)
@@ -115,5 +120,6 @@ def profile_memory(
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = max(total - free - torch.cuda.memory_reserved(device), 0)
     reserve = graph_reserve_bytes(peak, n, max_num_seqs) if cuda_graphs else 0
-    kv = kv_budget(total, utilization, used_by_others, baseline, peak, reserve)
-    return MemoryProfile(total, utilization, used_by_others, baseline, peak, reserve, kv)
+    kv = kv_budget(total, utilization, used_by_others, baseline, peak, reserve, buffers_bytes)
+    return MemoryProfile(total, utilization, used_by_others, baseline, peak, reserve, kv,
+                         buffers_bytes)

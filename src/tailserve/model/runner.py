@@ -33,7 +33,8 @@ from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
 from tailserve.model.sampler import Sampler, SamplingRow
-from tailserve.model.step_buffers import SamplingBuffers, StepInputBuffers
+from tailserve.model.sampling_buffers import SamplingBuffers, sampling_buffer_bytes
+from tailserve.model.step_buffers import StepInputBuffers, step_buffer_bytes
 from tailserve.model.transforms import apply_cpu_kernels
 from tailserve.model.transforms.gguf_linear import (
     apply_gguf_weights,
@@ -166,7 +167,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         cache = self.cache
-        self.sampler.buffers = SamplingBuffers(scheduler.max_num_seqs, self.device)
+        self.sampler.buffers = SamplingBuffers(scheduler.max_num_seqs, self.device,
+                                               self._penalty_capacity(scheduler.max_num_seqs))
         self.step_buffers = StepInputBuffers(
             scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
             -(-self.max_model_len // cache.block_size), cache.num_kv_blocks * cache.block_size,
@@ -185,6 +187,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             return
         self.cuda_graphs = graphs
+
+    def _penalty_capacity(self, max_num_seqs: int) -> int:
+        """The bound on the penalties' distinct (row, token) keys in a step."""
+        return max_num_seqs * min(self.model_config.vocab_size, self.max_model_len)
 
     @property
     def cuda_graph_bytes(self) -> int:
@@ -220,6 +226,9 @@ class ModelRunner:
             self.model, self.backend, self.device, self.kv_cache_dtype, cfg.num_key_value_heads,
             cfg.head_dim, cfg.num_hidden_layers, num_tokens, max_num_seqs, block_size,
             self.scale, utilization, cuda_graphs=graphs,
+            buffers_bytes=step_buffer_bytes(num_tokens, max_num_seqs,
+                                            -(-self.max_model_len // block_size))
+            + sampling_buffer_bytes(max_num_seqs, self._penalty_capacity(max_num_seqs)),
         )
         return self.memory_profile.kv_cache_bytes
 

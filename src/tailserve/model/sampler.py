@@ -10,9 +10,13 @@ Per row, in vLLM v1 / HF order::
                                                       ─▶ exponential race (argmax probs / E)
 
 Each stage is a few tensor ops over the whole batch with per-row parameter tensors. Python
-loops over rows only build those small tensors, draw a seeded row's noise with its own
-generator, and build the (at most MAX_LOGPROBS + 1 entry) logprob dicts. A batch that is all
-plain greedy (no penalties, min_tokens or logprobs) is a single argmax.
+loops over rows only build those small vectors (numpy on the host), draw a seeded row's noise
+with its own generator, and build the (at most MAX_LOGPROBS + 1 entry) logprob dicts. A batch
+that is all plain greedy (no penalties, min_tokens or logprobs) is a single argmax.
+
+Every tensor made from host values goes through ``_row_tensor``: into the runner's persistent
+``SamplingBuffers`` when it gave some (CUDA: pinned twins, ``non_blocking`` copies, nothing
+allocated per step), else a new tensor (CPU).
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
+import numpy as np
 import torch
 
-from tailserve.model.step_buffers import SamplingBuffers
+from tailserve.model.sampling_buffers import SamplingBuffers, Values
 from tailserve.sampling_params import SamplingParams
 
 
@@ -83,48 +87,51 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     )
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _min_tokens_keys(rows: Sequence[SamplingRow], vocab_size: int) -> np.ndarray:
+    """Flat keys ``row * vocab_size + token`` of the tokens each row may not sample this step;
+    stop ids outside the vocabulary are skipped (the model cannot sample them anyway)."""
+    parts: list[np.ndarray] = []
+    for i, row in enumerate(rows):
+        # Filtered in Python: a short list, and an id past int64 must not reach numpy.
+        banned = [t for t in _banned_for_min_tokens(row) if 0 <= t < vocab_size]
+        if banned:
+            parts.append(np.asarray(banned, dtype=np.int64) + i * vocab_size)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], buffers: SamplingBuffers | None = None
+) -> torch.Tensor:
     """Return logits with each row's stop tokens at -inf while it has fewer than min_tokens.
 
     ``logits`` is [num_rows, vocab_size]; it is not modified (the result is a new tensor, or
-    ``logits`` itself when nothing is banned). Stop ids outside the vocabulary are skipped: the
-    model cannot sample them anyway.
+    ``logits`` itself when nothing is banned).
     """
-    vocab_size = logits.shape[-1]
-    row_index: list[int] = []
-    token_index: list[int] = []
-    for i, row in enumerate(rows):
-        banned = [t for t in _banned_for_min_tokens(row) if 0 <= t < vocab_size]
-        row_index.extend([i] * len(banned))
-        token_index.extend(banned)
-    if not row_index:
+    keys = _min_tokens_keys(rows, logits.shape[-1])
+    if not keys.size:
         return logits
-    device = logits.device
-    index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
-    neg_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=device)
-    return logits.index_put(index, neg_inf)
+    index = _row_tensor("min_tokens_keys", keys, logits.device, buffers)
+    return logits.reshape(-1).index_fill(0, index, -math.inf).view(logits.shape)
 
 
 def _flat_keys(
-    token_lists: Sequence[Sequence[int]],
-    row_numbers: Sequence[int],
-    vocab_size: int,
-    device: torch.device,
-) -> torch.Tensor:
+    token_lists: Sequence[Sequence[int]], row_numbers: Sequence[int], vocab_size: int
+) -> np.ndarray:
     """Positions ``row * vocab_size + token`` in the flattened logits, one per listed token.
 
     Ids outside the vocabulary are dropped: the model cannot sample them, and left in they
     would address a neighbouring row.
     """
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)
-    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
-    row_of_token = torch.repeat_interleave(torch.tensor(row_numbers, device=device), lengths)
-    valid = (tokens >= 0) & (tokens < vocab_size)
-    return (row_of_token * vocab_size + tokens)[valid]
+    parts = [np.empty(0, dtype=np.int64)]
+    for tokens, row in zip(token_lists, row_numbers, strict=True):
+        t = np.asarray(tokens, dtype=np.int64)
+        parts.append(t[(t >= 0) & (t < vocab_size)] + row * vocab_size)
+    return np.concatenate(parts)
 
 
 def apply_penalties(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], vocab_size: int
+    logits: torch.Tensor, rows: Sequence[SamplingRow], vocab_size: int,
+    buffers: SamplingBuffers | None = None,
 ) -> torch.Tensor:
     """Return float32 logits after repetition, then frequency and presence penalties.
 
@@ -141,10 +148,9 @@ def apply_penalties(
     penalized = [i for i, row in enumerate(rows) if _uses_penalties(row.params)]
     if not penalized:
         return logits.float()
-    device = logits.device
-    output_keys = _flat_keys(
-        [rows[i].output_token_ids for i in penalized], penalized, vocab_size, device
-    )
+    # The (row, token) bookkeeping on the host (numpy): the device gets three vectors.
+    output_keys = _flat_keys([rows[i].output_token_ids for i in penalized], penalized,
+                             vocab_size)
     # Prompt tokens only matter to the repetition penalty; skip them for rows without one.
     prompt_keys = _flat_keys(
         [
@@ -153,32 +159,32 @@ def apply_penalties(
         ],
         penalized,
         vocab_size,
-        device,
     )
-    keys, inverse = torch.unique(torch.cat([output_keys, prompt_keys]), return_inverse=True)
+    keys, inverse = np.unique(np.concatenate([output_keys, prompt_keys]), return_inverse=True)
+    if not keys.size:
+        return logits.float()
     # Output occurrences of each distinct (row, token): the frequency count, 0 if prompt-only.
-    counts = torch.zeros(keys.shape[0], dtype=torch.float32, device=device)
-    counts.index_add_(
-        0, inverse[: output_keys.shape[0]], torch.ones_like(output_keys, dtype=counts.dtype)
-    )
+    counts = np.bincount(inverse[: output_keys.size], minlength=keys.size).astype(np.float32)
 
-    def per_row(name: str) -> torch.Tensor:  # [num_rows] float32, gathered per key below
-        values = [float(getattr(row.params, name)) for row in rows]
-        return torch.tensor(values, dtype=torch.float32, device=device)
+    def per_key(name: str) -> np.ndarray:  # [num_keys] float32: the key's row's value
+        return np.array([getattr(row.params, name) for row in rows],
+                        dtype=np.float32)[keys // vocab_size]
 
-    row_of_key = keys // vocab_size
-    repetition = per_row("repetition_penalty")[row_of_key]
-    frequency = per_row("frequency_penalty")[row_of_key]
-    presence = per_row("presence_penalty")[row_of_key]
+    subtract = per_key("frequency_penalty") * counts + per_key("presence_penalty") * (counts > 0)
+    device = logits.device
+    key_index = _row_tensor("penalty_keys", keys, device, buffers)
+    repetition = _row_tensor("penalty_repetition", per_key("repetition_penalty"), device,
+                             buffers)
+    subtract_t = _row_tensor("penalty_subtract", subtract, device, buffers)
 
     penalized_logits = torch.empty(logits.shape, dtype=torch.float32, device=device)
     penalized_logits.copy_(logits)  # one copy, contiguous even if ``logits`` is a padded slice
     flat = penalized_logits.view(-1)
-    values = flat[keys]
+    values = flat[key_index]
     # Every key was seen; rows with repetition_penalty 1 divide/multiply by 1, exactly a no-op.
     values = torch.where(values > 0, values / repetition, values * repetition)
-    values -= frequency * counts + presence * (counts > 0)
-    flat[keys] = values
+    values -= subtract_t
+    flat[key_index] = values
     return penalized_logits
 
 
@@ -190,14 +196,13 @@ TRUNCATION_CANDIDATES_GROWTH = 16
 
 
 def _row_tensor(
-    name: str, values: Sequence[float] | Sequence[int] | Sequence[bool], device: torch.device,
-    buffers: SamplingBuffers | None,
+    name: str, values: Values, device: torch.device, buffers: SamplingBuffers | None
 ) -> torch.Tensor:
-    """A per-row parameter vector: from the persistent buffers when the runner gave some
-    (CUDA), else a new tensor."""
+    """A vector of host values on the device: in the persistent buffers when the runner gave
+    some (CUDA), else a new tensor."""
     if buffers is not None:
         return buffers.put(name, values)
-    return torch.tensor(values, dtype=SamplingBuffers.DTYPES[name], device=device)
+    return torch.as_tensor(values, dtype=SamplingBuffers.DTYPES[name], device=device)
 
 
 def _keep_threshold(
@@ -267,7 +272,7 @@ def _top_k_top_p_threshold(
     pending = (~resolved).nonzero().squeeze(1).tolist() if needs_check else []
     while pending:
         num_candidates = min(vocab_size, num_candidates * TRUNCATION_CANDIDATES_GROWTH)
-        index = torch.tensor(pending, device=logits.device)
+        index = _row_tensor("pending_index", pending, logits.device, buffers)
         threshold[index], resolved = _keep_threshold(
             logits[index],
             probs[index],
@@ -311,7 +316,8 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
 
         logits = logits.float()  # raw, kept for logprobs; the steps below never modify it
-        processed = apply_penalties(apply_min_tokens(logits, rows), rows, self.vocab_size)
+        processed = apply_penalties(apply_min_tokens(logits, rows, self.buffers), rows,
+                                    self.vocab_size, self.buffers)
 
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -328,7 +334,8 @@ class Sampler:
             token_ids[random_index] = self._sample(
                 processed[random_index], [rows[i] for i in random]
             )
-        return SamplerOutput(token_ids.tolist(), _gather_logprobs(logits, rows, token_ids))
+        return SamplerOutput(token_ids.tolist(),
+                             _gather_logprobs(logits, rows, token_ids, self.buffers))
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Draw one token per row of ``logits`` [num_random, vocab] (all rows temperature > 0)."""
@@ -379,14 +386,15 @@ class Sampler:
 
 
 def _gather_logprobs(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor,
+    buffers: SamplingBuffers | None = None,
 ) -> list[dict[int, float] | None]:
     """Top-N (descending) plus the sampled token's logprob, from log_softmax of raw logits."""
     result: list[dict[int, float] | None] = [None] * len(rows)
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return result
-    index = torch.tensor(wanted, device=logits.device)
+    index = _row_tensor("logprob_index", wanted, logits.device, buffers)
     logprobs = torch.log_softmax(logits[index], dim=-1)  # [num_wanted, vocab] float32
     sampled = token_ids[index]
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()

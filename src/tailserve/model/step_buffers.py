@@ -6,20 +6,30 @@ offsets, the rows whose logits are sampled) are bounded by ``max_num_batched_tok
 the step loop never asks the allocator for them, and a CUDA graph captured over these tensors
 reads each step's values at the same addresses.
 
-On CUDA every device tensor has a pinned host twin. A step writes its values into the host
-twin (numpy views: no torch op per value) and copies the used prefixes with ``non_blocking``
-on a side stream; the compute stream waits for that copy's event, and the copy waits for the
-event the compute stream records once the previous step's forward has read the buffers (so a
-copy never overwrites inputs still in use, while everything else of the step — sampling
-included — may still run). Before the host twin is written again, the previous copy's event
-is waited on: a pinned buffer must not change under an in-flight DMA. (The engine is
-synchronous today: a step is scheduled after the previous one's sampled ids reached the host,
-so the window in which a copy could overlap the previous step's sampling is not yet used; an
-asynchronous scheduler would get it from this ordering without changes here.)
+On CUDA each device tensor has two pinned host staging twins, used by alternate steps. A step
+writes its values into its staging twin (numpy views: no torch op per value) and copies the
+used prefixes with ``non_blocking`` on a side stream (``CudaCopyOrder``). The ordering
+invariant, for step N filling staging slot k = N % 2:
 
-On CPU the "device" tensor is the host tensor: the same fill, no copy.
+1. the host writes slot k only once step N-2's copy, the last one to read it, has completed
+   (the host waits on that copy's event; step N-1's copy, from the other slot, may still be
+   in flight: the host fills step N while the DMA of step N-1 runs);
+2. step N's copy into the device tensors waits for the event the compute stream recorded once
+   step N-1's forward and logits gather, the last reads of the device tensors, were enqueued;
+   step N-1's sampling does not read them, so the copy overlaps it;
+3. step N's forward waits for step N's copy event.
 
-``SamplingBuffers`` does the same for the sampler's per-row parameter vectors.
+So no DMA reads a staging twin while the host writes it (1), no copy overwrites inputs a
+forward may still read (2), and no forward reads inputs before they land (3). (The engine is
+synchronous today: step N is scheduled after step N-1's sampled ids reached the host, so the
+window of (2) is not yet used by the engine loop; an asynchronous scheduler gets it without
+changes here.)
+
+On CPU the "device" tensor is the host tensor: the same fill, no copy and no order to keep
+(``copy_order`` None). A test injects a fake ``CopyOrder`` on CPU to run the staged path —
+separate staging twins, copies and the order of the event calls — without a GPU.
+
+``SamplingBuffers`` (``sampling_buffers.py``) does the same for the sampler's tensors.
 
 Padding for a captured decode batch (``pad_decodes``): token 0 at position 0, a slot one past
 the pool (the Triton KV write skips it) and length 0 (the decode kernel writes zeros), so a
@@ -28,12 +38,15 @@ padding row neither reads nor writes the KV pool.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from types import MappingProxyType
+from typing import Protocol
 
 import numpy as np
 import torch
+
+NUM_STAGING_SLOTS = 2  # double-buffered: the host fills one while the other's copy runs
 
 
 @dataclass(frozen=True)
@@ -49,42 +62,90 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sampled] int64
 
 
-class _Twin:
-    """A device tensor and the host tensor a step fills (the same tensor on CPU)."""
+class CopyOrder(Protocol):
+    """The events and streams of the invariant in the module docstring (one per buffers)."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+    def wait_staging_free(self, slot: int) -> None:
+        """Block the host until the last copy out of staging ``slot`` has completed (1)."""
+
+    def copying(self, slot: int) -> AbstractContextManager[None]:
+        """Around the copies out of ``slot``: on the side stream, after the last forward's
+        reads (2); on exit record the slot's copy event and make the compute stream wait (3)."""
+
+    def mark_consumed(self) -> None:
+        """On the compute stream, after the step's last read of the device tensors."""
+
+
+def step_buffer_bytes(max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> int:
+    """Device bytes ``StepInputBuffers`` of these bounds takes (all int64)."""
+    return 8 * (3 * max_num_tokens + max_num_seqs * (3 + max_blocks_per_seq) + 1)
+
+
+class CudaCopyOrder:
+    """``CopyOrder`` on CUDA: a side stream for the copies and three events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        # One per staging slot: the last copy out of it is done.
+        self._copied = [torch.cuda.Event() for _ in range(NUM_STAGING_SLOTS)]
+        self._consumed = torch.cuda.Event()  # the last forward has read the device tensors
+
+    def wait_staging_free(self, slot: int) -> None:
+        self._copied[slot].synchronize()  # a no-op before the event's first record
+
+    @contextmanager
+    def copying(self, slot: int) -> Iterator[None]:
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self._consumed)
+            yield
+            self._copied[slot].record(self.copy_stream)
+        compute.wait_event(self._copied[slot])
+
+    def mark_consumed(self) -> None:
+        self._consumed.record(torch.cuda.current_stream(self.device))
+
+
+class _Twin:
+    """A device tensor and its staging tensors, one per slot (all the device tensor itself
+    where there is no copy)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, staged: bool) -> None:
         self.device = torch.zeros(shape, dtype=torch.long, device=device)
-        if device.type == "cuda":
-            self.host = torch.zeros(shape, dtype=torch.long, pin_memory=True)
-        else:
-            self.host = self.device
-        self.np: np.ndarray = self.host.numpy()
+        pin = device.type == "cuda"
+        self.host = ([torch.zeros(shape, dtype=torch.long, pin_memory=pin)
+                      for _ in range(NUM_STAGING_SLOTS)] if staged
+                     else [self.device] * NUM_STAGING_SLOTS)
+        self.np: list[np.ndarray] = [h.numpy() for h in self.host]
 
 
 class StepInputBuffers:
     def __init__(
         self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-        num_slots: int, device: torch.device,
+        num_slots: int, device: torch.device, copy_order: CopyOrder | None = None,
     ) -> None:
+        """``copy_order``: None picks ``CudaCopyOrder`` on CUDA and no copies elsewhere; a
+        test passes its own to run the staged path on CPU."""
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.num_slots = num_slots  # the padding slot: one past the KV pool
         self.device = device
-        self._input_ids = _Twin((max_num_tokens,), device)
-        self._positions = _Twin((max_num_tokens,), device)
-        self._slots = _Twin((max_num_tokens,), device)
-        self._seq_lens = _Twin((max_num_seqs,), device)
-        self._qsl = _Twin((max_num_seqs + 1,), device)
-        self._tables = _Twin((max_num_seqs, max_blocks_per_seq), device)
-        self._logits = _Twin((max_num_seqs,), device)
+        if copy_order is None and device.type == "cuda":
+            copy_order = CudaCopyOrder(device)
+        self.copy_order = copy_order
+        staged = copy_order is not None
+        self._input_ids = _Twin((max_num_tokens,), device, staged)
+        self._positions = _Twin((max_num_tokens,), device, staged)
+        self._slots = _Twin((max_num_tokens,), device, staged)
+        self._seq_lens = _Twin((max_num_seqs,), device, staged)
+        self._qsl = _Twin((max_num_seqs + 1,), device, staged)
+        self._tables = _Twin((max_num_seqs, max_blocks_per_seq), device, staged)
+        self._logits = _Twin((max_num_seqs,), device, staged)
         self._twins = (self._input_ids, self._positions, self._slots, self._seq_lens, self._qsl,
                        self._tables, self._logits)
-        self.is_cuda = device.type == "cuda"
-        if self.is_cuda:
-            self.copy_stream = torch.cuda.Stream(device)
-            self._copied = torch.cuda.Event()  # the last H2D copy is done
-            self._consumed = torch.cuda.Event()  # the last forward has read the buffers
+        self.slot = NUM_STAGING_SLOTS - 1  # the staging slot of the last fill
         self._num_tokens = 0
         self._num_seqs = 0
         self._num_sampled = 0
@@ -92,7 +153,8 @@ class StepInputBuffers:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held (the host twins take as much pinned host memory on CUDA)."""
+        """Device bytes held (the staging twins take twice as much pinned host memory on
+        CUDA)."""
         return sum(t.device.numel() * t.device.element_size() for t in self._twins)
 
     # ------------------------------------------------------------------ fill (host side)
@@ -106,7 +168,7 @@ class StepInputBuffers:
         block_tables: Sequence[Sequence[int]],
         logits_indices: Sequence[int],
     ) -> None:
-        """Write one step's values into the host buffers (checked against their bounds)."""
+        """Write one step's values into the next staging slot (checked against the bounds)."""
         n, s = len(input_ids), len(seq_lens)
         width = max((len(t) for t in block_tables), default=0)
         if n > self.max_num_tokens or s > self.max_num_seqs or width > self.max_blocks_per_seq:
@@ -115,18 +177,19 @@ class StepInputBuffers:
                 f"buffers ({self.max_num_tokens}, {self.max_num_seqs}, "
                 f"{self.max_blocks_per_seq})"
             )
-        if self.is_cuda:
-            self._copied.synchronize()  # the previous copy has left the pinned buffers
-        self._input_ids.np[:n] = input_ids
-        self._positions.np[:n] = positions
-        self._slots.np[:n] = slot_mapping
-        self._qsl.np[: s + 1] = query_start_loc
-        self._seq_lens.np[:s] = seq_lens
-        tables = self._tables.np
+        k = self.slot = (self.slot + 1) % NUM_STAGING_SLOTS
+        if self.copy_order is not None:
+            self.copy_order.wait_staging_free(k)  # invariant (1)
+        self._input_ids.np[k][:n] = input_ids
+        self._positions.np[k][:n] = positions
+        self._slots.np[k][:n] = slot_mapping
+        self._qsl.np[k][: s + 1] = query_start_loc
+        self._seq_lens.np[k][:s] = seq_lens
+        tables = self._tables.np[k]
         for i, table in enumerate(block_tables):
             tables[i, : len(table)] = table
             tables[i, len(table) : width] = 0  # the padding every backend may read
-        self._logits.np[: len(logits_indices)] = logits_indices
+        self._logits.np[k][: len(logits_indices)] = logits_indices
         self._num_tokens, self._num_seqs, self._width = n, s, width
         self._num_sampled = len(logits_indices)
 
@@ -137,12 +200,14 @@ class StepInputBuffers:
         if self._num_tokens != n or batch_size > self.max_num_seqs or batch_size < n:
             raise ValueError(f"cannot pad a step of {self._num_tokens} tokens in {n} sequences "
                              f"to a decode batch of {batch_size}")
-        self._input_ids.np[n:batch_size] = 0
-        self._positions.np[n:batch_size] = 0
-        self._slots.np[n:batch_size] = self.num_slots
-        self._seq_lens.np[n:batch_size] = 0
-        last = self._qsl.np[n]
-        self._qsl.np[n + 1 : batch_size + 1] = np.arange(last + 1, last + 1 + batch_size - n)
+        k = self.slot
+        self._input_ids.np[k][n:batch_size] = 0
+        self._positions.np[k][n:batch_size] = 0
+        self._slots.np[k][n:batch_size] = self.num_slots
+        self._seq_lens.np[k][n:batch_size] = 0
+        qsl = self._qsl.np[k]
+        last = qsl[n]
+        qsl[n + 1 : batch_size + 1] = np.arange(last + 1, last + 1 + batch_size - n)
         self._num_tokens = self._num_seqs = batch_size
         self._width = self.max_blocks_per_seq
 
@@ -150,16 +215,13 @@ class StepInputBuffers:
     def copy_to_device(self) -> StepInputs:
         """Issue the copies of the filled prefixes and return device views of them."""
         n, s, w, m = self._num_tokens, self._num_seqs, self._width, self._num_sampled
-        if self.is_cuda:
-            compute = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self._consumed)
+        if self.copy_order is not None:
+            k = self.slot
+            with self.copy_order.copying(k):  # invariants (2) and (3)
                 for twin, rows in ((self._input_ids, n), (self._positions, n),
                                    (self._slots, n), (self._seq_lens, s), (self._qsl, s + 1),
                                    (self._tables, s), (self._logits, m)):
-                    twin.device[:rows].copy_(twin.host[:rows], non_blocking=True)
-                self._copied.record(self.copy_stream)
-            compute.wait_event(self._copied)
+                    twin.device[:rows].copy_(twin.host[k][:rows], non_blocking=True)
         return StepInputs(
             input_ids=self._input_ids.device[:n],
             positions=self._positions.device[:n],
@@ -171,58 +233,7 @@ class StepInputBuffers:
         )
 
     def mark_consumed(self) -> None:
-        """After the forward is enqueued: the next copy waits for it (CUDA)."""
-        if self.is_cuda:
-            self._consumed.record(torch.cuda.current_stream(self.device))
-
-
-# The sampler's per-row vectors kept in SamplingBuffers, by name.
-SAMPLING_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
-    "temperature": torch.float32, "log_min_p": torch.float32, "top_p_bound": torch.float32,
-    "top_k": torch.long, "top_k_on": torch.bool, "top_p_on": torch.bool,
-    "greedy_index": torch.long, "random_index": torch.long,
-})
-
-
-class SamplingBuffers:
-    """The sampler's per-row parameter vectors (temperature, top-k, ...) in persistent
-    tensors of ``max_num_seqs`` rows, one per name, so a step's sampling allocates none and
-    copies from pinned memory without blocking (CUDA).
-
-    ``put(name, values)`` writes the host twin and returns the device prefix. On CUDA the copy
-    is issued on the current stream (the sampler's own), and an event per name guards the
-    pinned host row: a second ``put`` of the same name waits until the previous copy has left
-    it. On CPU the tensor is written in place.
-    """
-
-    DTYPES = SAMPLING_DTYPES
-
-    def __init__(self, max_rows: int, device: torch.device) -> None:
-        self.max_rows = max_rows
-        self.device = device
-        self.is_cuda = device.type == "cuda"
-        self._device: dict[str, torch.Tensor] = {}
-        self._host: dict[str, torch.Tensor] = {}
-        self._np: dict[str, np.ndarray] = {}
-        self._copied: dict[str, torch.cuda.Event] = {}
-        for name, dtype in self.DTYPES.items():
-            dev = torch.zeros(max_rows, dtype=dtype, device=device)
-            host = torch.zeros(max_rows, dtype=dtype, pin_memory=True) if self.is_cuda else dev
-            self._device[name], self._host[name] = dev, host
-            self._np[name] = host.numpy()
-            if self.is_cuda:
-                self._copied[name] = torch.cuda.Event()
-
-    def put(self, name: str, values: Sequence[float] | Sequence[int] | Sequence[bool]
-            ) -> torch.Tensor:
-        n = len(values)
-        if n > self.max_rows:
-            raise ValueError(f"{n} sampling rows exceed the buffers' {self.max_rows}")
-        if self.is_cuda:
-            self._copied[name].synchronize()
-        self._np[name][:n] = values
-        dev = self._device[name][:n]
-        if self.is_cuda:
-            dev.copy_(self._host[name][:n], non_blocking=True)
-            self._copied[name].record()
-        return dev
+        """After the step's last read of the device tensors is enqueued (the forward and
+        the logits gather, before sampling): the next copy may start (2)."""
+        if self.copy_order is not None:
+            self.copy_order.mark_consumed()
