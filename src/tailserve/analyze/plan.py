@@ -308,6 +308,9 @@ def render_plan(p: Plan, console: Any) -> None:
         ("parameters", f"{p.parameter_count:,}"),
         (f"weights ({i['dtype']})", _gib(p.weight_bytes)
          + (f" ({_gib(p.weight_bytes_per_device)}{dev})" if tp > 1 else "")),
+        *([("  by format", ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in sorted(
+            p.weight_bytes_by_format.items(), key=lambda kv: -kv[1])))]
+          if len(p.weight_bytes_by_format) > 1 else []),
         (f"KV per token ({i['kv_dtype']})",
          f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:,.1f} KiB)"),
         (f"KV cache{dev}", f"{_gib(p.kv_cache_bytes_per_device)} of "
