@@ -52,6 +52,18 @@ def default_loaded() -> Any:
 
 
 @pytest.fixture(scope="session")
+def default_bf16_folder(default_loaded: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The bundled model as a bf16 Hugging Face folder (safetensors, config.json, tokenizer),
+    written once per session from the loader's float32 dequantization of the GGUF."""
+    import torch
+
+    from tiny_models import save_default_model_as_hf
+
+    return save_default_model_as_hf(tmp_path_factory.mktemp("smol-bf16"), torch.bfloat16,
+                                    default_loaded)
+
+
+@pytest.fixture(scope="session")
 def hf_default() -> Any:
     """transformers' own GGUF loading of the bundled model: the reference implementation."""
     import torch

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ from tailserve.model.transforms import Linear16, WideEmbedding
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.platforms import Platform
 from test_cpu_decode import decode_batch
-from tiny_models import build_tiny_llama, save_default_model_as_hf
+from tiny_models import build_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 ops = torch.ops.tailserve
@@ -230,11 +229,11 @@ def test_default_model_with_a_bf16_kv_cache(default_float32: list[list[int]]) ->
 LLM_BLOCK_BYTES_F32 = 30 * 3 * 64 * 16 * 2 * 4
 
 
-def test_default_model_as_a_bf16_checkpoint(tmp_path: Path,
+def test_default_model_as_a_bf16_checkpoint(default_bf16_folder: str,
                                             default_float32: list[list[int]]) -> None:
     """The bundled model written as a bf16 HF folder: served in 16 bits, the one-call decode
     gives the module forward's tokens, and greedy output follows the float32 GGUF's."""
-    folder = save_default_model_as_hf(tmp_path / "smol-bf16", torch.bfloat16)
+    folder = default_bf16_folder  # the session's (conftest.py), shared with test_rtn.py
     llm = LLM(model=folder, **SMALL)
     assert llm.engine.config.runner.dtype == "bfloat16"
     graph, eager = eager_and_graph(llm, greedy)

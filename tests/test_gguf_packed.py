@@ -62,8 +62,8 @@ def packed_loaded() -> LoadedModel:
 
 
 def make_runner(config: Any, weights: dict[str, torch.Tensor], **args: Any) -> ModelRunner:
-    engine = EngineArgs(device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=512,
-                        **args).resolve(config, detect_platform())
+    engine = EngineArgs(**{"device": "cpu", "dtype": "float32", "num_kv_blocks": 64,
+                           "max_model_len": 512, **args}).resolve(config, detect_platform())
     runner = ModelRunner(engine.model, engine.runner, engine.scheduler.max_model_len,
                          dict(weights))
     runner.allocate_kv_cache(engine.cache)

@@ -104,17 +104,22 @@ def test_llama3_8b_on_an_80_gib_device() -> None:
     # once and 8 x 1,024 x 131,072 = 1,073,741,824 B of KV.
     #   bf16: 16,060,522,496 + 1,073,741,824 = 17,134,264,320 B -> 17.134 ms per step,
     #         58.36 tok/s per sequence, 466.9 tok/s in all;
-    #   int8: 8,030,261,248 + 1,073,741,824 = 9,104,003,072 B -> 109.84 / 878.7 tok/s;
-    #   int4: 4,015,130,624 + 1,073,741,824 = 5,088,872,448 B -> 196.51 / 1,572.1 tok/s.
+    #   int8, int4: as --quantization stores them (model/weight_storage.py). The 32 layers'
+    #         matrices, 218,103,808 weights each = 6,979,321,856, in Q8_0 (34 B per 32)
+    #         7,415,529,472 B or Q4_1 (20 B per 32) 4,362,076,160 B; embeddings and head in
+    #         Q8_0 either way: 1,050,673,152 x 34 / 32 = 1,116,340,224 B; 266,240 norm
+    #         weights in float32: 1,064,960 B.
+    #   int8: 8,532,934,656 + 1,073,741,824 = 9,606,676,480 B -> 104.09 / 832.8 tok/s;
+    #   int4: 5,479,481,344 + 1,073,741,824 = 6,553,223,168 B -> 152.60 / 1,220.8 tok/s.
     # Batch 1: bf16 (16,060,522,496 + 134,217,728) B -> 61.75 tok/s.
     d = plan.decode_tokens_per_s
     assert d["bf16"]["per_seq"] == pytest.approx(1e12 / 17_134_264_320)
     assert d["bf16"]["per_seq"] == pytest.approx(58.36, abs=0.01)
     assert d["bf16"]["aggregate"] == pytest.approx(466.9, abs=0.1)
-    assert d["int8"]["per_seq"] == pytest.approx(109.84, abs=0.01)
-    assert d["int8"]["aggregate"] == pytest.approx(878.7, abs=0.1)
-    assert d["int4"]["per_seq"] == pytest.approx(196.51, abs=0.01)
-    assert d["int4"]["aggregate"] == pytest.approx(1572.1, abs=0.1)
+    assert d["int8"]["per_seq"] == pytest.approx(104.09, abs=0.01)
+    assert d["int8"]["aggregate"] == pytest.approx(832.8, abs=0.1)
+    assert d["int4"]["per_seq"] == pytest.approx(152.60, abs=0.01)
+    assert d["int4"]["aggregate"] == pytest.approx(1220.8, abs=0.1)
     assert d["bf16"]["batch_1"] == pytest.approx(61.75, abs=0.01)
 
 
@@ -139,9 +144,14 @@ def test_smollm2_135m_dtypes_and_tensor_parallel() -> None:
     # 2 x 30 x 3 x 64 x 4 = 46,080 B per token.
     f32 = make_plan(cfg, PlanInputs(dtype="float32", device_memory_gib=8))
     assert (f32.weight_bytes, f32.kv_bytes_per_token) == (538_060_032, 46_080)
-    # int4 weights 134,515,008 / 2 = 67,257,504 B, KV stays bf16 (23,040); fp8 KV: 11,520.
+    # int4 (--quantization's blocks): the 30 layers' 106,168,320 matrix weights in Q4_1,
+    # x 20 / 32 = 66,355,200 B; the tied table's 28,311,552 in Q8_0, x 34 / 32 = 30,081,024 B;
+    # 35,136 norm weights in float32, 140,544 B: 96,576,768 B. KV stays bf16 (23,040);
+    # fp8 KV: 11,520.
     q4 = make_plan(cfg, PlanInputs(dtype="int4", device_memory_gib=8))
-    assert (q4.weight_bytes, q4.kv_bytes_per_token) == (67_257_504, 23_040)
+    assert (q4.weight_bytes, q4.kv_bytes_per_token) == (96_576_768, 23_040)
+    assert q4.weight_bytes_by_format == {"Q4_1": 66_355_200, "Q8_0": 30_081_024,
+                                         "float32": 140_544}
     assert make_plan(cfg, PlanInputs(kv_dtype="fp8")).kv_bytes_per_token == 11_520
     # TP 3 splits the 3 KV heads one per device: 7,680 B per token per device, weights
     # 269,030,016 / 3 = 89,676,672 B each; 8 GiB x 0.9 = 7,730,941,133 B; minus weights =

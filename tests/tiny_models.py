@@ -98,15 +98,18 @@ def _build(
     return folder
 
 
-def save_default_model_as_hf(path: str | os.PathLike[str], dtype: torch.dtype) -> str:
+def save_default_model_as_hf(path: str | os.PathLike[str], dtype: torch.dtype,
+                             loaded: Any = None) -> str:
     """The bundled SmolLM2 GGUF as a Hugging Face folder in ``dtype`` (its weights as the
     loader dequantizes them, rounded to nearest even): the default model as a bf16 / fp16
-    checkpoint, for parity tests and the 16-bit weight benchmarks."""
+    checkpoint, for parity tests and the 16-bit weight benchmarks. ``loaded``: the float32
+    ``load_model(None)`` where the caller has it already."""
     from safetensors.torch import save_file
 
     from tailserve.model.loader import load_model
 
-    loaded = load_model(None)
+    if loaded is None:
+        loaded = load_model(None)
     cfg = loaded.config
     folder = os.fspath(path)
     os.makedirs(folder, exist_ok=True)

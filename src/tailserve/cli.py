@@ -14,7 +14,7 @@ from typing import Any
 
 from tailserve import envs
 from tailserve.cli_flags import add_flags, from_namespace
-from tailserve.config import EngineArgs
+from tailserve.config import QUANTIZATIONS, EngineArgs
 
 # generate: the SamplingParams fields it has flags for, and where its defaults differ from
 # SamplingParams' own (one prompt from a terminal: greedy, with room for a paragraph).
@@ -260,8 +260,9 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     inputs = PlanInputs(
         model=ns.model, device_memory_gib=ns.device_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, max_model_len=ns.max_model_len,
-        context=ns.context, dtype="bfloat16" if ns.dtype == "auto" else ns.dtype,
-        kv_dtype=ns.kv_dtype, block_size=ns.block_size,
+        context=ns.context, dtype=ns.dtype, quantization=ns.quantization,
+        quantization_group_size=ns.quantization_group_size, kv_dtype=ns.kv_dtype,
+        block_size=ns.block_size,
         tensor_parallel_size=ns.tensor_parallel_size,
         memory_bandwidth_gbs=ns.memory_bandwidth, batch=ns.batch,
     )
@@ -309,7 +310,14 @@ def _add_plan(sub: Any) -> None:
                    help="tokens per sequence for concurrency and KV reads (default: "
                    "--max-model-len)")
     p.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default="auto",
-                   help="weights as served (auto: bfloat16)")
+                   help="weights as served (auto: a GGUF's blocks as stored, else bfloat16; "
+                   "int8 / int4: as --quantization)")
+    quant = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help=quant["quantization"].metadata["help"])
+    p.add_argument("--quantization-group-size", type=int,
+                   default=quant["quantization_group_size"].default,
+                   help=quant["quantization_group_size"].metadata["help"])
     p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPES,
                    default="auto", help="KV cache, as serve's --kv-cache-dtype (auto: --dtype, "
                    "16-bit for integer weights)")

@@ -113,6 +113,20 @@ class ModelConfig:
         )
 
 
+# --quantization's blocks: Q8_0 / Q4_1 hold 32 values each; a group is a whole number of them.
+RTN_BLOCK = 32
+QUANTIZATIONS = ("int8", "int4")  # EngineArgs.quantization's choices
+
+
+def check_quantization_group_size(group_size: int) -> None:
+    """A group of ``--quantization-group-size`` values shares one scale (and minimum): a
+    multiple of the 32-value blocks the kernels read, or -1 for one group per row."""
+    if group_size != -1 and (group_size < RTN_BLOCK or group_size % RTN_BLOCK):
+        raise ConfigError(
+            f"quantization_group_size must be a positive multiple of {RTN_BLOCK} (the blocks "
+            f"the kernels read) or -1 (one group per row), got {group_size}")
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine. Field names are the CLI flag names."""
@@ -136,6 +150,19 @@ class EngineArgs:
         metadata={"help": "a GGUF's quantized matrices: packed keeps their blocks as stored "
                   "for the CPU kernels (float32 CPU only); dequantize expands them to float32 "
                   "(the reference); auto: packed where it can run"},
+    )
+    quantization: Literal["int8", "int4"] | None = field(
+        default=None,
+        metadata={"help": "weight-only quantization of a float (HF) checkpoint as it loads, "
+                  "group-wise round-to-nearest into the packed GGUF kernels' blocks: int8 = "
+                  "Q8_0 (8.5 bits a weight), int4 = Q4_1 (5 bits); embeddings and LM head "
+                  "Q8_0 (float32 CPU only)"},
+    )
+    quantization_group_size: int = field(
+        default=RTN_BLOCK,
+        metadata={"help": "values sharing one scale under --quantization: a multiple of 32, "
+                  "or -1 for one per row; a group over 32 is stored as 32-value blocks that "
+                  "repeat its scale (the same bytes as 32, less accuracy)"},
     )
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest prompt + output; default: the model's context"}
@@ -241,6 +268,14 @@ class EngineArgs:
         self.validate()
 
     def validate(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be int8 or int4, got {self.quantization!r}")
+        check_quantization_group_size(self.quantization_group_size)
+        if self.quantization is not None and self.dtype in ("bfloat16", "float16"):
+            raise ConfigError(
+                f"--quantization {self.quantization} stores the matrices as blocks and the rest "
+                f"in float32 on the CPU kernels; --dtype {self.dtype} cannot go with it (leave "
+                "--dtype auto or float32)")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -366,6 +401,8 @@ class EngineArgs:
         """Device and dtypes resolved from ``auto`` (the loader needs the device and the weight
         dtype before the model; ``checkpoint_dtype`` is what the checkpoint stores, if known)."""
         device = resolve_device(self.device, platform)
+        if self.quantization is not None:  # blocks + float32: what the packed kernels serve
+            checkpoint_dtype = None
         weights = resolve_dtype(self.dtype, device, platform, checkpoint_dtype)
         compute = compute_dtype(weights, device, platform)
         return RunnerConfig(

@@ -1,6 +1,9 @@
 """``tailserve plan``: what a model needs and what a device gives it, from the config alone.
 
-    weight bytes        parameters (counted from the config's shapes) x bytes per weight
+    weight bytes        every tensor as the loader stores it, counted by the function the
+                        runner reports its resident bytes with (model/weight_storage.py): a
+                        dtype, --quantization int8/int4's blocks (scales included), or a
+                        GGUF's own blocks (--dtype auto on a .gguf: as the CPU loader keeps them)
     KV bytes per token  2 (K and V) x layers x num_key_value_heads x head_dim x bytes
     KV blocks           (device memory x utilization - weights) / (block_size x KV bytes/token)
     max concurrent seqs KV blocks // blocks one sequence of the context needs
@@ -30,13 +33,16 @@ from tailserve.config import ModelConfig
 from tailserve.errors import ConfigError, ModelLoadError
 
 GIB = 1 << 30
-# Bytes per element. int4 counts 4 bits and no group scales (GGUF Q4_0 spends 4.5 bits).
+# Bytes per element, where no loader format says more: fp8 (which tailserve does not load);
+# int8 / int4 are --quantization's blocks, counted by weight_storage with their scales.
 DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0,
                                  "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 WEIGHT_DTYPES = tuple(DTYPE_BYTES)
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
-# The roofline's weight formats: 16-bit (fp16 and bf16 read the same bytes), int8, int4.
-ROOFLINE_WEIGHTS: dict[str, float] = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+# The roofline's weight formats: 16-bit (fp16 and bf16 read the same bytes), int8, int4, as
+# the loader stores them (bfloat16; --quantization int8 / int4).
+ROOFLINE_WEIGHTS: dict[str, tuple[str, str | None]] = {
+    "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}
 # Without flags, an 80 GB A100/H100-class device and H100 SXM's HBM3 bandwidth: the most
 # common serving GPU. Both are printed as assumptions.
 DEFAULT_DEVICE_MEMORY_GIB = 80.0
@@ -50,7 +56,9 @@ class PlanInputs:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     context: int | None = None  # tokens per sequence for concurrency and KV reads; None: max
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # auto: a GGUF's own blocks, else bfloat16
+    quantization: str | None = None  # int8 / int4 (--dtype int8 / int4 means the same)
+    quantization_group_size: int = 32
     kv_dtype: str = "auto"
     block_size: int = 16
     tensor_parallel_size: int = 1
@@ -58,7 +66,7 @@ class PlanInputs:
     batch: int = 64
 
     def validate(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
+        if self.dtype != "auto" and self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPE_BYTES)} (or auto), "
                               f"got {self.dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
@@ -84,7 +92,8 @@ class Plan:
     inputs: dict[str, Any]  # every input, resolved (defaults filled in)
     model_config: dict[str, Any]
     parameter_count: int
-    weight_bytes: int  # the whole model at --dtype
+    weight_bytes: int  # the whole model at --dtype / --quantization
+    weight_bytes_by_format: dict[str, int]  # as the runner reports it (model_weight_bytes)
     weight_bytes_per_device: int
     file_weight_bytes: int | None  # a GGUF's quantized tensors, as stored
     kv_bytes_per_token: int  # the whole model, all devices
@@ -137,6 +146,37 @@ def load_config(model: str | None) -> tuple[ModelConfig, str, int | None]:
     return ModelConfig.from_hf(cfg), path, None
 
 
+def stored_formats(path: str) -> dict[str, str] | None:
+    """A GGUF's tensors the packed loader keeps as blocks (HF name -> format), from its header;
+    None for a Hugging Face config."""
+    if not path.endswith(".gguf"):
+        return None
+    from tailserve.model.gguf import packed_storage, read_gguf
+
+    return packed_storage(read_gguf(path))
+
+
+def weight_storage_bytes(cfg: ModelConfig, inputs: PlanInputs,
+                         gguf_types: dict[str, str] | None = None) -> tuple[str, dict[str, int]]:
+    """(the weights' format as resolved, bytes per storage format): the loader's count."""
+    from tailserve.model.weight_storage import bytes_by_format, check_rtn_shapes, planned_storage
+
+    quantization = inputs.quantization or (
+        inputs.dtype if inputs.dtype in ("int8", "int4") else None)
+    if quantization is not None:
+        if gguf_types is not None:
+            raise ConfigError(f"--quantization {quantization} quantizes a float checkpoint; "
+                              "this model is a GGUF, quantized already")
+        check_rtn_shapes(cfg, quantization, inputs.quantization_group_size)
+        return quantization, bytes_by_format(planned_storage(cfg, quantization=quantization))
+    if inputs.dtype == "auto" and gguf_types is not None:
+        return "gguf", bytes_by_format(planned_storage(cfg, gguf_types=gguf_types))
+    dtype = "bfloat16" if inputs.dtype == "auto" else inputs.dtype
+    if dtype == "fp8":
+        return dtype, {dtype: parameter_count(cfg)}
+    return dtype, bytes_by_format(planned_storage(cfg, dtype=dtype))
+
+
 def parameter_count(cfg: ModelConfig) -> int:
     """Every parameter of a Llama-family decoder (the shapes model/loader.py checks)."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -160,8 +200,11 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype_bytes: float, kv_heads: int | 
 
 
 def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
-              file_weight_bytes: int | None = None) -> Plan:
+              file_weight_bytes: int | None = None,
+              gguf_types: dict[str, str] | None = None) -> Plan:
     inputs.validate()
+    if file_weight_bytes is not None and gguf_types is None and path.endswith(".gguf"):
+        gguf_types = stored_formats(path)
     notes: list[str] = []
     tp = inputs.tensor_parallel_size
     if cfg.num_attention_heads % tp:
@@ -174,14 +217,15 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
                      "pass --device-memory and --memory-bandwidth for yours")
     max_len = inputs.max_model_len or cfg.max_position_embeddings
     context = min(inputs.context or max_len, max_len)
+    weight_format, by_format = weight_storage_bytes(cfg, inputs, gguf_types)
     kv_dtype = inputs.kv_dtype
     if kv_dtype == "auto":
         # The cache holds activations: integer weight formats still keep a 16-bit cache.
-        kv_dtype = inputs.dtype if inputs.dtype in ("float32", "bfloat16", "float16") \
+        kv_dtype = weight_format if weight_format in ("float32", "bfloat16", "float16") \
             else "bfloat16"
-    w_bytes, kv_elem = DTYPE_BYTES[inputs.dtype], DTYPE_BYTES[kv_dtype]
+    kv_elem = DTYPE_BYTES[kv_dtype]
     params = parameter_count(cfg)
-    weight_bytes = int(params * w_bytes)
+    weight_bytes = sum(by_format.values())
     weight_dev = math.ceil(weight_bytes / tp)
     kv_heads_dev = math.ceil(cfg.num_key_value_heads / tp)
     if tp > cfg.num_key_value_heads:
@@ -207,8 +251,9 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
                      f"sequences of {context} tokens; the roofline is what the bandwidth "
                      "would allow")
     decode = {}
-    for name, wb in ROOFLINE_WEIGHTS.items():
-        weights_read = params * wb / tp  # bytes per device per step
+    for name, (dtype, quant) in ROOFLINE_WEIGHTS.items():
+        _, read = weight_storage_bytes(cfg, PlanInputs(dtype=dtype, quantization=quant))
+        weights_read = sum(read.values()) / tp  # bytes per device per step
         kv_read = context * kv_tok_dev  # one sequence's cache, per device
 
         def step_s(batch: int, weights_read: float = weights_read, kv_read: int = kv_read
@@ -218,18 +263,22 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
         decode[name] = {"batch_1": 1.0 / step_s(1),
                         "per_seq": 1.0 / step_s(inputs.batch),
                         "aggregate": inputs.batch / step_s(inputs.batch)}
-    if file_weight_bytes is not None:
+    if file_weight_bytes is not None and weight_format == "gguf":
+        notes.append(f"the GGUF's blocks as stored ({file_weight_bytes / GIB:.2f} GiB in the "
+                     "file), as the CPU kernels serve them; a GPU dequantizes them: pass --dtype")
+    elif file_weight_bytes is not None:
         notes.append(f"the GGUF stores {file_weight_bytes / GIB:.2f} GiB of quantized "
-                     f"weights; tailserve dequantizes them to {inputs.dtype} when it loads")
+                     f"weights; tailserve dequantizes them to {weight_format} when it loads")
     resolved = {**asdict(inputs), "model": path or inputs.model, "device_memory_gib": mem_gib,
                 "memory_bandwidth_gbs": bw, "max_model_len": max_len, "context": context,
-                "kv_dtype": kv_dtype}
+                "kv_dtype": kv_dtype, "dtype": weight_format}
     mc = {k: getattr(cfg, k) for k in (
         "architecture", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "head_dim", "hidden_size", "intermediate_size", "vocab_size", "tie_word_embeddings",
         "attention_bias", "max_position_embeddings")}
     return Plan(
         inputs=resolved, model_config=mc, parameter_count=params, weight_bytes=weight_bytes,
+        weight_bytes_by_format=by_format,
         weight_bytes_per_device=weight_dev, file_weight_bytes=file_weight_bytes,
         kv_bytes_per_token=kv_tok, kv_bytes_per_token_per_device=kv_tok_dev,
         kv_cache_bytes_per_device=kv_cache_dev, num_blocks=num_blocks,
@@ -259,6 +308,9 @@ def render_plan(p: Plan, console: Any) -> None:
         ("parameters", f"{p.parameter_count:,}"),
         (f"weights ({i['dtype']})", _gib(p.weight_bytes)
          + (f" ({_gib(p.weight_bytes_per_device)}{dev})" if tp > 1 else "")),
+        *([("  by format", ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in sorted(
+            p.weight_bytes_by_format.items(), key=lambda kv: -kv[1])))]
+          if len(p.weight_bytes_by_format) > 1 else []),
         (f"KV per token ({i['kv_dtype']})",
          f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:,.1f} KiB)"),
         (f"KV cache{dev}", f"{_gib(p.kv_cache_bytes_per_device)} of "

