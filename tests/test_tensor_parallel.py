@@ -1,0 +1,147 @@
+"""Tensor parallelism on CPU (gloo): TP=2 gives TP=1's greedy tokens and transformers' logits,
+each rank's KV pool holds its share of the KV heads as ``tailserve plan`` computes it, a head
+count that does not split is a start-up error with the numbers, a dead worker fails the engine.
+
+The default model (9 heads, 3 KV heads) cannot be split in two: the parity runs on the tiny
+random Llama (4 heads, 2 KV heads, SmolLM2's tokenizer) from ``tests/tiny_models.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tailserve import LLM, SamplingParams
+from tailserve.analyze.plan import PlanInputs, load_config, make_plan
+from tailserve.config import EngineArgs, ModelConfig
+from tailserve.engine.tensor_parallel import TensorParallelError
+from tailserve.errors import ConfigError
+from tailserve.model.device import detect_platform
+from tailserve.model.loader import load_model
+from tailserve.model.transforms.tensor_parallel import shard_config, shard_weights
+
+ENGINE = {"dtype": "float32", "num_kv_blocks": 96, "max_num_seqs": 4,
+          "max_num_batched_tokens": 32}  # 32: a 150-token prompt is prefilled in chunks
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(20, 49152, (n,), generator=g).tolist() for n in (3, 40, 150)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: str) -> Iterator[dict[int, LLM]]:
+    llms = {tp: LLM(tiny_model_dir, tensor_parallel_size=tp, **ENGINE) for tp in (1, 2)}
+    yield llms
+    for llm in llms.values():
+        llm.engine.close()
+
+
+def test_tp2_greedy_tokens_equal_tp1(engines: dict[int, LLM]) -> None:
+    prompts = _prompts()
+    first = {tp: _greedy(llm, prompts) for tp, llm in engines.items()}
+    assert first[2] == first[1]
+    # Again with the long prompt's first 48 tokens (3 blocks) shared: prefix-cache hits.
+    again = [[*prompts[2][:48], 101, 102, 103], prompts[2][:64]]
+    before = {tp: sum(s.prefix_cache_hits for s in llm.step_stats) for tp, llm in engines.items()}
+    second = {tp: _greedy(llm, again) for tp, llm in engines.items()}
+    assert second[2] == second[1]
+    for tp, llm in engines.items():
+        assert sum(s.prefix_cache_hits for s in llm.step_stats) > before[tp]
+        assert any(s.num_prefill_tokens == 32 for s in llm.step_stats)  # chunked prefill ran
+
+
+def test_tp2_logprobs_match_transformers(engines: dict[int, LLM], tiny_model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = _prompts()
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    outs = engines[2].generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), -1)
+        got = out.outputs[0].logprobs
+        assert got is not None
+        ids = list(got[0])
+        assert ids == ref.topk(5).indices.tolist()
+        assert torch.allclose(torch.tensor([got[0][t] for t in ids]), ref[ids], atol=1e-4, rtol=0)
+
+
+def test_each_rank_holds_its_kv_heads_sized_as_plan_says(
+    engines: dict[int, LLM], tiny_model_dir: str
+) -> None:
+    # The pool: [layers, 2, blocks, block_size, KV heads of this rank, head_dim].
+    assert engines[1].engine.runner.kv_cache.shape[4] == 2
+    assert engines[2].engine.runner.kv_cache.shape[4] == 1
+    cfg, _, _ = load_config(tiny_model_dir)
+    platform = detect_platform()
+    gib = 1 / 128  # 8 MiB
+    blocks = {tp: EngineArgs(dtype="float32", kv_cache_memory=gib, tensor_parallel_size=tp)
+              .resolve(cfg, platform).cache.num_kv_blocks for tp in (1, 2)}
+    plan = make_plan(cfg, PlanInputs(dtype="float32", tensor_parallel_size=2))
+    # 2 x 2 layers x 1 KV head x 16 x 4 bytes = 256 B per token per rank; --kv-cache-memory
+    # is per rank, so a rank holds twice the blocks of the same GiB.
+    assert plan.kv_bytes_per_token_per_device == 256 == plan.kv_bytes_per_token // 2
+    assert blocks[2] == int(gib * (1 << 30)) // (16 * 256) == 2 * blocks[1]
+
+
+def test_one_tensor_parallel_engine_per_process(engines: dict[int, LLM],
+                                                tiny_model_dir: str) -> None:
+    with pytest.raises(TensorParallelError, match="one tensor-parallel engine per process"):
+        LLM(tiny_model_dir, tensor_parallel_size=2, **ENGINE)
+
+
+def test_shards_put_back_together_are_the_checkpoint(tiny_model_dir: str) -> None:
+    loaded = load_model(tiny_model_dir)
+    cfg = loaded.config
+    parts = [shard_weights(loaded.weights, cfg, r, 2) for r in (0, 1)]
+    for name, whole in loaded.weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert parts[0][name].shape[1] * 2 == whole.shape[1]
+            assert torch.equal(torch.cat([p[name] for p in parts], 1), whole)
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                            "gate_proj.weight", "up_proj.weight")):
+            assert torch.equal(torch.cat([p[name] for p in parts], 0), whole)
+        else:  # embeddings, norms, LM head: replicated
+            assert all(p[name] is whole for p in parts)
+    rank = shard_config(cfg, 2)
+    assert (rank.num_attention_heads, rank.num_key_value_heads, rank.intermediate_size,
+            rank.head_dim) == (2, 1, 64, 16)
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_startup_error_with_the_numbers() -> None:
+    cfg: ModelConfig = load_config(None)[0]  # the bundled SmolLM2-135M: 9 heads, 3 KV heads
+    msg = ("--tensor-parallel-size 2 does not divide the model's 9 attention heads and 3 KV "
+           "heads")
+    with pytest.raises(ConfigError, match=msg):
+        EngineArgs(tensor_parallel_size=2).resolve(cfg, detect_platform())
+    with pytest.raises(ConfigError, match=msg):  # plan says the same
+        make_plan(cfg, PlanInputs(tensor_parallel_size=2))
+    EngineArgs(tensor_parallel_size=3).resolve(cfg, detect_platform())  # 3 divides both
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="gguf_weights='packed' cannot be split"):
+        EngineArgs(tensor_parallel_size=2, gguf_weights="packed")
+
+
+def test_a_dead_worker_fails_the_engine_cleanly(engines: dict[int, LLM]) -> None:
+    # Last in this file: it kills the module's TP=2 engine (one such engine per process).
+    llm = engines[2]
+    workers: Any = llm.engine.tp_workers
+    assert _greedy(llm, _prompts()[:1])  # it serves
+    workers.processes[0].kill()
+    workers.processes[0].wait()
+    with pytest.raises(TensorParallelError, match="worker rank 1 exited with code -9"):
+        _greedy(llm, _prompts()[:1])
+    llm.engine.close()  # the fixture's close after this one is harmless
+    assert all(p.poll() is not None for p in workers.processes)
