@@ -141,6 +141,12 @@ def test_a_dead_worker_fails_the_engine_cleanly(engines: dict[int, LLM]) -> None
     assert _greedy(llm, _prompts()[:1])  # it serves
     workers.processes[0].kill()
     workers.processes[0].wait()
+    # Inside a step (the liveness check skipped): the collective fails, it does not hang.
+    check, workers.group.check_workers = workers.group.check_workers, None
+    with pytest.raises(TensorParallelError, match="rank failed during a step"):
+        _greedy(llm, _prompts()[:1])
+    # Before a step: the dead worker is named.
+    workers.group.check_workers = check
     with pytest.raises(TensorParallelError, match="worker rank 1 exited with code -9"):
         _greedy(llm, _prompts()[:1])
     llm.engine.close()  # the fixture's close after this one is harmless

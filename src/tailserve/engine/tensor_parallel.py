@@ -36,13 +36,11 @@ import torch
 
 from tailserve import envs
 from tailserve.config import EngineArgs, UnsizedEngineConfig
-from tailserve.model.parallel import TensorParallelGroup
+from tailserve.model.parallel import TensorParallelError, TensorParallelGroup
+
+__all__ = ["TensorParallelError", "TensorParallelWorkers", "gguf_weights_choice", "worker_main"]
 
 log = logging.getLogger(__name__)
-
-
-class TensorParallelError(RuntimeError):
-    """A rank of a tensor-parallel engine failed (not a user mistake: the engine stops)."""
 
 
 def gguf_weights_choice(args: EngineArgs) -> str:

@@ -38,6 +38,16 @@ IDLE_TIMEOUT = timedelta(days=7)
 _GREEDY = SamplingParams(temperature=0.0)  # workers never sample; a placeholder
 
 
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine failed (not a user mistake: the engine stops)."""
+
+
+def _failed(exc: RuntimeError) -> TensorParallelError:
+    # gloo / NCCL messages carry source paths and peer addresses: reported by type only.
+    return TensorParallelError(f"a tensor-parallel rank failed during a step "
+                               f"({type(exc).__name__}); the engine stops")
+
+
 @dataclass
 class TensorParallelGroup:
     """This process's place among the ranks, after ``init_process_group``."""
@@ -63,7 +73,10 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (``RowParallelLinear``)."""
-        dist.all_reduce(x)
+        try:
+            dist.all_reduce(x)
+        except RuntimeError as exc:  # a peer died: its connection closed
+            raise _failed(exc) from exc
         return x
 
     def all_agree(self, ok: bool) -> bool:
@@ -128,7 +141,10 @@ class TensorParallelGroup:
                                num_decode_seqs=sum(not s.is_prefill for s in scheduled))
 
     def _broadcast(self, t: torch.Tensor) -> None:
-        dist.broadcast(t, src=0, group=self.step_group)
+        try:
+            dist.broadcast(t, src=0, group=self.step_group)
+        except RuntimeError as exc:
+            raise _failed(exc) from exc
 
     def destroy(self) -> None:
         if dist.is_initialized():
