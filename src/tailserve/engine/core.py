@@ -48,6 +48,9 @@ class EngineCore:
         self.kv_events = _kv_event_publisher(config)
         self.loaded = loaded
         self.model_config = config.model
+        if runner is None and config.runner.tensor_parallel_size > 1:
+            raise ConfigError("a tensor-parallel engine starts its ranks in "
+                              "EngineCore.from_args; it cannot be built from a config alone")
         if runner is None:
             runner = ModelRunner(
                 config.model, config.runner, config.scheduler.max_model_len, loaded.weights
