@@ -392,7 +392,6 @@ class ModelRunner:
         }
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-
     @torch.inference_mode()
     def execute_worker(self, sched: SchedulerOutput) -> None:
         """A tensor-parallel worker's step (rank > 0): the forward on this rank's shards,
