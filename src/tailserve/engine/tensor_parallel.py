@@ -93,6 +93,8 @@ class TensorParallelWorkers:
                 timedelta(seconds=envs.TAILSERVE_TP_TIMEOUT_S.get()))
         except Exception as exc:
             self.shutdown(graceful=False)
+            if torch.distributed.is_initialized():  # half made: the next engine may try again
+                torch.distributed.destroy_process_group()
             raise TensorParallelError(f"the tensor-parallel ranks did not meet: {exc}") from None
         self.group.check_workers = self.check
 
