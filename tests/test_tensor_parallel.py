@@ -8,6 +8,7 @@ random Llama (4 heads, 2 KV heads, SmolLM2's tokenizer) from ``tests/tiny_models
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,16 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def test_a_worker_that_fails_at_startup_fails_the_engine(tiny_model_dir: str,
+                                                         tmp_path: Any) -> None:
+    # First in this file (before the module's engines exist: one TP engine per process).
+    # Rank 0 has the weights in memory; the worker loads from ``source``, which is gone.
+    loaded = dataclasses.replace(load_model(tiny_model_dir), source=str(tmp_path / "gone"))
+    with pytest.raises(TensorParallelError, match="a tensor-parallel worker failed at start-up"):
+        LLM.from_loaded(loaded, tensor_parallel_size=2, **ENGINE)
+    assert not torch.distributed.is_initialized()  # the next engine may start
 
 
 @pytest.fixture(scope="module")
