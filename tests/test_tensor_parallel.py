@@ -22,6 +22,7 @@ from tailserve.engine.tensor_parallel import TensorParallelError
 from tailserve.errors import ConfigError
 from tailserve.model.device import detect_platform
 from tailserve.model.loader import load_model
+from tailserve.model.quant.formats import dequantize_reference, is_packed
 from tailserve.model.transforms.tensor_parallel import shard_config, shard_weights
 
 ENGINE = {"dtype": "float32", "num_kv_blocks": 96, "max_num_seqs": 4,
@@ -47,6 +48,46 @@ def test_a_worker_that_fails_at_startup_fails_the_engine(tiny_model_dir: str,
     with pytest.raises(TensorParallelError, match="a tensor-parallel worker failed at start-up"):
         LLM.from_loaded(loaded, tensor_parallel_size=2, **ENGINE)
     assert not torch.distributed.is_initialized()  # the next engine may start
+
+
+@pytest.fixture(scope="module")
+def packed_loaded() -> Any:
+    return load_model(None, gguf_weights="packed")
+
+
+def test_packed_gguf_splits_in_3_on_block_boundaries(packed_loaded: Any) -> None:
+    # The bundled GGUF kept as Q4_1 / Q8_0 blocks; 9 heads and 3 KV heads split in 3, and
+    # o_proj's 576 inputs (18 blocks of 32) and down_proj's 1536 (48) are whole blocks per rank.
+    cfg, weights = packed_loaded.config, packed_loaded.weights
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert is_packed(weights[name])
+    whole = dequantize_reference(weights[name])
+    for r in range(3):
+        part = shard_weights(weights, cfg, r, 3)
+        assert torch.equal(dequantize_reference(part[name]), whole[:, r * 192:(r + 1) * 192])
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(dequantize_reference(part[q]),
+                           dequantize_reference(weights[q])[r * 192:(r + 1) * 192])
+    # 16 blocks do not split in 3: refused with the numbers, not cut inside a block.
+    cut = {**weights, name: weights[name][:, :16].contiguous()}
+    with pytest.raises(ConfigError, match="512 inputs in Q4_1 blocks of 32 cannot be cut in 3"):
+        shard_weights(cut, cfg, 0, 3)
+
+
+def test_packed_gguf_tp3_greedy_tokens_equal_tp1(packed_loaded: Any) -> None:
+    # Before the module's engines (one TP engine per process). Three ranks on the bundled
+    # model as stored: the workers load it packed too (gguf_weights='packed').
+    args = {"dtype": "float32", "gguf_weights": "packed", "num_kv_blocks": 64,
+            "max_model_len": 512, "max_num_seqs": 4}
+    prompts = _prompts()[:2]
+    ref = LLM.from_loaded(packed_loaded, **args)
+    want = _greedy(ref, prompts)
+    tp3 = LLM.from_loaded(packed_loaded, tensor_parallel_size=3, **args)
+    try:
+        assert _greedy(tp3, prompts) == want
+        assert tp3.engine.runner.kv_cache.shape[4] == 1  # 3 KV heads, one per rank
+    finally:
+        tp3.engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +182,6 @@ def test_tp_that_does_not_divide_the_heads_is_a_startup_error_with_the_numbers()
     EngineArgs(tensor_parallel_size=3).resolve(cfg, detect_platform())  # 3 divides both
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, got 0"):
         EngineArgs(tensor_parallel_size=0)
-    with pytest.raises(ConfigError, match="gguf_weights='packed' cannot be split"):
-        EngineArgs(tensor_parallel_size=2, gguf_weights="packed")
 
 
 def test_a_dead_worker_fails_the_engine_cleanly(engines: dict[int, LLM]) -> None:

@@ -265,13 +265,6 @@ class EngineArgs:
             raise ConfigError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
             )
-        if self.tensor_parallel_size > 1 and self.gguf_weights == "packed":
-            # Packed blocks could be cut by rows, but o_proj / down_proj are cut along their
-            # input, which must fall on block boundaries: not supported, dequantize instead.
-            raise ConfigError(
-                f"gguf_weights='packed' cannot be split over tensor_parallel_size="
-                f"{self.tensor_parallel_size} ranks; use gguf_weights='dequantize' (or auto)"
-            )
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ConfigError(
                 "long_prefill_token_threshold must be >= 1, "

@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 
 def gguf_weights_choice(args: EngineArgs) -> str:
-    """``--gguf-weights`` under tensor parallelism: ``auto`` dequantizes (packed blocks are
-    not split, model/transforms/tensor_parallel.py); ``packed`` is refused by EngineArgs."""
+    """``--gguf-weights`` under tensor parallelism: ``auto`` dequantizes, since a split of
+    packed blocks must fall on block boundaries (model/transforms/tensor_parallel.py), which
+    only the checkpoint's formats decide; ``packed`` asks for it and fails with the numbers
+    where a rank's share is not whole blocks."""
     if args.tensor_parallel_size > 1 and args.gguf_weights == "auto":
         return "dequantize"
     return args.gguf_weights

@@ -22,9 +22,11 @@ transforms, which then wrap the shards like any other ``nn.Linear``:
   so ``load_weights`` copies them in as it copies a whole model;
 - ``apply_tensor_parallel``: ``o_proj`` / ``down_proj`` wrapped in ``RowParallelLinear``.
 
-Packed GGUF blocks are refused: cutting rows of the output dimension would be free, but the
-row-parallel projections are cut along their input, which must fall on block boundaries (32
-or 256 elements); the engine dequantizes a GGUF under tensor parallelism instead.
+Packed GGUF blocks (``[rows, blocks, type_size]``) are cut too: by rows for free, and the
+row-parallel projections along their input only on block boundaries (32 values a block for
+Q4_0..Q8_0, 256 for the K-quants): a rank's share of the input must be whole blocks, or the
+cut is refused with the numbers (load with ``gguf_weights='dequantize'``). The bundled
+SmolLM2-135M (Q4_1) splits in 3: o_proj 576 -> 192 inputs (6 blocks), down_proj 1536 -> 512.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 
 from tailserve.config import ModelConfig, check_tensor_parallel
 from tailserve.errors import ConfigError
-from tailserve.model.quant.formats import is_packed
+from tailserve.model.quant.formats import format_of, is_packed
 from tailserve.model.transforms.report import TransformReport
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -72,12 +74,6 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
     mlp_rows = cfg.intermediate_size // world_size
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        if is_packed(tensor):
-            raise ConfigError(
-                f"{name} is packed GGUF blocks, which tensor parallelism does not split "
-                "(the row-parallel cut must fall on block boundaries): load with "
-                "gguf_weights='dequantize'"
-            )
         suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
         if suffix in _Q_ROWS:
             out[name] = tensor.narrow(0, rank * q_rows, q_rows)
@@ -86,7 +82,15 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
         elif suffix in _MLP_ROWS:
             out[name] = tensor.narrow(0, rank * mlp_rows, mlp_rows)
         elif suffix in _COLUMNS:
+            # A packed tensor's dim 1 counts blocks: whole blocks per rank, or no cut.
             cols = tensor.shape[1] // world_size
+            if is_packed(tensor) and tensor.shape[1] % world_size:
+                fmt = format_of(tensor)
+                inputs = tensor.shape[1] * fmt.block_size
+                raise ConfigError(
+                    f"{name}: {inputs} inputs in {fmt.name} blocks of {fmt.block_size} cannot "
+                    f"be cut in {world_size} on block boundaries ({inputs // world_size} per "
+                    "rank); load with gguf_weights='dequantize'")
             out[name] = tensor.narrow(1, rank * cols, cols).contiguous()
         else:  # embeddings, norms, LM head: whole on every rank
             out[name] = tensor
