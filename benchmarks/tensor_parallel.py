@@ -3,8 +3,10 @@
 Two random Llama folders whose heads split in two (the bundled SmolLM2-135M has 9 heads and 3
 KV heads, which do not): ``tiny`` (tests/tiny_models.py: hidden 64, 2 layers, 4 heads / 2 KV)
 and ``small`` (hidden 512, 24 layers, 8 heads / 4 KV heads of 64, intermediate 1536: about
-SmolLM2-135M's size and cost per token). Each is served in-process by ``LLM``, in a fresh
-process per setting:
+SmolLM2-135M's size and cost per token); with ``--models ...,smollm2`` also the bundled
+SmolLM2-135M GGUF as stored (packed Q4_1 blocks), which splits in 3 (``tp3``: three ranks on
+two cores, one thread each). Each is served in-process by ``LLM``, in a fresh process per
+setting:
 
     tp1     --tensor-parallel-size 1, all the cores' threads (2 here) in one process
     tp1-t1  --tensor-parallel-size 1 on one thread: what one rank of tp2 would do alone
@@ -58,8 +60,11 @@ def measure(folder: str, tp: int, repeats: int, threads: int | None) -> dict[str
         sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         return [o.timing[0] for o in llm.generate(prompts, sp)]
 
-    llm = LLM(folder, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=0.25,
-              max_num_seqs=16, enable_prefix_caching=False)
+    extra = {"gguf_weights": "packed"} if folder == "smollm2" else {}
+    llm = LLM(None if folder == "smollm2" else folder, dtype="float32", tensor_parallel_size=tp,
+              kv_cache_memory=0.25, max_model_len=2048, max_num_seqs=16,
+              enable_prefix_caching=False, **extra)
+    threads_used = torch.get_num_threads()  # this rank's, while the engine runs
     tpot, pps, batch = [], [], []
     try:
         run([prompt(16, 99)], 4)  # warm-up
@@ -73,8 +78,7 @@ def measure(folder: str, tp: int, repeats: int, threads: int | None) -> dict[str
     finally:
         llm.engine.close()
     return {"tpot_ms": min(tpot) * 1e3, "prompt_tok_s": max(pps), "batch8_out_tok_s": max(batch),
-            "threads_per_rank": torch.get_num_threads() // tp if tp > 1 else
-            torch.get_num_threads()}
+            "threads_per_rank": threads_used}
 
 
 def plan_rows() -> list[dict[str, Any]]:
@@ -117,9 +121,14 @@ def main() -> None:
     results: dict[str, Any] = {"serving": {}, "plan": plan_rows()}
     with tempfile.TemporaryDirectory() as tmp:
         for model in a.models.split(","):
-            shape = SMALL if model == "small" else {"max_position_embeddings": 2048}
-            folder = build_tiny_llama(os.path.join(tmp, model), **shape)
-            for name, tp, threads in (("tp1", 1, 0), ("tp1-t1", 1, 1), ("tp2", 2, 0)):
+            settings = [("tp1", 1, 0), ("tp1-t1", 1, 1), ("tp2", 2, 0)]
+            if model == "smollm2":  # 9 heads / 3 KV heads: 3 ranks, not 2
+                folder = model
+                settings[2] = ("tp3", 3, 0)
+            else:
+                shape = SMALL if model == "small" else {"max_position_embeddings": 2048}
+                folder = build_tiny_llama(os.path.join(tmp, model), **shape)
+            for name, tp, threads in settings:
                 out = subprocess.run(
                     [sys.executable, __file__, "--repeats", str(a.repeats), "--child", folder,
                      str(tp), str(threads)], check=True, capture_output=True, text=True).stdout
