@@ -3,6 +3,7 @@ configs, the model sources it reads, and the --sweep on a tiny live model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,8 @@ def test_kv_bytes_per_token_count_kv_heads_not_query_heads() -> None:
     assert kv_bytes_per_token(ModelConfig.from_hf(SMOLLM2_135M), 2) == 2 * 30 * 3 * 64 * 2 \
         == 23_040
     # Counting all 32 query heads would claim 4x Llama-3-8B's real 128 KiB per token.
-    assert kv_bytes_per_token(ModelConfig.from_hf(LLAMA3_8B), 2, kv_heads=32) == 524_288
+    all_heads = dataclasses.replace(ModelConfig.from_hf(LLAMA3_8B), num_key_value_heads=32)
+    assert kv_bytes_per_token(all_heads, 2) == 524_288
 
 
 def test_llama3_8b_on_an_80_gib_device() -> None:
@@ -153,17 +155,20 @@ def test_smollm2_135m_dtypes_and_tensor_parallel() -> None:
     assert q4.weight_bytes_by_format == {"Q4_1": 66_355_200, "Q8_0": 30_081_024,
                                          "float32": 140_544}
     assert make_plan(cfg, PlanInputs(kv_dtype="fp8")).kv_bytes_per_token == 11_520
-    # TP 3 splits the 3 KV heads one per device: 7,680 B per token per device, weights
-    # 269,030,016 / 3 = 89,676,672 B each; 8 GiB x 0.9 = 7,730,941,133 B; minus weights =
-    # 7,641,264,461 B; / (16 x 7,680 = 122,880) = 62,184 blocks per device.
+    # TP 3 splits the 3 KV heads one per device: 7,680 B per token per device. Weights per
+    # device: the tied embedding table (49,152 x 576 = 28,311,552) and the final norm (576)
+    # whole, each of the 30 layers' projections / 3 (3,538,944 / 3 = 1,179,648) plus its two
+    # norms (1,152): 63,736,128 parameters, 127,472,256 B in bf16; 8 GiB x 0.9 =
+    # 7,730,941,133 B; minus weights = 7,603,468,877 B; / (16 x 7,680 = 122,880) = 61,877.
     tp3 = make_plan(cfg, PlanInputs(tensor_parallel_size=3, device_memory_gib=8))
     assert tp3.kv_bytes_per_token == 23_040 and tp3.kv_bytes_per_token_per_device == 7_680
-    assert tp3.weight_bytes_per_device == 89_676_672
-    assert tp3.num_blocks == 62_184
-    # TP 9 > 3 KV heads: each device still keeps a whole KV head (replicated).
-    tp9 = make_plan(cfg, PlanInputs(tensor_parallel_size=9))
-    assert tp9.kv_bytes_per_token_per_device == 7_680
-    assert any("replicated" in n for n in tp9.notes)
+    assert tp3.weight_bytes_per_device == 127_472_256
+    assert tp3.num_blocks == 61_877
+    assert any("28.3 M parameters replicated" in n for n in tp3.notes)
+    # TP 9 would need to split 3 KV heads: refused, as the engine refuses it.
+    with pytest.raises(ConfigError, match="does not divide the model's 9 attention heads and "
+                       "3 KV heads"):
+        make_plan(cfg, PlanInputs(tensor_parallel_size=9))
     with pytest.raises(ConfigError, match="does not divide"):
         make_plan(cfg, PlanInputs(tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="--block-size"):

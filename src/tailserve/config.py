@@ -7,7 +7,8 @@ field becomes a ``--flag`` of the same name (``max_num_seqs`` ⇄ ``--max-num-se
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
@@ -239,7 +240,12 @@ class EngineArgs:
                   "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'",
                   "metavar": "JSON"},
     )
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "split every layer over this many ranks (one process each, "
+                  "torch.distributed: gloo on CPU, NCCL on CUDA); must divide the attention "
+                  "and KV heads; the CPU threads are split between the ranks"},
+    )
     enforce_eager: bool = field(
         default=False,
         metadata={"help": "run every step through the PyTorch module forward; by default "
@@ -290,9 +296,9 @@ class EngineArgs:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
             raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (only 1)"
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
             )
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ConfigError(
@@ -347,6 +353,7 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) exceeds the model's context length "
                 f"({model.max_position_embeddings})"
             )
+        check_tensor_parallel(model, self.tensor_parallel_size)
         runner = self.resolve_runner(platform, model.checkpoint_dtype)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -386,7 +393,8 @@ class EngineArgs:
             scheduler=scheduler,
             observability=observability,
             block_size=self.block_size,
-            block_bytes=kv_block_bytes(model, self.block_size, runner.kv_cache_dtype),
+            block_bytes=kv_block_bytes(model, self.block_size, runner.kv_cache_dtype,
+                                       runner.tensor_parallel_size),
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
             num_kv_blocks=self.num_kv_blocks,
@@ -412,16 +420,57 @@ class EngineArgs:
             kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, compute),
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
-    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer."""
-    return (model.num_hidden_layers * 2 * block_size * model.num_key_value_heads
-            * model.head_dim * DTYPE_BYTES[dtype])
+def check_tensor_parallel(model: ModelConfig, tensor_parallel_size: int) -> None:
+    """Each rank takes whole attention heads, whole KV heads and an equal share of the MLP."""
+    tp = tensor_parallel_size
+    if tp == 1:
+        return
+    parts = (("attention heads", model.num_attention_heads),
+             ("KV heads", model.num_key_value_heads),
+             ("intermediate size", model.intermediate_size))
+    bad = [f"{n} {what}" for what, n in parts if n % tp]
+    if bad:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp} does not divide the model's "
+            f"{model.num_attention_heads} attention heads and {model.num_key_value_heads} KV "
+            f"heads (intermediate size {model.intermediate_size}): {', '.join(bad)} cannot be "
+            f"split in {tp}; use a size that divides them"
+        )
+
+
+def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
+    """The shape of one tensor-parallel rank's model (``check_tensor_parallel`` has to pass):
+    heads, KV heads and intermediate size divided by ``world_size``, ``head_dim`` kept. The
+    runner builds a rank's model from it, ``tailserve plan`` counts a device's weights by it."""
+    check_tensor_parallel(cfg, world_size)
+    return replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // world_size,
+        num_key_value_heads=cfg.num_key_value_heads // world_size,
+        intermediate_size=cfg.intermediate_size // world_size,
+        head_dim=cfg.head_dim,  # explicit already; a rank's hidden // heads would differ
+    )
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype_bytes: float, tensor_parallel_size: int = 1
+                       ) -> int:
+    """KV bytes one token takes on one rank: 2 (K and V) x layers x the rank's KV heads x
+    head_dim x bytes. The one formula behind the pool's blocks and ``tailserve plan``."""
+    heads = math.ceil(model.num_key_value_heads / tensor_parallel_size)
+    return int(2 * model.num_hidden_layers * heads * model.head_dim * dtype_bytes)
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
+                   tensor_parallel_size: int = 1) -> int:
+    """Bytes of one KV block on one rank: K and V of ``block_size`` tokens in every layer."""
+    return block_size * kv_bytes_per_token(model, DTYPE_BYTES[dtype], tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -440,6 +489,7 @@ class RunnerConfig:
     kv_cache_dtype: ServingDtype = "float32"
     seed: int = 0  # the sampler's generator for requests without their own seed
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1  # ranks the layers are split over (one process each)
 
 
 @dataclass(frozen=True)

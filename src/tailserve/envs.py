@@ -98,11 +98,16 @@ TRITON_INTERPRET: EnvSwitch[bool] = EnvSwitch(
     "Triton kernels then compute in float32, which the interpreter does exactly (tests); "
     "Triton itself reads it too, when a kernel is defined",
 )
+TAILSERVE_TP_TIMEOUT_S: EnvSwitch[float] = EnvSwitch(
+    "TAILSERVE_TP_TIMEOUT_S", 120.0, float,
+    "tensor parallelism: seconds a rank waits for the others at start-up and inside a step's "
+    "all-reduce before the engine fails (a dead worker usually fails it at once)",
+)
 
 SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
     TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_CPU_BF16_DOT,
     TAILSERVE_QUANT_ISA, CUDA_VISIBLE_DEVICES,
     TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SLOW_STEP_MS, TAILSERVE_TEST_SWEEP,
-    TRITON_INTERPRET,
+    TRITON_INTERPRET, TAILSERVE_TP_TIMEOUT_S,
 )

@@ -17,8 +17,11 @@ heads would claim 512 KiB and a quarter of the real capacity.
 
 The blocks figure leaves out the activation peak of the largest forward pass, which the server
 measures at start-up (model/runner.py) and also takes from the budget, so a live server has a
-few percent fewer blocks. With tensor parallelism each device holds 1/T of the weights and of
-the KV heads (a KV head is replicated when T exceeds their count); communication is ignored.
+few percent fewer blocks. With tensor parallelism each device holds 1/T of every layer's
+weights and of the KV heads, and a whole copy of the embeddings and LM head (replicated, as
+tailserve's ranks keep them); T must divide the attention and KV heads (the engine's own check,
+``config.check_tensor_parallel``) and the KV figures are ``config.kv_bytes_per_token``, the
+function that sizes the server's pool. Communication is ignored.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tailserve.config import ModelConfig
+from tailserve.config import ModelConfig, check_tensor_parallel, kv_bytes_per_token, shard_config
 from tailserve.errors import ConfigError, ModelLoadError
 
 GIB = 1 << 30
@@ -177,26 +180,21 @@ def weight_storage_bytes(cfg: ModelConfig, inputs: PlanInputs,
     return dtype, bytes_by_format(planned_storage(cfg, dtype=dtype))
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """Every parameter of a Llama-family decoder (the shapes model/loader.py checks)."""
+def parameter_count(cfg: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """Every parameter of a Llama-family decoder (the shapes model/loader.py checks); with
+    ``tensor_parallel_size`` T, those one rank holds: 1/T of each layer's projections, whole
+    norms, embeddings and LM head (model/transforms/tensor_parallel.py)."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
     q_dim = cfg.num_attention_heads * cfg.head_dim
     kv_dim = cfg.num_key_value_heads * cfg.head_dim
-    per_layer = (
+    split = (
         h * q_dim + 2 * h * kv_dim + q_dim * h  # q, k, v, o projections
         + 3 * h * inter  # gate, up, down
-        + 2 * h  # two RMSNorms
         + ((q_dim + 2 * kv_dim) if cfg.attention_bias else 0)  # Qwen2's q/k/v biases
     )
+    per_layer = split // tensor_parallel_size + 2 * h  # + two RMSNorms
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     return embeddings + cfg.num_hidden_layers * per_layer + h  # + the final norm
-
-
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype_bytes: float, kv_heads: int | None = None
-                       ) -> int:
-    """2 (K and V) x layers x KV heads x head_dim x bytes."""
-    heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
-    return int(2 * cfg.num_hidden_layers * heads * cfg.head_dim * kv_dtype_bytes)
 
 
 def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
@@ -207,9 +205,7 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
         gguf_types = stored_formats(path)
     notes: list[str] = []
     tp = inputs.tensor_parallel_size
-    if cfg.num_attention_heads % tp:
-        raise ConfigError(f"--tensor-parallel-size {tp} does not divide the "
-                          f"{cfg.num_attention_heads} attention heads")
+    check_tensor_parallel(cfg, tp)
     mem_gib = inputs.device_memory_gib or DEFAULT_DEVICE_MEMORY_GIB
     bw = inputs.memory_bandwidth_gbs or DEFAULT_BANDWIDTH_GBS
     if inputs.device_memory_gib is None or inputs.memory_bandwidth_gbs is None:
@@ -225,14 +221,18 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
             else "bfloat16"
     kv_elem = DTYPE_BYTES[kv_dtype]
     params = parameter_count(cfg)
+    params_dev = parameter_count(cfg, tp)
     weight_bytes = sum(by_format.values())
-    weight_dev = math.ceil(weight_bytes / tp)
-    kv_heads_dev = math.ceil(cfg.num_key_value_heads / tp)
-    if tp > cfg.num_key_value_heads:
-        notes.append(f"{tp} devices > {cfg.num_key_value_heads} KV heads: each device keeps "
-                     "one KV head, replicated")
+    # A device's weights, counted as the runner builds a rank's model (config.shard_config):
+    # its slices of the layers, the whole embeddings, norms and LM head.
+    _, by_format_dev = weight_storage_bytes(shard_config(cfg, tp), inputs, gguf_types)
+    weight_dev = sum(by_format_dev.values())
+    if tp > 1:
+        notes.append(f"each of the {tp} devices also holds the whole embeddings and LM head "
+                     f"({(params_dev * tp - params) / (tp - 1) / 1e6:,.1f} M parameters "
+                     "replicated)")
     kv_tok = kv_bytes_per_token(cfg, kv_elem)
-    kv_tok_dev = kv_bytes_per_token(cfg, kv_elem, kv_heads_dev)
+    kv_tok_dev = kv_bytes_per_token(cfg, kv_elem, tp)
     budget = round(mem_gib * GIB * inputs.gpu_memory_utilization)  # bytes
     kv_cache_dev = max(budget - weight_dev, 0)
     block_bytes = inputs.block_size * kv_tok_dev
@@ -252,8 +252,9 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
                      "would allow")
     decode = {}
     for name, (dtype, quant) in ROOFLINE_WEIGHTS.items():
-        _, read = weight_storage_bytes(cfg, PlanInputs(dtype=dtype, quantization=quant))
-        weights_read = sum(read.values()) / tp  # bytes per device per step
+        _, read = weight_storage_bytes(shard_config(cfg, tp),
+                                       PlanInputs(dtype=dtype, quantization=quant))
+        weights_read = sum(read.values())  # bytes per device per step
         kv_read = context * kv_tok_dev  # one sequence's cache, per device
 
         def step_s(batch: int, weights_read: float = weights_read, kv_read: int = kv_read
@@ -312,7 +313,8 @@ def render_plan(p: Plan, console: Any) -> None:
             p.weight_bytes_by_format.items(), key=lambda kv: -kv[1])))]
           if len(p.weight_bytes_by_format) > 1 else []),
         (f"KV per token ({i['kv_dtype']})",
-         f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:,.1f} KiB)"),
+         f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:,.1f} KiB)"
+         + (f" ({p.kv_bytes_per_token_per_device:,} B{dev})" if tp > 1 else "")),
         (f"KV cache{dev}", f"{_gib(p.kv_cache_bytes_per_device)} of "
          f"{i['device_memory_gib']:g} GiB x {i['gpu_memory_utilization']:g}"),
         (f"KV blocks of {i['block_size']}", f"{p.num_blocks:,} ({p.kv_tokens:,} tokens)"),

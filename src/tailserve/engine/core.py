@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from tailserve.config import EngineArgs, EngineConfig
+from tailserve.config import EngineArgs, EngineConfig, UnsizedEngineConfig
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
 from tailserve.engine.calibrate import calibrate
@@ -27,6 +27,7 @@ from tailserve.request import (
 )
 
 if TYPE_CHECKING:
+    from tailserve.engine.tensor_parallel import TensorParallelWorkers
     from tailserve.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -37,14 +38,19 @@ class EngineCore:
     the KV pool on CUDA with the runner it then keeps)."""
 
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner | None = None
+        self, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner | None = None,
+        tp_workers: TensorParallelWorkers | None = None,
     ) -> None:
         t0 = time.perf_counter()
         self.config = config
+        self.tp_workers = tp_workers  # ranks 1..T-1 (engine/tensor_parallel.py), closed here
         # First: a taken port fails the start before the KV pool is allocated.
         self.kv_events = _kv_event_publisher(config)
         self.loaded = loaded
         self.model_config = config.model
+        if runner is None and config.runner.tensor_parallel_size > 1:
+            raise ConfigError("a tensor-parallel engine starts its ranks in "
+                              "EngineCore.from_args; it cannot be built from a config alone")
         if runner is None:
             runner = ModelRunner(
                 config.model, config.runner, config.scheduler.max_model_len, loaded.weights
@@ -91,11 +97,15 @@ class EngineCore:
             runner_config = args.resolve_runner(platform)
             check_quantization_supported(args.quantization, runner_config.device,
                                          runner_config.dtype)
+            from tailserve.engine.tensor_parallel import gguf_weights_choice
+
             loaded = load_model(args.model, gguf_weights=resolve_gguf_weights(
-                args.gguf_weights, runner_config.device, runner_config.dtype),
+                gguf_weights_choice(args), runner_config.device, runner_config.dtype),
                 quantization=args.quantization,
                 quantization_group_size=args.quantization_group_size)
         unsized = args.resolve_unsized(loaded.config, platform)
+        if args.tensor_parallel_size > 1:
+            return cls._from_args_tensor_parallel(args, unsized, loaded)
         runner = None
         measured = None
         if unsized.needs_kv_measurement:
@@ -108,6 +118,35 @@ class EngineCore:
             )
         # Validates that one max_model_len sequence fits before a byte of KV is allocated.
         return cls(unsized.sized(measured), loaded, runner)
+
+    @classmethod
+    def _from_args_tensor_parallel(
+        cls, args: EngineArgs, unsized: UnsizedEngineConfig, loaded: LoadedModel
+    ) -> EngineCore:
+        """Rank 0 of ``args.tensor_parallel_size``: the workers start, every rank builds its
+        shard and sizes the same pool (the workers mirror these calls), then the engine."""
+        from tailserve.engine.tensor_parallel import TensorParallelWorkers
+
+        workers = TensorParallelWorkers(args, unsized)
+        try:
+            try:
+                runner = ModelRunner(unsized.model, unsized.runner,
+                                     unsized.scheduler.max_model_len, loaded.weights,
+                                     tp=workers.group)
+            except Exception:
+                workers.ready(False)
+                raise
+            workers.ready(True)
+            measured = None
+            if unsized.needs_kv_measurement:
+                sc = unsized.scheduler
+                measured = runner.profile_kv_cache_bytes(
+                    sc.max_num_batched_tokens, unsized.block_size,
+                    unsized.gpu_memory_utilization, sc.max_num_seqs)
+            return cls(unsized.sized(measured), loaded, runner, workers)
+        except BaseException:
+            workers.shutdown(graceful=False)
+            raise
 
     def add_request(self, req: Request) -> None:
         """Validate and queue; raises ``InvalidRequestError`` / ``QueueFullError``.
@@ -170,6 +209,8 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     def _stats(
         self, sched: SchedulerOutput, step_s: float, outputs: list[EngineOutput]

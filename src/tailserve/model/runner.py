@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, shard_config
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
@@ -32,6 +32,7 @@ from tailserve.model.device import torch_dtype
 from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
+from tailserve.model.parallel import TensorParallelGroup
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.sampling_buffers import SamplingBuffers, sampling_buffer_bytes
 from tailserve.model.step_buffers import StepInputBuffers, step_buffer_bytes
@@ -42,6 +43,7 @@ from tailserve.model.transforms.gguf_linear import (
     weight_bytes_by_format,
 )
 from tailserve.model.transforms.linear16 import cast_for_storage
+from tailserve.model.transforms.tensor_parallel import apply_tensor_parallel, shard_weights
 from tailserve.model.transforms.triton_kernels import apply_triton_kernels
 from tailserve.model.triton_kernels import triton_available
 from tailserve.obs.profiling import span
@@ -90,7 +92,12 @@ class ModelRunner:
         config: RunnerConfig,
         max_model_len: int,
         weights: dict[str, torch.Tensor],
+        tp: TensorParallelGroup | None = None,
     ) -> None:
+        self.tp = tp
+        if tp is not None:  # this rank's slices, before any other transform wraps them
+            weights = shard_weights(weights, model_config, tp.rank, tp.world_size)
+            model_config = shard_config(model_config, tp.world_size)
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.config = config
@@ -124,6 +131,8 @@ class ModelRunner:
         self.weight_bytes = weight_bytes_by_format(weights)
         materialize_model(model, self.device, max_model_len)
         model.load_weights(weights)
+        if tp is not None:  # o_proj / down_proj sum their partial products over the ranks
+            apply_tensor_parallel(model, tp.all_reduce)
         self.model = model.eval()
         if self.device.type == "cpu":
             report = apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
@@ -176,6 +185,9 @@ class ModelRunner:
             self.device,
         )
         if not wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend):
+            return
+        if self.tp is not None:
+            log.info("CUDA graphs off under tensor parallelism: decode steps run eagerly")
             return
         graphs = CudaDecodeGraphs(graph_batch_sizes(scheduler.max_num_seqs))
         try:
@@ -231,6 +243,8 @@ class ModelRunner:
                                             -(-self.max_model_len // block_size))
             + sampling_buffer_bytes(max_num_seqs, self._penalty_capacity(max_num_seqs)),
         )
+        if self.tp is not None:  # every rank's pool has the same blocks: the smallest fits
+            return self.tp.min_over_ranks(self.memory_profile.kv_cache_bytes)
         return self.memory_profile.kv_cache_bytes
 
     # ------------------------------------------------------------------ one step
@@ -350,6 +364,8 @@ class ModelRunner:
             self._generators.pop(rid, None)
         if not sched.scheduled:
             return RunnerOutput(sampled_token_ids={})
+        if self.tp is not None:  # the workers run the same forward on their shards
+            self.tp.send_step(sched.scheduled)
         with span("prepare_inputs"):
             batch = self._prepare(sched)
             self.backend.begin_step(batch.meta)
@@ -381,6 +397,16 @@ class ModelRunner:
             if lp is not None
         }
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @torch.inference_mode()
+    def execute_worker(self, sched: SchedulerOutput) -> None:
+        """A tensor-parallel worker's step (rank > 0): the forward on this rank's shards,
+        flattened as rank 0 flattened it; rank 0 alone computes logits and samples."""
+        batch = self._prepare(sched)
+        self.backend.begin_step(batch.meta)
+        self._forward(batch)
+        if self.step_buffers is not None:
+            self.step_buffers.mark_consumed()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,203 @@
+"""Tensor parallelism on CPU (gloo): TP=2 gives TP=1's greedy tokens and transformers' logits,
+each rank's KV pool holds its share of the KV heads as ``tailserve plan`` computes it, a head
+count that does not split is a start-up error with the numbers, a dead worker fails the engine.
+
+The default model (9 heads, 3 KV heads) cannot be split in two: the parity runs on the tiny
+random Llama (4 heads, 2 KV heads, SmolLM2's tokenizer) from ``tests/tiny_models.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tailserve import LLM, SamplingParams
+from tailserve.analyze.plan import PlanInputs, load_config, make_plan
+from tailserve.config import EngineArgs, ModelConfig, shard_config
+from tailserve.engine.tensor_parallel import TensorParallelError
+from tailserve.errors import ConfigError
+from tailserve.model.device import detect_platform
+from tailserve.model.loader import load_model
+from tailserve.model.quant.formats import dequantize_reference, is_packed
+from tailserve.model.transforms.tensor_parallel import shard_weights
+
+ENGINE = {"dtype": "float32", "num_kv_blocks": 96, "max_num_seqs": 4,
+          "max_num_batched_tokens": 32}  # 32: a 150-token prompt is prefilled in chunks
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(20, 49152, (n,), generator=g).tolist() for n in (3, 40, 150)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def test_a_worker_that_fails_at_startup_fails_the_engine(tiny_model_dir: str,
+                                                         tmp_path: Any) -> None:
+    # First in this file (before the module's engines exist: one TP engine per process).
+    # Rank 0 has the weights in memory; the worker loads from ``source``, which is gone.
+    loaded = dataclasses.replace(load_model(tiny_model_dir), source=str(tmp_path / "gone"))
+    with pytest.raises(TensorParallelError, match="a tensor-parallel worker failed at start-up"):
+        LLM.from_loaded(loaded, tensor_parallel_size=2, **ENGINE)
+    assert not torch.distributed.is_initialized()  # the next engine may start
+
+
+@pytest.fixture(scope="module")
+def packed_loaded() -> Any:
+    return load_model(None, gguf_weights="packed")
+
+
+def test_packed_gguf_splits_in_3_on_block_boundaries(packed_loaded: Any) -> None:
+    # The bundled GGUF kept as Q4_1 / Q8_0 blocks; 9 heads and 3 KV heads split in 3, and
+    # o_proj's 576 inputs (18 blocks of 32) and down_proj's 1536 (48) are whole blocks per rank.
+    cfg, weights = packed_loaded.config, packed_loaded.weights
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert is_packed(weights[name])
+    whole = dequantize_reference(weights[name])
+    for r in range(3):
+        part = shard_weights(weights, cfg, r, 3)
+        assert torch.equal(dequantize_reference(part[name]), whole[:, r * 192:(r + 1) * 192])
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(dequantize_reference(part[q]),
+                           dequantize_reference(weights[q])[r * 192:(r + 1) * 192])
+    # 16 blocks do not split in 3: refused with the numbers, not cut inside a block.
+    cut = {**weights, name: weights[name][:, :16].contiguous()}
+    with pytest.raises(ConfigError, match="512 inputs in Q4_1 blocks of 32 cannot be cut in 3"):
+        shard_weights(cut, cfg, 0, 3)
+
+
+def test_packed_gguf_tp3_greedy_tokens_equal_tp1(packed_loaded: Any) -> None:
+    # Before the module's engines (one TP engine per process). Three ranks on the bundled
+    # model as stored: the workers load it packed too (gguf_weights='packed').
+    args = {"dtype": "float32", "gguf_weights": "packed", "num_kv_blocks": 64,
+            "max_model_len": 512, "max_num_seqs": 4}
+    prompts = _prompts()[:2]
+    ref = LLM.from_loaded(packed_loaded, **args)
+    want = _greedy(ref, prompts)
+    tp3 = LLM.from_loaded(packed_loaded, tensor_parallel_size=3, **args)
+    try:
+        assert _greedy(tp3, prompts) == want
+        assert tp3.engine.runner.kv_cache.shape[4] == 1  # 3 KV heads, one per rank
+    finally:
+        tp3.engine.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: str) -> Iterator[dict[int, LLM]]:
+    llms = {tp: LLM(tiny_model_dir, tensor_parallel_size=tp, **ENGINE) for tp in (1, 2)}
+    yield llms
+    for llm in llms.values():
+        llm.engine.close()
+
+
+def test_tp2_greedy_tokens_equal_tp1(engines: dict[int, LLM]) -> None:
+    prompts = _prompts()
+    first = {tp: _greedy(llm, prompts) for tp, llm in engines.items()}
+    assert first[2] == first[1]
+    # Again with the long prompt's first 48 tokens (3 blocks) shared: prefix-cache hits.
+    again = [[*prompts[2][:48], 101, 102, 103], prompts[2][:64]]
+    before = {tp: sum(s.prefix_cache_hits for s in llm.step_stats) for tp, llm in engines.items()}
+    second = {tp: _greedy(llm, again) for tp, llm in engines.items()}
+    assert second[2] == second[1]
+    for tp, llm in engines.items():
+        assert sum(s.prefix_cache_hits for s in llm.step_stats) > before[tp]
+        assert any(s.num_prefill_tokens == 32 for s in llm.step_stats)  # chunked prefill ran
+
+
+def test_tp2_logprobs_match_transformers(engines: dict[int, LLM], tiny_model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = _prompts()
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    outs = engines[2].generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), -1)
+        got = out.outputs[0].logprobs
+        assert got is not None
+        ids = list(got[0])
+        assert ids == ref.topk(5).indices.tolist()
+        assert torch.allclose(torch.tensor([got[0][t] for t in ids]), ref[ids], atol=1e-4, rtol=0)
+
+
+def test_each_rank_holds_its_kv_heads_sized_as_plan_says(
+    engines: dict[int, LLM], tiny_model_dir: str
+) -> None:
+    # The pool: [layers, 2, blocks, block_size, KV heads of this rank, head_dim].
+    assert engines[1].engine.runner.kv_cache.shape[4] == 2
+    assert engines[2].engine.runner.kv_cache.shape[4] == 1
+    cfg, _, _ = load_config(tiny_model_dir)
+    platform = detect_platform()
+    gib = 1 / 128  # 8 MiB
+    blocks = {tp: EngineArgs(dtype="float32", kv_cache_memory=gib, tensor_parallel_size=tp)
+              .resolve(cfg, platform).cache.num_kv_blocks for tp in (1, 2)}
+    plan = make_plan(cfg, PlanInputs(dtype="float32", tensor_parallel_size=2))
+    # 2 x 2 layers x 1 KV head x 16 x 4 bytes = 256 B per token per rank; --kv-cache-memory
+    # is per rank, so a rank holds twice the blocks of the same GiB.
+    assert plan.kv_bytes_per_token_per_device == 256 == plan.kv_bytes_per_token // 2
+    assert blocks[2] == int(gib * (1 << 30)) // (16 * 256) == 2 * blocks[1]
+
+
+def test_one_tensor_parallel_engine_per_process(engines: dict[int, LLM],
+                                                tiny_model_dir: str) -> None:
+    with pytest.raises(TensorParallelError, match="one tensor-parallel engine per process"):
+        LLM(tiny_model_dir, tensor_parallel_size=2, **ENGINE)
+
+
+def test_shards_put_back_together_are_the_checkpoint(tiny_model_dir: str) -> None:
+    loaded = load_model(tiny_model_dir)
+    cfg = loaded.config
+    parts = [shard_weights(loaded.weights, cfg, r, 2) for r in (0, 1)]
+    for name, whole in loaded.weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert parts[0][name].shape[1] * 2 == whole.shape[1]
+            assert torch.equal(torch.cat([p[name] for p in parts], 1), whole)
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                            "gate_proj.weight", "up_proj.weight")):
+            assert torch.equal(torch.cat([p[name] for p in parts], 0), whole)
+        else:  # embeddings, norms, LM head: replicated
+            assert all(p[name] is whole for p in parts)
+    rank = shard_config(cfg, 2)
+    assert (rank.num_attention_heads, rank.num_key_value_heads, rank.intermediate_size,
+            rank.head_dim) == (2, 1, 64, 16)
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_startup_error_with_the_numbers() -> None:
+    cfg: ModelConfig = load_config(None)[0]  # the bundled SmolLM2-135M: 9 heads, 3 KV heads
+    msg = ("--tensor-parallel-size 2 does not divide the model's 9 attention heads and 3 KV "
+           "heads")
+    with pytest.raises(ConfigError, match=msg):
+        EngineArgs(tensor_parallel_size=2).resolve(cfg, detect_platform())
+    with pytest.raises(ConfigError, match=msg):  # plan says the same
+        make_plan(cfg, PlanInputs(tensor_parallel_size=2))
+    EngineArgs(tensor_parallel_size=3).resolve(cfg, detect_platform())  # 3 divides both
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineArgs(tensor_parallel_size=0)
+
+
+def test_a_dead_worker_fails_the_engine_cleanly(engines: dict[int, LLM]) -> None:
+    # Last in this file: it kills the module's TP=2 engine (one such engine per process).
+    llm = engines[2]
+    workers: Any = llm.engine.tp_workers
+    assert _greedy(llm, _prompts()[:1])  # it serves
+    workers.processes[0].kill()
+    workers.processes[0].wait()
+    # Inside a step (the liveness check skipped): the collective fails, it does not hang.
+    check, workers.group.check_workers = workers.group.check_workers, None
+    with pytest.raises(TensorParallelError, match="rank failed during a step"):
+        _greedy(llm, _prompts()[:1])
+    # Before a step: the dead worker is named.
+    workers.group.check_workers = check
+    with pytest.raises(TensorParallelError, match="worker rank 1 exited with code -9"):
+        _greedy(llm, _prompts()[:1])
+    llm.engine.close()  # the fixture's close after this one is harmless
+    assert all(p.poll() is not None for p in workers.processes)
