@@ -23,7 +23,12 @@ TRACE_SRC=$REPO/src/tailserve/ TRACE_OUT=$OUT PYTHONPATH=$REPO/benchmarks/traceh
   TAILSERVE_API_KEY='' setsid "$PYTHON" -m tailserve.cli serve --port "$PORT" \
   --log-level warning "$@" >"$OUT/serve.log" 2>&1 &
 SPID=$!  # setsid: the server's pid is its process group id; the engine process is in the group
-stop_server() { kill -TERM "$SPID" 2>/dev/null || true; sleep 3; kill -9 -- "-$SPID" 2>/dev/null || true; }
+stop_server() {
+  kill -TERM "$SPID" 2>/dev/null || true
+  for _ in $(seq 1 30); do kill -0 "$SPID" 2>/dev/null || break; sleep 1; done
+  kill -9 -- "-$SPID" 2>/dev/null || true
+  wait "$SPID" 2>/dev/null || true
+}
 
 for _ in $(seq 1 180); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
@@ -48,4 +53,7 @@ stop_server
 
 cat "$OUT"/trace-*.txt | sort -u >"$OUT/files.txt"
 cat "$OUT/files.txt"
-echo "$(wc -l <"$OUT/files.txt") source files ran"
+api=$(wc -l <"$OUT/trace-$SPID.txt")
+engine=$(for f in "$OUT"/trace-*.txt; do [ "$f" != "$OUT/trace-$SPID.txt" ] && cat "$f"; done | sort -u | wc -l)
+echo "$(wc -l <"$OUT/files.txt") source files ran (API process $api, engine process $engine;" \
+  "a file both run counts once)"
