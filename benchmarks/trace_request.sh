@@ -2,7 +2,8 @@
 # The source files one streamed chat request runs, in both processes of `tailserve serve`.
 #
 # usage: benchmarks/trace_request.sh [PORT] [extra `tailserve serve` flags...]
-#   env: PYTHON (default: python), TRACE_FUNCS=1 to list file:function instead of files.
+#   env: PYTHON (default: python), TRACE_FUNCS=1 to list file:function instead of files,
+#        TRACE_KEEP=DIR to keep each process's list there (trace-<pid>.txt) and the server log.
 #
 # Starts `tailserve serve` (default model, CPU) with benchmarks/tracehook/sitecustomize.py on
 # PYTHONPATH, sends `POST /v1/chat/completions` with "stream": true and max_tokens=1 twice, and
@@ -16,8 +17,14 @@ REPO=$(pwd)
 PORT=${1:-18431}
 shift || true
 PYTHON=${PYTHON:-python}
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
+if [ -n "${TRACE_KEEP:-}" ]; then
+  OUT=$TRACE_KEEP
+  mkdir -p "$OUT"
+  rm -f "$OUT"/trace-*.txt
+else
+  OUT=$(mktemp -d)
+  trap 'rm -rf "$OUT"' EXIT
+fi
 
 TRACE_SRC=$REPO/src/tailserve/ TRACE_OUT=$OUT PYTHONPATH=$REPO/benchmarks/tracehook:$REPO/src \
   TAILSERVE_API_KEY='' setsid "$PYTHON" -m tailserve.cli serve --port "$PORT" \
