@@ -3,6 +3,7 @@
 #
 # usage: benchmarks/trace_request.sh [PORT] [extra `tailserve serve` flags...]
 #   env: PYTHON (default: python), TRACE_FUNCS=1 to list file:function instead of files,
+#        TRACE_CALLS=1 to add "caller -> callee" file pairs (the counts then count lines),
 #        TRACE_KEEP=DIR to keep each process's list there (trace-<pid>.txt) and the server log.
 #
 # Starts `tailserve serve` (default model, CPU) with benchmarks/tracehook/sitecustomize.py on
@@ -62,5 +63,7 @@ cat "$OUT"/trace-*.txt | sort -u >"$OUT/files.txt"
 cat "$OUT/files.txt"
 api=$(wc -l <"$OUT/trace-$SPID.txt")
 engine=$(for f in "$OUT"/trace-*.txt; do [ "$f" != "$OUT/trace-$SPID.txt" ] && cat "$f"; done | sort -u | wc -l)
-echo "$(wc -l <"$OUT/files.txt") source files ran (API process $api, engine process $engine;" \
+what="source files ran"
+[ -n "${TRACE_FUNCS:-}${TRACE_CALLS:-}" ] && what="lines (TRACE_FUNCS / TRACE_CALLS)"
+echo "$(wc -l <"$OUT/files.txt") $what (API process $api, engine process $engine;" \
   "a file both run counts once)"

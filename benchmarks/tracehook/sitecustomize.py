@@ -13,7 +13,9 @@ runs in the window; a frame that only waits below the window (``cli.main`` under
 loop) runs no line and does not count. A file whose only part in the window is a plain
 dataclass (its ``__init__`` is generated, not in the file) or a constant does not count: that is
 a definition a reader opens, not code that runs. With ``TRACE_FUNCS=1`` each line is
-``file:function`` instead, for finding which call brings a file in.
+``file:function`` instead, for finding which call brings a file in; with ``TRACE_CALLS=1``
+``caller -> callee`` file pairs (calls between two files under ``$TRACE_SRC``), for checking
+that nothing calls back up a layer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 _ROOT = os.environ.get("TRACE_SRC", "")
 _OUT = os.environ.get("TRACE_OUT", "/tmp")
 _FUNCS = os.environ.get("TRACE_FUNCS", "") == "1"
+_CALLS = os.environ.get("TRACE_CALLS", "") == "1"
 _on = False
 _seen: dict[str, int] = {}
 
@@ -36,6 +39,12 @@ def _trace(frame: FrameType, event: str, arg: Any) -> None:
     # Called on every function call in every thread; returning None skips line events.
     if _on and frame.f_code.co_filename.startswith(_ROOT):
         _record(frame)
+        caller = frame.f_back
+        if _CALLS and caller is not None and caller.f_code.co_filename.startswith(_ROOT):
+            here = frame.f_code.co_filename.removeprefix(_ROOT)
+            there = caller.f_code.co_filename.removeprefix(_ROOT)
+            if here != there:
+                _seen.setdefault(f"{there} -> {here}", len(_seen))
 
 
 def _record(frame: FrameType) -> None:
