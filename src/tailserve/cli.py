@@ -302,8 +302,9 @@ def _add_plan(sub: Any) -> None:
                    help="model folder, config.json or .gguf (default: the bundled model)")
     p.add_argument("--device-memory", type=float, default=None, metavar="GiB",
                    help="memory per device (default: 80)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction for weights + KV (default: 0.9)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=EngineArgs.gpu_memory_utilization,
+                   help="fraction for weights + KV (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's max_position_embeddings")
     p.add_argument("--context", type=int, default=None,
@@ -321,8 +322,8 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", choices=KV_DTYPES,
                    default="auto", help="KV cache, as serve's --kv-cache-dtype (auto: --dtype, "
                    "16-bit for integer weights)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    p.add_argument("--tensor-parallel-size", type=int, default=EngineArgs.tensor_parallel_size)
     p.add_argument("--memory-bandwidth", type=float, default=None, metavar="GB/s",
                    help="per device (default: 3350, H100 SXM)")
     p.add_argument("--batch", type=int, default=64,

@@ -17,8 +17,8 @@ from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError
 from tailserve.model.device import detect_platform
 from tailserve.model.runner import ModelRunner
+from tailserve.obs import profiling
 from tailserve.obs.kv_events import ZmqKVEventPublisher
-from tailserve.obs.profiling import span
 from tailserve.request import (
     Request,
     RequestStatus,
@@ -191,7 +191,8 @@ class EngineCore:
 
     def step(self) -> tuple[list[EngineOutput], StepStats | None]:
         t0 = time.perf_counter()
-        with span("schedule"):
+        # Named phases only while a capture runs (POST /debug/profile): else no call at all.
+        with profiling.span("schedule") if profiling.capturing else profiling.NOOP:
             sched = self.scheduler.schedule()
         if self.kv_events is not None:
             # Before the forward: a router may route the next request here while it runs.
@@ -200,7 +201,7 @@ class EngineCore:
             return [], None
         runner_out = self.runner.execute(sched)
         step_s = time.perf_counter() - t0
-        with span("update"):
+        with profiling.span("update") if profiling.capturing else profiling.NOOP:
             outputs = self.scheduler.update_from_output(sched, runner_out, step_s)
         return outputs, self._stats(sched, step_s, outputs)
 

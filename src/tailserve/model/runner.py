@@ -46,7 +46,7 @@ from tailserve.model.transforms.linear16 import cast_for_storage
 from tailserve.model.transforms.tensor_parallel import apply_tensor_parallel, shard_weights
 from tailserve.model.transforms.triton_kernels import apply_triton_kernels
 from tailserve.model.triton_kernels import triton_available
-from tailserve.obs.profiling import span
+from tailserve.obs import profiling
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +340,12 @@ class ModelRunner:
         """The step's hidden states: a CUDA graph, the CPU decode graph, or the modules."""
         if batch.graph_batch_size is not None and self.cuda_graphs is not None:
             hidden = self.cuda_graphs.replay(batch.graph_batch_size, batch.meta.num_seqs)
-        elif self.decode_graph is not None and self.decode_graph.supports(batch.meta):
+        elif (
+            self.decode_graph is not None
+            # A step with a prefill chunk (every first token) never asks the decode graph.
+            and batch.meta.num_decodes == batch.meta.num_seqs
+            and self.decode_graph.supports(batch.meta)
+        ):
             hidden = self.decode_graph(
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta
             )
@@ -366,10 +371,10 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={})
         if self.tp is not None:  # the workers run the same forward on their shards
             self.tp.send_step(sched.scheduled)
-        with span("prepare_inputs"):
+        with profiling.span("prepare_inputs") if profiling.capturing else profiling.NOOP:
             batch = self._prepare(sched)
             self.backend.begin_step(batch.meta)
-        with span("forward"):
+        with profiling.span("forward") if profiling.capturing else profiling.NOOP:
             hidden = self._forward(batch)
             if batch.sampling:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -388,7 +393,7 @@ class ModelRunner:
             )
             for s in batch.sampling
         ]
-        with span("sample"):
+        with profiling.span("sample") if profiling.capturing else profiling.NOOP:
             result = self.sampler(logits, rows)
         sampled = {s.request_id: t for s, t in zip(batch.sampling, result.token_ids, strict=True)}
         logprobs = {

@@ -4,8 +4,8 @@
 serving, then writes a Chrome trace (JSON; opens in Perfetto, ``chrome://tracing``) to the
 given path. ``span(name)`` marks the phases of a step — ``schedule``, ``prepare_inputs``,
 ``forward``, ``sample``, ``update`` — as ``record_function`` ranges and, on CUDA, NVTX ranges
-(for Nsight Systems). Outside a capture ``span`` is a shared no-op context: the step loop
-pays one global read per phase.
+(for Nsight Systems). Outside a capture the step loop does not call in here at all: it reads
+``capturing`` and enters the shared no-op ``NOOP`` (``span`` also returns it then).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_active = False  # a capture is running in this process
+capturing = False  # a capture is running in this process (callers check it: no call when off)
 _cuda = False  # and its device is CUDA (NVTX ranges too)
-_NOOP = contextlib.nullcontext()
+NOOP = contextlib.nullcontext()
 
 
 def span(name: str) -> contextlib.AbstractContextManager[Any]:
     """A named range of the current step (a no-op unless a capture is running)."""
-    if not _active:
-        return _NOOP
+    if not capturing:
+        return NOOP
     return _range(name)
 
 
@@ -49,7 +49,7 @@ class ProfileCapture:
     def __init__(self, path: str, seconds: float, device: str) -> None:
         import torch
 
-        global _active, _cuda
+        global capturing, _cuda
         self.path = path
         self.deadline = time.monotonic() + seconds
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -57,15 +57,15 @@ class ProfileCapture:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._prof = torch.profiler.profile(activities=activities)
         self._prof.__enter__()
-        _active, _cuda = True, device.startswith("cuda")
+        capturing, _cuda = True, device.startswith("cuda")
 
     def due(self) -> bool:
         return time.monotonic() >= self.deadline
 
     def finish(self) -> str:
         """Stop and write the trace; returns the path."""
-        global _active
-        _active = False
+        global capturing
+        capturing = False
         self._prof.__exit__(None, None, None)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._prof.export_chrome_trace(self.path)

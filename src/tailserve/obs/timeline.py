@@ -21,6 +21,8 @@ from tailserve.data.records import RequestRecord
 from tailserve.data.step import StepStats
 
 Record = dict[str, Any]
+# Records kept in the ring unless told otherwise (``serve --timeline-buffer``'s default).
+DEFAULT_MAXLEN = 20000
 
 
 class Timeline:
@@ -32,7 +34,7 @@ class Timeline:
     ``since`` can walk back from the newest record and stop at the first one at or before T.
     """
 
-    def __init__(self, path: str | None = None, maxlen: int = 20000) -> None:
+    def __init__(self, path: str | None = None, maxlen: int = DEFAULT_MAXLEN) -> None:
         if maxlen < 1:
             raise ValueError(f"timeline maxlen must be at least 1, got {maxlen}")
         self.path = path

@@ -42,7 +42,7 @@ from tailserve.server.errors import (
 )
 from tailserve.server.header_timeout import header_timeout_protocol
 from tailserve.server.heap import TrimAfterLargeRequests
-from tailserve.server.middleware import EdgeMiddleware
+from tailserve.server.middleware import EdgeMiddleware, SheddingMiddleware
 from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,7 +51,6 @@ from tailserve.server.protocol import (
 )
 from tailserve.server.serving import OpenAIServing
 from tailserve.server.settings import ServerSettings
-from tailserve.server.shedding import SheddingMiddleware
 
 logger = logging.getLogger("tailserve.server")
 
@@ -218,12 +217,19 @@ def create_app(ctx: ServerContext) -> Any:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    # A declared large body takes the chain with the heap trimmer's count; the edge, which
+    # reads Content-Length anyway, sends every other request past that hop.
+    large = (
+        (ctx.heap.large_bytes, SheddingMiddleware(TrimAfterLargeRequests(app, ctx.heap), ctx))
+        if ctx.heap.available else None
+    )
     return EdgeMiddleware(
-        SheddingMiddleware(TrimAfterLargeRequests(app, ctx.heap), ctx),
+        SheddingMiddleware(app, ctx),
         api_key=ctx.settings.api_key,
         max_request_bytes=ctx.settings.max_request_bytes,
         max_header_bytes=ctx.settings.max_header_bytes,
         on_reject=ctx.metrics.on_rejected,
+        large=large,
     )
 
 

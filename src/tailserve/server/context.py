@@ -106,7 +106,7 @@ class ServerContext:
         # What a huge prompt's tokenizing took goes back to the OS once it is done (heap.py);
         # the arena cap is set here, before the first tokenize thread starts.
         self.heap = HeapTrimmer(LARGE_REQUEST_BYTES, MALLOC_ARENA_MAX, self.tokenize_pool.submit)
-        # Generation requests past the early gate (shedding.py) and not yet admitted: each
+        # Generation requests past the early gate (middleware.py) and not yet admitted: each
         # holds one sequence's place while its body is parsed and its prompt tokenized.
         self.num_pending = 0
         self.draining = False

@@ -72,7 +72,8 @@ class HeapTrimmer:
 
 class TrimAfterLargeRequests:
     """ASGI: a request whose declared body is at least ``trimmer.large_bytes`` is counted by
-    the trimmer while it runs."""
+    the trimmer while it runs. The edge (``middleware.py``) routes only such requests here;
+    the check is repeated so that this wrapper is right on its own."""
 
     def __init__(self, app: Any, trimmer: HeapTrimmer) -> None:
         self.app = app

@@ -10,6 +10,24 @@
    header on a link or on an ``EventSource``.
 4. Body size: a ``Content-Length`` over ``max_request_bytes`` -> 413 before reading; a chunked
    body is counted as it arrives and cut off with 413 at the limit.
+5. A declared body of at least ``large[0]`` bytes goes on to ``large[1]`` (the same chain with
+   the heap trimmer's count, ``heap.py``); every other request skips that hop.
+
+Behind it, ``SheddingMiddleware``: refusals before the body is read, the gate every
+generation request passes first. A burst far above capacity is mostly refusals, and a refusal
+that goes through the whole FastAPI stack (routing, reading and validating the JSON body,
+tokenizing, fanning out ``n``) before it finds the server full costs what an admitted request
+costs to prepare. Here, as pure ASGI ahead of FastAPI (behind the edge's auth and size
+checks), a ``POST`` to ``/v1/completions`` or ``/v1/chat/completions`` is answered at once
+when it can only be refused: 503 while the engine is gone or the server drains, 429 when the
+requests in flight plus those already past the gate fill ``max_num_seqs + max_queue_len``.
+The body is never read.
+
+A request let in holds a ticket (one sequence's place) until it is admitted or refused by
+``ServerContext.admit`` or ends any other way; so a burst lets in at most the capacity, even
+though none of it is in flight until its prompt is tokenized. Admission proper, with the
+request's real size, stays in ``admit``; the gate's own state and answers are
+``ServerContext.early_refusal`` / ``take_ticket`` / ``return_ticket``.
 """
 
 from __future__ import annotations
@@ -19,16 +37,20 @@ import json
 import re
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-from tailserve.server.errors import error_body
+from tailserve.server.errors import error_body, error_response
+
+if TYPE_CHECKING:
+    from tailserve.server.context import ServerContext
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 DASHBOARD_PATH = "/dashboard"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -41,8 +63,10 @@ class EdgeMiddleware:
         max_request_bytes: int,
         max_header_bytes: int,
         on_reject: Callable[[str], None] = lambda reason: None,
+        large: tuple[int, Any] | None = None,
     ) -> None:
         self.app = app
+        self.large = large
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.max_header_bytes = max_header_bytes
@@ -96,6 +120,7 @@ class EdgeMiddleware:
                              extra=[(b"www-authenticate", b"Bearer")])
                 return
         limit = self.max_request_bytes
+        app = self.app
         if content_length is not None:
             try:
                 declared = int(content_length)
@@ -106,6 +131,8 @@ class EdgeMiddleware:
                 await _error(send_with_id, 413, f"the request body is {declared} bytes; the "
                              f"limit is {limit}", "invalid_request_error", "request_too_large")
                 return
+            if declared is not None and self.large is not None and declared >= self.large[0]:
+                app = self.large[1]
         received = 0
         started = False
         too_large = False
@@ -130,7 +157,7 @@ class EdgeMiddleware:
             await send_with_id(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await app(scope, counting_receive, tracking_send)
         except Exception:
             if not too_large:
                 raise
@@ -138,6 +165,31 @@ class EdgeMiddleware:
             self.on_reject("too_large")
             await _error(send_with_id, 413, f"the request body exceeds {limit} bytes",
                          "invalid_request_error", "request_too_large")
+
+
+class SheddingMiddleware:
+    def __init__(self, app: Any, ctx: ServerContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or scope["method"] != "POST"
+                or scope["path"] not in GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        ctx = self.ctx
+        refusal = ctx.early_refusal()
+        if refusal is not None:
+            ctx.metrics.on_rejected("queue_full" if refusal.status == 429
+                                    else refusal.code or "unavailable")
+            await error_response(refusal)(scope, receive, send)
+            return
+        state: dict[str, Any] = scope.setdefault("state", {})
+        ctx.take_ticket(state)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            ctx.return_ticket(state)
 
 
 def _query_key(query_string: bytes) -> bytes:

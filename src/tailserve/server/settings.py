@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tailserve.errors import ConfigError
+from tailserve.obs.timeline import DEFAULT_MAXLEN as DEFAULT_TIMELINE_MAXLEN
 
 
 @dataclass
@@ -44,7 +45,8 @@ class ServerSettings:
     timeline: str | None = field(
         default=None, metadata={"help": "append step and request records (JSONL)"})
     timeline_buffer: int = field(
-        default=20000, metadata={"help": "records kept in memory for GET /debug/timeline"})
+        default=DEFAULT_TIMELINE_MAXLEN,
+        metadata={"help": "records kept in memory for GET /debug/timeline"})
     otlp_traces_endpoint: str | None = field(
         default=None,
         metadata={"help": "OTLP/HTTP traces URL, e.g. http://127.0.0.1:4318/v1/traces"})
