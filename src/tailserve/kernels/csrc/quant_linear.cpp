@@ -827,6 +827,8 @@ int64_t set_quant_isa(int64_t isa) {
   return chosen;
 }
 
+int quant_isa() { return current_isa(); }
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias) {
   const Packed p = check_packed(w, "quant_linear");
