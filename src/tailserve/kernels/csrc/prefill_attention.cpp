@@ -8,7 +8,7 @@
 // (benchmarks/RESULTS.md, "Prefill on one pool"). A chunk with earlier context also needed a
 // gather of its K/V into a workspace, a mask tensor, and a copy of the output.
 //
-// One work item is (sequence, KV head, 16 query tokens): the query heads of the GQA group
+// One work item is (sequence, KV head, 32 query tokens): the query heads of the GQA group
 // share every K/V chunk the item stages. A chunk of 16 keys is staged as float32 (K
 // transposed to [D][16], V as [16][D]; a 16-bit pool is widened here), so a query row's
 // scores are D broadcast FMAs over 16 lanes and its output D / 16 vectors per key; softmax is
@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -32,8 +33,9 @@
 namespace tailserve_cpu {
 namespace {
 
-constexpr int64_t kQueryBlock = 16;  // query tokens per item
+constexpr int64_t kQueryBlock = 32;  // query tokens per item
 constexpr int64_t kKeys = 16;        // keys per staged chunk: one 16-lane vector of scores
+constexpr int64_t kRows = 4;         // query rows (token x head) computed together
 
 // 16 float lanes: one AVX512 register, two AVX2 ones, or a plain array. The kernel is written
 // once over this and instantiated per ISA (chosen at run time: quant_isa()).
@@ -160,57 +162,82 @@ void prefill_item(const Item& it, const float* qp, int64_t q_s0, int64_t q_s1, f
   }
   const int64_t head_off = it.kv_head * D;
   alignas(64) float s[kKeys];
-  alignas(64) float p[kKeys];
+  alignas(64) float p[kRows][kKeys];
   for (int64_t t0 = 0; t0 < keys; t0 += kKeys) {
     const int64_t c = std::min(kKeys, keys - t0);
-    for (int64_t j = 0; j < kKeys; ++j) {  // stage the chunk; lanes past its end are zero
+    // Stage the chunk; lanes past its end are zero. A float32 pool's V rows are read where
+    // they are (only K needs its transpose).
+    const float* vrows[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) {
       float* vrow = b.vf.data() + j * D;
+      vrows[j] = vrow;
       if (j < c) {
         const int64_t t = t0 + j;
         const int64_t off = table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
         const T* kr = kp + off;
         const T* vr = vp + off;
-        for (int64_t d = 0; d < D; ++d) {
-          b.kt[d * kKeys + j] = to_f(kr[d]);
-          vrow[d] = to_f(vr[d]);
+        for (int64_t d = 0; d < D; ++d) b.kt[d * kKeys + j] = to_f(kr[d]);
+        if constexpr (std::is_same_v<T, float>) {
+          vrows[j] = vr;
+        } else {
+          for (int64_t d = 0; d < D; ++d) vrow[d] = to_f(vr[d]);
         }
       } else {
         for (int64_t d = 0; d < D; ++d) b.kt[d * kKeys + j] = 0.f;
-        std::fill(vrow, vrow + D, 0.f);
       }
     }
-    // Query jq sees keys 0 .. pos0 + jq: none of this chunk before jq = t0 - pos0.
-    for (int64_t jq = std::max<int64_t>(0, t0 - pos0); jq < n; ++jq) {
-      const int64_t valid = std::min(c, pos0 + jq - t0 + 1);
-      for (int64_t hg = 0; hg < group; ++hg) {
-        const int64_t r = jq * group + hg;
-        const float* qr = b.q.data() + r * D;
-        V sc0 = V::set1(0.f), sc1 = V::set1(0.f);  // two chains over d
-        for (int64_t d = 0; d + 1 < D; d += 2) {
-          sc0 = V::fma(V::set1(qr[d]), V::load(b.kt.data() + d * kKeys), sc0);
-          sc1 = V::fma(V::set1(qr[d + 1]), V::load(b.kt.data() + (d + 1) * kKeys), sc1);
+    // Query token jq sees keys 0 .. pos0 + jq: none of this chunk before jq = t0 - pos0.
+    // Rows go four at a time, so each staged K column and V row feeds four FMAs.
+    for (int64_t r0 = std::max<int64_t>(0, t0 - pos0) * group; r0 < rows; r0 += kRows) {
+      int64_t valid[kRows];
+      int64_t most = 0;
+      const float* qr[kRows];
+      for (int64_t i = 0; i < kRows; ++i) {
+        const int64_t r = std::min(r0 + i, rows - 1);  // past the end: repeat, then dropped
+        valid[i] = r0 + i < rows ? std::max<int64_t>(0, std::min(c, pos0 + r / group - t0 + 1)) : 0;
+        most = std::max(most, valid[i]);
+        qr[i] = b.q.data() + r * D;
+      }
+      V sc[kRows];
+      for (int64_t i = 0; i < kRows; ++i) sc[i] = V::set1(0.f);
+      for (int64_t d = 0; d < D; ++d) {
+        const V kt = V::load(b.kt.data() + d * kKeys);
+        for (int64_t i = 0; i < kRows; ++i) sc[i] = V::fma(V::set1(qr[i][d]), kt, sc[i]);
+      }
+      V alpha[kRows];
+      for (int64_t i = 0; i < kRows; ++i) {
+        alpha[i] = V::set1(1.f);
+        if (valid[i] == 0) {  // nothing of this chunk is visible to the row (or no row)
+          std::fill(p[i], p[i] + kKeys, 0.f);
+          continue;
         }
-        V::fma(sc0, V::set1(1.f), sc1).store(s);
+        const int64_t r = r0 + i;
+        sc[i].store(s);
         float mx = s[0];
-        for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, s[j]);
+        for (int64_t j = 1; j < valid[i]; ++j) mx = std::max(mx, s[j]);
         const float m_old = b.m[r];
         const float m_new = std::max(m_old, mx);
-        const float sum = V::load(s).exp_sub(m_new, valid, p);
-        float* ar = b.acc.data() + r * D;
+        const float sum = sc[i].exp_sub(m_new, valid[i], p[i]);
         if (m_new > m_old) {  // rescale what was summed against the old max (exp(-inf) = 0)
-          const float alpha = std::exp(m_old - m_new);
-          b.l[r] *= alpha;
-          const V av = V::set1(alpha);
-          for (int64_t v = 0; v < nv; ++v) V::mul(av, V::load(ar + 16 * v)).store(ar + 16 * v);
+          const float a = std::exp(m_old - m_new);
+          b.l[r] *= a;
+          alpha[i] = V::set1(a);
           b.m[r] = m_new;
         }
         b.l[r] += sum;
-        for (int64_t v = 0; v < nv; v += 1) {
-          V a = V::load(ar + 16 * v);
-          for (int64_t j = 0; j < valid; ++j) {
-            a = V::fma(V::set1(p[j]), V::load(b.vf.data() + j * D + 16 * v), a);
-          }
-          a.store(ar + 16 * v);
+      }
+      float* ar[kRows];
+      for (int64_t i = 0; i < kRows; ++i) ar[i] = b.acc.data() + std::min(r0 + i, rows - 1) * D;
+      for (int64_t v = 0; v < nv; ++v) {
+        V a[kRows];
+        for (int64_t i = 0; i < kRows; ++i) a[i] = V::mul(alpha[i], V::load(ar[i] + 16 * v));
+        for (int64_t j = 0; j < most; ++j) {
+          const V vv = V::load(vrows[j] + 16 * v);
+          for (int64_t i = 0; i < kRows; ++i) a[i] = V::fma(V::set1(p[i][j]), vv, a[i]);
+        }
+        // Rows past the end (repeats of the last one) are dropped.
+        for (int64_t i = kRows - 1; i >= 0; --i) {
+          if (r0 + i < rows) a[i].store(ar[i] + 16 * v);
         }
       }
     }
