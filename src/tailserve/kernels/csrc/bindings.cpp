@@ -9,6 +9,9 @@
 TORCH_LIBRARY(tailserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()");
+  m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int first_seq, float scale) -> ()");
   m.def("set_kernel_spin_us(int us) -> ()");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
@@ -36,6 +39,8 @@ TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(tailserve, CPU, m) {
   m.impl("paged_decode_attention", &tailserve_cpu::paged_decode_attention);
+  m.impl("write_kv_cache", &tailserve_cpu::write_kv_cache);
+  m.impl("paged_prefill_attention", &tailserve_cpu::paged_prefill_attention);
   m.impl("skinny_linear", &tailserve_cpu::skinny_linear);
   m.impl("panel_linear", &tailserve_cpu::panel_linear);
   m.impl("panel16_linear", &tailserve_cpu::panel16_linear);

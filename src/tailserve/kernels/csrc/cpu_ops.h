@@ -3,6 +3,9 @@
 //
 //   paged_decode_attention  attention.cpp    one query token per sequence against its paged
 //                                            K/V blocks, read in place
+//   write_kv_cache, paged_prefill_attention
+//                           prefill_attention.cpp  a step's K/V into their slots; causal
+//                                            attention of prefill chunks over paged K/V
 //   panel_linear            linear.cpp       decode batches (1-128 rows) on a panel copy of W
 //   skinny_linear           linear.cpp       a few rows on W as stored (no panel copy)
 //   panel16_linear          linear16.cpp     any rows on 16-bit (bf16 / fp16) weight panels
@@ -27,6 +30,12 @@ namespace tailserve_cpu {
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale);
+void write_kv_cache(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& slot_mapping);
+void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t first_seq,
+                             double scale);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp,
                         const c10::optional<at::Tensor>& bias);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
@@ -52,5 +61,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
 at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w);
 at::Tensor quant_dequantize(const at::Tensor& w);
 int64_t set_quant_isa(int64_t isa);
+// The instruction set level in use (set_quant_isa's numbering: 0 scalar, 1 AVX2, 2 AVX512,
+// 3 AVX512-VNNI); the prefill attention follows it too, so TAILSERVE_QUANT_ISA=avx2 tests
+// the AVX2 paths on an AVX512 machine.
+int quant_isa();
 
 }  // namespace tailserve_cpu

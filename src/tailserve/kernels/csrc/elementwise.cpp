@@ -4,11 +4,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 #include "cpu_ops.h"
 #include "simd.h"
+#include "work_pool.h"
 
 namespace tailserve_cpu {
 
@@ -16,15 +18,19 @@ namespace tailserve_cpu {
 //
 // A decode step of one sequence runs ~300 small elementwise ops; in torch each costs a
 // dispatch plus, for some, a wake-up of the thread pool. These do the whole thing in one pass,
-// serially for few rows (no fork/join) and over rows in parallel for many.
+// serially for few rows (no fork/join) and over rows in parallel for many, on the kernels'
+// work pool like the products around them: on OpenMP's threads a prefill step had two pools
+// spinning for two cores (benchmarks/RESULTS.md, "Prefill on one pool").
 
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elems, const F& fn) {
   if (rows * row_elems < (1 << 16)) {
     for (int64_t r = 0; r < rows; ++r) fn(r);
   } else {
-    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) fn(r);
+    const int64_t per_item = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, row_elems));
+    parallel_dynamic((rows + per_item - 1) / per_item, [&](int64_t item) {
+      const int64_t e = std::min(rows, (item + 1) * per_item);
+      for (int64_t r = item * per_item; r < e; ++r) fn(r);
     });
   }
 }

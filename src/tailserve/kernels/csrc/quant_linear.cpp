@@ -426,6 +426,15 @@ constexpr int64_t kFusedRows = 4;
 constexpr int64_t kFusedMaxRows = 8;
 constexpr int64_t kPanelMinRows = 9;
 
+// Decode rows stream W from DRAM (a 135M model's 97 MB do not fit in L3), and one core's
+// hardware prefetchers alone kept too few lines in flight: the LM head (Q8_0, 30 MB) ran at
+// 6-8 GB/s per thread against 33 GB/s for the same kernel on a matrix held in L3. The fused
+// loops prefetch the bytes this far ahead of the block they read (one thread, LM head:
+// 1 KB 14, 4 KB 14-17, 8 KB 17 GB/s; the down projection 6 -> 10-12 GB/s at 2-4 KB; 2
+// threads, LM head 3-4 -> 14-17 GB/s; shared machine, benchmarks/RESULTS.md).
+constexpr int64_t kPrefetchBytes = 4096;
+inline int64_t prefetch_bytes() { return kPrefetchBytes; }
+
 bool is_block32(Fmt f) {
   return f == Fmt::Q4_0 || f == Fmt::Q4_1 || f == Fmt::Q5_0 || f == Fmt::Q5_1 || f == Fmt::Q8_0;
 }
@@ -502,6 +511,9 @@ void fused_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_
       off0[m] = off1[m] = 0.f;
     }
     for (int64_t b = 0; b < nb; ++b) {
+      // Both rows' bytes kPrefetchBytes ahead (the rows after them).
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + b * kTs + prefetch_bytes()), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r1 + b * kTs + prefetch_bytes()), _MM_HINT_T0);
       float d0, o0, d1, o1;
       const __m256i w0 = load_block32<F>(r0 + b * kTs, &d0, &o0);
       const __m256i w1 = load_block32<F>(r1 + b * kTs, &d1, &o1);
@@ -569,6 +581,9 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
     }
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = row + sb * kTs;
+      for (int64_t c = 0; c < kTs; c += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk + c + prefetch_bytes()), _MM_HINT_T0);
+      }
       if constexpr (F == Fmt::Q4_K || F == Fmt::Q5_K) {
         const float d = f16_at(blk), dmin = f16_at(blk + 2);
         int sc[8], mn[8];
@@ -826,6 +841,8 @@ int64_t set_quant_isa(int64_t isa) {
   g_isa.store(chosen, std::memory_order_relaxed);
   return chosen;
 }
+
+int quant_isa() { return current_isa(); }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias) {

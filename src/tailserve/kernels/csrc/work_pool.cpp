@@ -47,6 +47,13 @@ class WorkPool {
   // Runs fn(item) for item in [0, n) on the calling thread plus up to threads - 1 workers,
   // items taken one at a time (contexts within one step differ by 10x). One job at a time:
   // a concurrent or nested call runs serially on its own thread instead of waiting.
+  //
+  // The caller never waits for a worker that has not joined: once its own share is done it
+  // closes the job, and a worker that wakes later (descheduled on a shared host, or still
+  // leaving its sleep) finds it closed and takes nothing. Only workers that joined before the
+  // close are waited for, and they are inside an item. Waiting for every worker instead made
+  // each parallel call as slow as the OS's next time slice for a preempted worker whenever
+  // other processes share the cores (benchmarks/RESULTS.md, "Prefill on one pool").
   void run(int64_t n, int64_t threads, const std::function<void(int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
     if (!busy.owns_lock()) {
@@ -58,15 +65,22 @@ class WorkPool {
     next_.store(0, std::memory_order_relaxed);
     total_ = n;
     fn_ = &fn;
-    active_.store(helpers, std::memory_order_relaxed);
     wanted_ = helpers;
+    uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      generation_.fetch_add(1, std::memory_order_release);
+      gen = generation_.load(std::memory_order_relaxed) + 1;
+      // Open for joining: this job's generation, no worker in it, not closed.
+      state_.store((gen & kGenMask) << kGenShift, std::memory_order_release);
+      generation_.store(gen, std::memory_order_release);
     }
     if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
     work();
-    while (active_.load(std::memory_order_acquire) > 0) cpu_relax();
+    uint64_t s = state_.fetch_or(kClosed, std::memory_order_acq_rel) | kClosed;
+    while ((s & kCountMask) != 0) {
+      cpu_relax();
+      s = state_.load(std::memory_order_acquire);
+    }
     fn_ = nullptr;
   }
 
@@ -109,12 +123,28 @@ class WorkPool {
         gen = generation_.load(std::memory_order_acquire);
       }
       seen = gen;
-      if (index < wanted_) {
+      if (index < wanted_ && join(gen)) {
         work();
-        active_.fetch_sub(1, std::memory_order_acq_rel);
+        state_.fetch_sub(1, std::memory_order_acq_rel);
       }
     }
   }
+
+  // Enter job `gen` unless it is closed or already over (a newer job's state, or an older
+  // one's: this worker woke late). The caller waits only for workers that got in here.
+  bool join(uint64_t gen) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((s >> kGenShift) != (gen & kGenMask) || (s & kClosed)) return false;
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) return true;
+    }
+  }
+
+  // state_: the job's generation (high bits), closed (one bit), workers inside it (low bits).
+  static constexpr int kGenShift = 24;
+  static constexpr uint64_t kClosed = uint64_t(1) << 23;
+  static constexpr uint64_t kCountMask = kClosed - 1;
+  static constexpr uint64_t kGenMask = (uint64_t(1) << (64 - kGenShift)) - 1;
 
   std::atomic<int64_t> spin_ns_{0};
   std::vector<std::thread> workers_;
@@ -124,7 +154,7 @@ class WorkPool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> sleeping_{0};
   std::atomic<int64_t> next_{0};
-  std::atomic<int64_t> active_{0};
+  std::atomic<uint64_t> state_{0};
   int64_t total_ = 0;
   int64_t wanted_ = 0;
   const std::function<void(int64_t)>* fn_ = nullptr;

@@ -1,4 +1,4 @@
-"""CPU backend with a compiled paged decode kernel; prefill as in the torch reference.
+"""CPU backend on the compiled kernels: the KV write, paged decode and paged prefill attention.
 
 Decode attention is where a batched CPU step spends most of its time when K/V are first
 gathered out of the pool: the copy reads and writes every cached byte once more, and SDPA's
@@ -8,7 +8,12 @@ sharing each row, with dynamic work hand-out across threads (contexts differ by 
 step). Measured 3.2x faster than gather + SDPA for 32 sequences of 600-1000 tokens
 (benchmarks/RESULTS.md, "CPU kernels").
 
-Prefill chunks keep the reference path: they are matmul-shaped, which SDPA already does well.
+Prefill chunks go to ``paged_prefill_attention`` (causal, over the paged K/V in place, no
+gather, no mask tensor) and the KV write to ``write_kv_cache``: both run on the kernels' work
+pool like the products around them, where SDPA and ``index_copy_`` ran on OpenMP's threads and
+the two pools spun against each other on a small host (RESULTS.md, "Prefill on one pool").
+Queries in another dtype than float32, or a head_dim the kernel does not tile (not a multiple
+of 16), keep the reference path.
 """
 
 from __future__ import annotations
@@ -23,6 +28,30 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def begin_step(self, meta: AttentionMetadata) -> None:
         # The decode plan of the reference backend (padded groups) is not needed here.
         self._groups = []
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if q.dtype != torch.float32 or q.shape[-1] % 16:
+            return super().forward(q, k, v, kv_cache, meta)
+        torch.ops.tailserve.write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            self._decode_all(out, q, kv_cache, meta)
+        if meta.num_decodes < meta.num_seqs:
+            starts = meta.query_start_loc_tensor
+            if starts is None:
+                starts = torch.tensor(meta.query_start_loc, dtype=torch.int64)
+            torch.ops.tailserve.paged_prefill_attention(
+                out, q, kv_cache, meta.block_tables, meta.seq_lens, starts, meta.num_decodes,
+                meta.scale,
+            )
+        return out
 
     def _decode_all(
         self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

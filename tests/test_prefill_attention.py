@@ -1,0 +1,155 @@
+"""write_kv_cache and paged_prefill_attention against plain torch on the same inputs, and the
+CPU kernel backend against the reference backend on mixed steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tailserve.kernels import QUANT_ISAS, set_quant_isa
+from tailserve.model.attention import AttentionMetadata
+from tailserve.model.attention.cpu_kernels import CpuKernelAttentionBackend
+from tailserve.model.attention.torch_ref import TorchAttentionBackend
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
+ops = torch.ops.tailserve
+
+
+@pytest.fixture(params=["auto", "avx2", "scalar"])
+def isa(cpu_kernels: None, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernel's vector paths, chosen at run time: the best this CPU has (AVX512 here), the
+    AVX2 baseline and the scalar one, forced as TAILSERVE_QUANT_ISA would."""
+    best = set_quant_isa("auto")
+    if QUANT_ISAS[request.param] > QUANT_ISAS[best]:
+        pytest.skip(f"this CPU's best level is {best}")
+    set_quant_isa(request.param)
+    yield request.param
+    set_quant_isa("auto")
+
+
+def reference_prefill(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
+                      ctx: list[int], new: list[int], scale: float) -> torch.Tensor:
+    """float64, one sequence at a time: its K/V gathered by block table, a causal mask."""
+    _, _, bs, h_kv, d = kv.shape
+    group = q.shape[1] // h_kv
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    start = 0
+    for i, (c, n) in enumerate(zip(ctx, new, strict=True)):
+        blocks = tables[i, : -(-c // bs)]
+        k = kv[0, blocks].reshape(-1, h_kv, d)[:c].double().repeat_interleave(group, dim=1)
+        v = kv[1, blocks].reshape(-1, h_kv, d)[:c].double().repeat_interleave(group, dim=1)
+        qi = q[start:start + n].double() * scale  # [n, H, D]
+        scores = torch.einsum("nhd,thd->hnt", qi, k)
+        pos = torch.arange(c - n, c)[:, None]
+        scores = scores.masked_fill(torch.arange(c)[None, :] > pos, float("-inf"))
+        out[start:start + n] = torch.einsum("hnt,thd->nhd", scores.softmax(-1), v)
+        start += n
+    return out
+
+
+def make_case(ctx: list[int], new: list[int], heads: int, kv_heads: int, d: int,
+              dtype: torch.dtype, bs: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    per_seq = max(-(-c // bs) for c in ctx)
+    num_blocks = len(ctx) * per_seq + 2
+    kv = (torch.randn(2, num_blocks, bs, kv_heads, d, generator=g) * 2).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: len(ctx) * per_seq].view(len(ctx), -1)
+    # q as the model makes it: a view into the [tokens, heads + 2 * kv_heads, D] qkv rows.
+    q = torch.randn(sum(new), heads + 2 * kv_heads, d, generator=g)[:, :heads]
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int64)
+    return q, kv, tables.long(), torch.tensor(ctx, dtype=torch.int64), qsl
+
+
+@pytest.mark.parametrize("ctx,new", [
+    ([1], [1]),
+    ([17], [17]),  # a whole prompt, one past a block
+    ([300, 45, 33], [130, 45, 1]),  # chunks over earlier context, a fresh prompt, a decode-like row
+    ([64, 16], [15, 16]),
+], ids=["one", "fresh", "mixed", "blocks"])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (2, 1, 128)])
+def test_paged_prefill_attention_matches_float64(isa: str, ctx: list[int], new: list[int],
+                                                 heads: int, kv_heads: int, d: int) -> None:
+    q, kv, tables, lens, qsl = make_case(ctx, new, heads, kv_heads, d, torch.float32, 16, seed=1)
+    scale = d ** -0.5
+    out = torch.full(q.shape, float("nan"))
+    ops.paged_prefill_attention(out, q, kv, tables, lens, qsl, 0, scale)
+    want = reference_prefill(q, kv, tables, ctx, new, scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs", [1, 5, 32])
+def test_paged_prefill_attention_half_pools_and_block_sizes(dtype: torch.dtype, bs: int) -> None:
+    ctx, new = [70, 9], [38, 9]
+    q, kv, tables, lens, qsl = make_case(ctx, new, 6, 2, 32, dtype, bs, seed=2)
+    out = torch.empty(q.shape)
+    ops.paged_prefill_attention(out, q, kv, tables, lens, qsl, 0, 0.2)
+    want = reference_prefill(q, kv.float(), tables, ctx, new, 0.2)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=2e-5)
+
+
+def test_paged_prefill_attention_leaves_rows_before_first_seq() -> None:
+    """Rows of the sequences before first_seq (a step's decodes) are not written."""
+    ctx, new = [5, 40], [1, 20]
+    q, kv, tables, lens, qsl = make_case(ctx, new, 4, 2, 16, torch.float32, 16, seed=3)
+    out = torch.full(q.shape, 7.0)
+    ops.paged_prefill_attention(out, q, kv, tables, lens, qsl, 1, 0.25)
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0))
+    want = reference_prefill(q, kv, tables, ctx, new, 0.25)
+    torch.testing.assert_close(out[1:].double(), want[1:], rtol=1e-4, atol=2e-5)
+
+
+def test_paged_prefill_attention_rejects_bad_inputs() -> None:
+    q, kv, tables, lens, qsl = make_case([20], [20], 4, 2, 16, torch.float32, 16, seed=4)
+    out = torch.empty(q.shape)
+    with pytest.raises(RuntimeError, match="new tokens, context"):
+        ops.paged_prefill_attention(out, q, kv, tables, torch.tensor([10]), qsl, 0, 1.0)
+    with pytest.raises(RuntimeError, match="block table"):
+        ops.paged_prefill_attention(out, q, kv, tables[:, :1], lens, qsl, 0, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        narrow = kv[..., :8].contiguous()
+        ops.paged_prefill_attention(out[..., :8], q[..., :8], narrow, tables, lens, qsl, 0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_cache_matches_index_copy(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    kv = torch.zeros(2, 6, 4, 3, 16, dtype=dtype)
+    qkv = torch.randn(7, 9 + 6, 16, generator=g)
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([3, 0, 23, 9, 10, 11, 17])
+    ops.write_kv_cache(kv, k, v, slots)
+    want = torch.zeros_like(kv)
+    want[0].view(-1, 3, 16).index_copy_(0, slots, k.to(dtype))
+    want[1].view(-1, 3, 16).index_copy_(0, slots, v.to(dtype))
+    assert torch.equal(kv, want)  # the same bits as torch's rounding
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.write_kv_cache(kv, k, v, torch.tensor([0, 1, 2, 3, 4, 5, 24]))
+
+
+def test_backend_matches_reference_backend_on_a_mixed_step() -> None:
+    """Decodes and prefill chunks in one step: the same K/V written (bit for bit) and the same
+    attention as the torch reference backend."""
+    ctx, new = [50, 31, 200, 8], [1, 1, 77, 8]
+    q, kv, tables, lens, qsl = make_case(ctx, new, 9, 3, 64, torch.float32, 16, seed=6)
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(sum(new), 3, 64, generator=g)
+    v = torch.randn(sum(new), 3, 64, generator=g)
+    slots = torch.tensor([int(tables[i, p // 16]) * 16 + p % 16
+                          for i, (c, n) in enumerate(zip(ctx, new, strict=True))
+                          for p in range(c - n, c)])
+    meta = AttentionMetadata(
+        num_decodes=2, slot_mapping=slots, query_start_loc=qsl.tolist(), query_lens=new,
+        seq_lens_list=ctx, seq_lens=lens, block_tables=tables, block_size=16, scale=0.125,
+    )
+    kv_ref = kv.clone()
+    ref = TorchAttentionBackend()
+    ref.begin_step(meta)
+    want = ref.forward(q, k, v, kv_ref, meta)
+    fast = CpuKernelAttentionBackend()
+    fast.begin_step(meta)
+    got = fast.forward(q, k, v, kv, meta)
+    assert torch.equal(kv, kv_ref)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
