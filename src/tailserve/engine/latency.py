@@ -38,11 +38,18 @@ def step_target_s(model: StepTimeModel, decode: StepShape, fixed_s: float | None
     return max(factor * model.predict(decode), AUTO_ITL_MIN_MS / 1e3)
 
 
+def is_decode(r: Request) -> bool:
+    """A running request whose next step is one decode: one token left and past its prompt.
+    (A prompt with one token left is a 1-token prefill chunk, counted as prefill in the
+    step's stats, so the step-time model sees the same shape it was asked to predict.)"""
+    return r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0
+
+
 def decode_shape(running: Sequence[Request]) -> StepShape:
     """The decodes of the running batch, as the next step will carry them."""
     shape = StepShape()
     for r in running:
-        if r.num_tokens - r.num_computed_tokens <= 1:
+        if is_decode(r):
             shape = shape.plus_decode(r.num_tokens)
     return shape
 

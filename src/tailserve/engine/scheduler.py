@@ -48,6 +48,7 @@ from tailserve.engine.latency import (
     PREFILL_ALIGN,
     check_slo,
     decode_shape,
+    is_decode,
     predict_ttft,
     step_target_s,
 )
@@ -150,7 +151,7 @@ class Scheduler:
         """(predicted TTFT now, on an idle engine) of a request not yet queued: the prefill
         of every request the budget serves before it (``_prefill_key`` order) plus its own."""
         mine = self._prefill_key(req, len(self.running) + len(self.waiting))
-        pending = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        pending = [r for r in self.running if not is_decode(r)]
         pending += list(self.waiting)
         ahead = [r for i, r in enumerate(pending) if self._prefill_key(r, i) <= mine]
         decode = decode_shape(self.running)
@@ -259,7 +260,7 @@ class Scheduler:
         preempted: list[str] = []
         shape = StepShape()
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [r for r in self.running if is_decode(r)]
         for req in decodes:
             if budget <= 0 or req.status != RequestStatus.RUNNING:
                 continue
@@ -275,7 +276,7 @@ class Scheduler:
             self.itl_target_s = target
 
         # Running partial prefills and waiting requests compete for the prefill budget.
-        partials = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        partials = [r for r in self.running if not is_decode(r)]
         cands = [(self._prefill_key(r, i), r) for i, r in enumerate(partials)]
         base = len(cands)
         cands += [(self._prefill_key(r, base + i), r) for i, r in enumerate(self.waiting)]
