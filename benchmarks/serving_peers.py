@@ -347,6 +347,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      for w in workloads]
     workloads = [replace(w, request_rate=args.mixed_rate) if w.name == "mixed" else w
                  for w in workloads]
+    workloads = [replace(w, request_rate=args.rate.get(w.name, w.request_rate),
+                         num_prompts=args.prompts.get(w.name, w.num_prompts))
+                 for w in workloads]
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="serving_peers-")
     os.makedirs(out_dir, exist_ok=True)
     extra = {"tailserve": args.tailserve_arg or [], "vllm": args.vllm_arg or [],
@@ -508,6 +511,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a tailserve configuration to run (repeatable; rows tailserve[LABEL]): "
                    "extra serve ARGS (space-separated) and optionally another checkout TREE, "
                    "e.g. before@/tmp/old= after= off=--no-enable-itl-target")
+    p.add_argument("--rate", action="append", default=[], metavar="WORKLOAD=R",
+                   help="requests/s of an open-loop workload (repeatable; e.g. long-mix=0.2)")
+    p.add_argument("--prompts", action="append", default=[], metavar="WORKLOAD=N",
+                   help="number of prompts of a workload (repeatable; after --scale)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every server / variant this many times, interleaved")
     p.add_argument("--slo-ttft-ms", type=float, default=Slos.ttft_ms)
@@ -533,6 +540,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    for opt, kind in (("rate", float), ("prompts", int)):
+        pairs: dict[str, Any] = {}
+        for item in getattr(args, opt):
+            name, _, value = item.partition("=")
+            if name not in WORKLOADS:
+                p.error(f"--{opt} {item!r}: {name!r} is not one of {', '.join(WORKLOADS)}")
+            try:
+                pairs[name] = kind(value)
+            except ValueError:
+                p.error(f"--{opt} {item!r}: WORKLOAD={'R' if kind is float else 'N'}")
+        setattr(args, opt, pairs)
     for s in args.servers:
         if s not in SERVERS:
             p.error(f"--servers: {s!r} is not one of {', '.join(SERVERS)}")

@@ -76,3 +76,12 @@ def test_variant_parsing(sp: ModuleType) -> None:
     assert s.env["TAILSERVE_KERNEL_CACHE"] == "/tmp/old/.kernel-cache"
     with pytest.raises(ValueError, match="LABEL"):
         sp.Variant.parse("=--x")
+
+
+def test_per_workload_rate_and_prompts(sp: ModuleType) -> None:
+    args = sp.parse_args(["--client", "tailserve", "--rate", "long-mix=0.2",
+                          "--prompts", "mixed=3", "--variant", "after="])
+    assert args.rate == {"long-mix": 0.2} and args.prompts == {"mixed": 3}
+    assert [v.label for v in args.variants] == ["after"]
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--client", "tailserve", "--rate", "nope=1"])
