@@ -74,7 +74,7 @@ WORKLOADS = {
     "single": Workload("single", 16, 256, 64, max_concurrency=1),
     "saturated": Workload("saturated", 64, 256, 64),
     "mixed": Workload("mixed", 100, 512, 32, range_ratio=0.9, request_rate=0.5),
-    "long-mix": Workload("long-mix", 50, 100, 16, range_ratio=0.2, request_rate=0.5,
+    "long-mix": Workload("long-mix", 40, 100, 16, range_ratio=0.2, request_rate=0.5,
                          long_len=4000, long_share=0.1),
 }
 SMOKE_PROMPTS = {"single": 2, "saturated": 4, "mixed": 4, "long-mix": 10}
@@ -435,6 +435,7 @@ def check_rate(report: dict[str, Any], workloads: list[Workload]) -> None:
 
 def print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape  # "tailserve[after]" is no markup tag
     from rich.table import Table
 
     slos = report["slos_ms"]
@@ -458,7 +459,7 @@ def print_table(report: dict[str, Any]) -> None:
     rows = sorted(report["rows"], key=key)
     multi = len({r.get("round", 0) for r in rows}) > 1
     for r in rows:
-        who = r["server"] + (f" r{r.get('round', 0)}" if multi else "")
+        who = escape(r["server"] + (f" r{r.get('round', 0)}" if multi else ""))
         if "error" in r:
             t.add_row(r["workload"], who, "[red]failed[/]", *["-"] * (len(heads) - 3))
             continue
@@ -477,7 +478,7 @@ def print_table(report: dict[str, Any]) -> None:
         for h in ("server", "short ok", "TTFT P50", "TTFT P99", "P99/P50"):
             st.add_column(h, justify="left" if h == "server" else "right")
         for r in short:
-            who = r["server"] + (f" r{r.get('round', 0)}" if multi else "")
+            who = escape(r["server"] + (f" r{r.get('round', 0)}" if multi else ""))
             st.add_row(who, str(r["short_count"]), f(r["short_median_ttft_ms"]),
                        f(r["short_p99_ttft_ms"]), f(r["short_ttft_p99_over_p50"], 2))
         console.print(st)
@@ -485,10 +486,10 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{report['load_average_before']}, after {report['load_average_after']}")
     for s, e in report["servers"].items():
         if "start_s" in e:
-            console.print(f"{s}: ready after {e['start_s']} s" + (
-                f" -- {e['error']}" if "error" in e else ""))
+            console.print(escape(f"{s}: ready after {e['start_s']} s" + (
+                f" -- {e['error']}" if "error" in e else "")))
     for w in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {escape(w)}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
