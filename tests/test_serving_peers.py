@@ -1,0 +1,87 @@
+"""benchmarks/serving_peers.py's pieces that need no server: the long-mix workload (its file,
+both clients' command lines, the short requests' TTFT apart) and --variant parsing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sp() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("serving_peers",
+                                                  ROOT / "benchmarks" / "serving_peers.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["serving_peers"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_long_mix_file_has_exactly_the_long_share_at_the_target_lengths(
+        sp: ModuleType, tmp_path: Path) -> None:
+    # Short prompts keep the test quick; the tokenizer is the bundled model's.
+    w = replace(sp.WORKLOADS["long-mix"], num_prompts=20, long_len=400, input_len=40)
+    path = tmp_path / "lm.jsonl"
+    lens = sp.write_long_mix(w, 7, str(path))
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == len(lens) == 20
+    assert all(x["max_tokens"] == x["output_tokens"] == w.output_len for x in lines)
+    long = [n for n in lens if n >= 200]
+    assert len(long) == 2  # round(20 x 10%)
+    assert all(320 <= n <= 480 for n in long) and all(32 <= n <= 48 for n in lens
+                                                       if n < 200)
+    assert sp.write_long_mix(w, 7, str(tmp_path / "again.jsonl")) == lens  # seeded
+
+
+def test_both_clients_send_the_long_mix_file(sp: ModuleType) -> None:
+    w = sp.WORKLOADS["long-mix"]
+    v = sp.vllm_bench_cmd("vllm", "/hf", "http://h", w, 3, "/o/r.json", "/o/lm.jsonl")
+    i = v.index("--dataset-name")
+    assert v[i + 1:i + 4] == ["custom", "--dataset-path", "/o/lm.jsonl"]
+    assert "--custom-output-len" in v and "--random-input-len" not in v
+    t = sp.tailserve_bench_cmd("http://h", w, 3, "/o/r.json", "/o/lm.jsonl")
+    i = t.index("--dataset")
+    assert t[i + 1:i + 4] == ["jsonl", "--dataset-path", "/o/lm.jsonl"]
+
+
+def test_short_requests_ttft_apart_from_the_long_ones(sp: ModuleType) -> None:
+    w = sp.WORKLOADS["long-mix"]
+    result = {"input_lens": [100, 4000, 90, 110, 3900, 95],
+              "ttfts": [0.1, 5.0, 0.2, 0.3, 6.0, 9.0],
+              "errors": ["", "", "", "", "", "timeout"]}  # a failed short one is left out
+    got = sp.short_ttfts(result, w)
+    assert got["short_count"] == 3
+    assert got["short_median_ttft_ms"] == pytest.approx(200.0)
+    assert got["short_p99_ttft_ms"] == pytest.approx(298.0)  # 200 + 0.98 x 100
+    assert got["short_ttft_p99_over_p50"] == pytest.approx(1.49)
+
+
+def test_variant_parsing(sp: ModuleType) -> None:
+    v = sp.Variant.parse("off=--no-enable-itl-target --max-num-seqs 8")
+    assert (v.label, v.tree, v.args) == ("off", None, ("--no-enable-itl-target",
+                                                         "--max-num-seqs", "8"))
+    before = sp.Variant.parse("before@/tmp/old=")
+    assert (before.label, before.tree, before.args) == ("before", "/tmp/old", ())
+    s = sp.server_for("tailserve", [], "/peers", None, before)
+    assert s.label == "tailserve[before]" and s.env["PYTHONPATH"] == "/tmp/old/src"
+    assert s.env["TAILSERVE_KERNEL_CACHE"] == "/tmp/old/.kernel-cache"
+    with pytest.raises(ValueError, match="LABEL"):
+        sp.Variant.parse("=--x")
+
+
+def test_per_workload_rate_and_prompts(sp: ModuleType) -> None:
+    args = sp.parse_args(["--client", "tailserve", "--rate", "long-mix=0.2",
+                          "--prompts", "mixed=3", "--variant", "after="])
+    assert args.rate == {"long-mix": 0.2} and args.prompts == {"mixed": 3}
+    assert [v.label for v in args.variants] == ["after"]
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--client", "tailserve", "--rate", "nope=1"])
