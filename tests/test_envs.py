@@ -57,3 +57,19 @@ def test_get_reads_the_environment_at_call_time(monkeypatch: pytest.MonkeyPatch)
     assert envs.TAILSERVE_TEST_FAIL_FORWARD_AT_STEP.get() == 5
     monkeypatch.setenv("TAILSERVE_API_KEY", "")
     assert envs.TAILSERVE_API_KEY.get() is None
+
+
+def test_import_sets_a_passive_openmp_unless_the_user_chose() -> None:
+    """OpenMP reads OMP_WAIT_POLICY when torch loads it, so ``import tailserve`` sets it first."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, tailserve, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "ACTIVE"

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tailserve.config import EngineArgs
-from tailserve.outputs import CompletionOutput, RequestOutput
-from tailserve.sampling_params import SamplingParams
+from tailserve import envs
+
+# Before anything imports torch (the engine process imports this package first, too).
+envs.apply_process_defaults()
+
+from tailserve.config import EngineArgs  # noqa: E402
+from tailserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from tailserve.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from tailserve.engine.llm import LLM
