@@ -47,6 +47,10 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "src"))
+# `import tailserve` below sets OMP_WAIT_POLICY=PASSIVE in this process when it is unset (its
+# own default, envs.apply_process_defaults); the peers and the client must get the
+# environment the user gave, not tailserve's choice (PASSIVE slows an OpenMP llama-server 3x).
+USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 from tailserve.analyze.tradeoff import Slos, goodput_share  # noqa: E402
 
@@ -118,10 +122,19 @@ class Variant:
         return cls(label, os.path.abspath(tree) if tree else None, tuple(args.split()))
 
 
+def user_env(**extra: str) -> dict[str, str]:
+    """This process's environment as the user started it (see USER_OMP_WAIT_POLICY), plus
+    ``extra``; a tailserve child sets its own default again when it imports tailserve."""
+    env = dict(os.environ, **extra)
+    if USER_OMP_WAIT_POLICY is None:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
+
+
 def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int | None,
                variant: Variant | None = None) -> Server:
     port = free_port()
-    env = dict(os.environ, TAILSERVE_PYTHON=sys.executable, TAILSERVE_PEERS_HOME=peers_home)
+    env = user_env(TAILSERVE_PYTHON=sys.executable, TAILSERVE_PEERS_HOME=peers_home)
     if llama_threads is not None:
         env["LLAMA_THREADS"] = str(llama_threads)
     if name == "tailserve":
@@ -307,7 +320,7 @@ def run_client(client: str, args: argparse.Namespace, server: Server, w: Workloa
         cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, seed, out, dataset)
     else:
         cmd = tailserve_bench_cmd(server.url, w, seed, out, dataset)
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "src"), HF_HUB_OFFLINE="1")
+    env = user_env(PYTHONPATH=os.path.join(REPO, "src"), HF_HUB_OFFLINE="1")
     limit = args.client_timeout
     with open(os.path.join(out_dir, f"{tag}.log"), "wb") as log:
         try:
