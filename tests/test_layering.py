@@ -55,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
         "config", "data", "engine", "errors", "kv", "model", "obs", "outputs", "request",
         "sampling_params", "tailserve",
     },
-    "tailserve": {"config", "engine", "outputs", "sampling_params"},
+    "tailserve": {"config", "engine", "envs", "outputs", "sampling_params"},
     # tools
     "bench": {"errors", "model", "tailserve"},
     "analyze": {"bench", "config", "errors", "model", "stepcost"},
