@@ -68,7 +68,7 @@ def make_case(ctx: list[int], new: list[int], heads: int, kv_heads: int, d: int,
     ([300, 45, 33], [130, 45, 1]),  # chunks over earlier context, a fresh prompt, a decode-like row
     ([64, 16], [15, 16]),
 ], ids=["one", "fresh", "mixed", "blocks"])
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (2, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (2, 1, 128), (3, 1, 64)])
 def test_paged_prefill_attention_matches_float64(isa: str, ctx: list[int], new: list[int],
                                                  heads: int, kv_heads: int, d: int) -> None:
     q, kv, tables, lens, qsl = make_case(ctx, new, heads, kv_heads, d, torch.float32, 16, seed=1)

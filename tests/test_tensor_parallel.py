@@ -79,15 +79,39 @@ def test_packed_gguf_tp3_greedy_tokens_equal_tp1(packed_loaded: Any) -> None:
     # model as stored: the workers load it packed too (gguf_weights='packed').
     args = {"dtype": "float32", "gguf_weights": "packed", "num_kv_blocks": 64,
             "max_model_len": 512, "max_num_seqs": 4}
+    # The packed products quantize their activations to int8; o_proj / down_proj see a
+    # third of their input per rank, so the rounding differs from TP=1's by design (measured:
+    # chosen-token logprobs 0.07-0.48 apart on these random-token prompts, whose top two are
+    # often closer than that). So: the same first tokens, then identical greedy tokens up to
+    # the first near-tie of TP=1's own distribution, where TP=3 picks TP=1's runner-up.
+    # Exact TP parity is pinned in float32 by the tiny model's tests below.
     prompts = _prompts()[:2]
-    ref = LLM.from_loaded(packed_loaded, **args)
-    want = _greedy(ref, prompts)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run(llm: LLM) -> list[Any]:
+        return [o.outputs[0] for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sp)]
+
+    want = run(LLM.from_loaded(packed_loaded, **args))
     tp3 = LLM.from_loaded(packed_loaded, tensor_parallel_size=3, **args)
     try:
-        assert _greedy(tp3, prompts) == want
+        got = run(tp3)
         assert tp3.engine.runner.kv_cache.shape[4] == 1  # 3 KV heads, one per rank
     finally:
         tp3.engine.close()
+    for w, g in zip(want, got, strict=True):
+        same = 0
+        while same < len(w.token_ids) and w.token_ids[same] == g.token_ids[same]:
+            lp_w = w.logprobs[same][w.token_ids[same]]
+            lp_g = g.logprobs[same][g.token_ids[same]]
+            assert abs(lp_w - lp_g) < 0.75, (same, lp_w, lp_g)
+            same += 1
+        assert same >= 2, (w.token_ids, g.token_ids)
+        if same < len(w.token_ids):  # a divergence: only at a near-tie of TP=1's top two
+            top = w.logprobs[same]
+            assert g.token_ids[same] in top, (same, top)
+            margin = top[w.token_ids[same]] - top[g.token_ids[same]]
+            assert margin < 0.5, (same, margin)
 
 
 @pytest.fixture(scope="module")
