@@ -194,8 +194,7 @@ class EngineCore:
 
     def step(self) -> tuple[list[EngineOutput], StepStats | None]:
         t0 = time.perf_counter()
-        # Named phases only while a capture runs (POST /debug/profile): else no call at all.
-        with profiling.span("schedule") if profiling.capturing else profiling.NOOP:
+        with profiling.span("schedule"):
             sched = self.scheduler.schedule()
         if self.kv_events is not None:
             # Before the forward: a router may route the next request here while it runs.
@@ -204,7 +203,7 @@ class EngineCore:
             return [], None
         runner_out = self.runner.execute(sched)
         step_s = time.perf_counter() - t0
-        with profiling.span("update") if profiling.capturing else profiling.NOOP:
+        with profiling.span("update"):
             outputs = self.scheduler.update_from_output(sched, runner_out, step_s)
         return outputs, self._stats(sched, step_s, outputs)
 

@@ -371,10 +371,10 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={})
         if self.tp is not None:  # the workers run the same forward on their shards
             self.tp.send_step(sched.scheduled)
-        with profiling.span("prepare_inputs") if profiling.capturing else profiling.NOOP:
+        with profiling.span("prepare_inputs"):
             batch = self._prepare(sched)
             self.backend.begin_step(batch.meta)
-        with profiling.span("forward") if profiling.capturing else profiling.NOOP:
+        with profiling.span("forward"):
             hidden = self._forward(batch)
             if batch.sampling:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -393,7 +393,7 @@ class ModelRunner:
             )
             for s in batch.sampling
         ]
-        with profiling.span("sample") if profiling.capturing else profiling.NOOP:
+        with profiling.span("sample"):
             result = self.sampler(logits, rows)
         sampled = {s.request_id: t for s, t in zip(batch.sampling, result.token_ids, strict=True)}
         logprobs = {

@@ -4,8 +4,7 @@
 serving, then writes a Chrome trace (JSON; opens in Perfetto, ``chrome://tracing``) to the
 given path. ``span(name)`` marks the phases of a step — ``schedule``, ``prepare_inputs``,
 ``forward``, ``sample``, ``update`` — as ``record_function`` ranges and, on CUDA, NVTX ranges
-(for Nsight Systems). Outside a capture the step loop does not call in here at all: it reads
-``capturing`` and enters the shared no-op ``NOOP`` (``span`` also returns it then).
+(for Nsight Systems). Outside a capture ``span`` returns the shared no-op ``NOOP``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-capturing = False  # a capture is running in this process (callers check it: no call when off)
+capturing = False  # a capture is running in this process
 _cuda = False  # and its device is CUDA (NVTX ranges too)
 NOOP = contextlib.nullcontext()
 
