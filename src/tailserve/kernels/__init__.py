@@ -2,9 +2,12 @@
 
 The sources in ``csrc/`` (every ``*.cpp`` and ``*.h`` there, one file per concern) are compiled
 with torch's C++ extension tooling the first time they are needed (``make setup`` does it ahead
-of time: ``python -m tailserve.kernels``) into a cache directory keyed by the sources and torch
-version, then loaded as a library of torch ops. Built with ``-march=native``: the cache is per
-machine, like the kernels' speed.
+of time: ``python -m tailserve.kernels``) into a cache directory keyed by what decides the
+library (the sources' bytes, flags, torch, compiler and CPU; never the checkout's path), then
+loaded as a library of torch ops. Built with ``-march=native``: the cache is per machine, like
+the kernels' speed. One process builds a directory at a time, under an OS lock that dies with
+its holder, so a build killed midway (Ctrl-C on the first ``tailserve serve``) costs the next
+one a rebuild, never a hang (``_build_lock``).
 
 When no C++ compiler is available, or ``TAILSERVE_CPU_KERNELS=0``, ``cpu_ops_available()`` is
 False and callers keep their pure-torch paths: every kernel here has a torch equivalent that
@@ -14,11 +17,15 @@ fallback: ``cpu_ops_required()`` says so, and setup and the kernel tests fail on
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,23 +49,109 @@ class _BuildResult:
 _result: _BuildResult | None = None
 
 
-def _sources() -> list[Path]:
+def _sources(csrc: Path = _CSRC) -> list[Path]:
     """Every translation unit in csrc/: a new file is built (and hashed) without a list to edit."""
-    return sorted(_CSRC.glob("*.cpp"))
+    return sorted(csrc.glob("*.cpp"))
 
 
-def _headers() -> list[Path]:
-    return sorted(_CSRC.glob("*.h"))
+def _headers(csrc: Path = _CSRC) -> list[Path]:
+    return sorted(csrc.glob("*.h"))
 
 
-def _build_dir() -> Path:
+def _compiler_identity() -> str:
+    """What the compiler says it is (``--version``), not where it lives: a new compiler builds
+    anew, the same one found through another path does not."""
+    found = _compiler()
+    return found[1] if found is not None else ""
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux): ``-march=native`` compiles for them, so a cache on a
+    home directory shared by different machines keeps one build per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build_dir(csrc: Path = _CSRC, flags: tuple[str, ...] = tuple(_FLAGS),
+               cache_root: Path | None = None) -> Path:
+    """The build's directory, keyed by what decides the library and nothing else: the
+    sources' names and bytes, the flags, torch, the compiler and the CPU. Never by the
+    checkout's path, so two clones of the same sources share one build (``_stage``)."""
     digest = hashlib.sha256()
-    for path in _sources() + _headers():
+    for path in _sources(csrc) + _headers(csrc):
         digest.update(path.name.encode())  # a rename or a new file changes the key too
         digest.update(path.read_bytes())
-    digest.update(" ".join(_FLAGS).encode())
-    digest.update(torch.__version__.encode())
-    return _cache_root() / "kernels" / digest.hexdigest()[:16]
+    for part in (" ".join(flags), torch.__version__, _compiler_identity(), _cpu_flags()):
+        digest.update(b"\0" + part.encode())
+    return (cache_root or _cache_root()) / "kernels" / digest.hexdigest()[:16]
+
+
+def _stage(csrc: Path, build_dir: Path) -> list[Path]:
+    """Copies of the sources inside the build directory, to build from: torch writes each
+    source's absolute path into build.ninja, so building from the checkout made two clones
+    with the same sources (one key) rebuild everything in turn. A copy is written only when
+    missing or different (its mtime would rebuild it), through a rename (a build killed
+    mid-copy leaves no half file)."""
+    staged = build_dir / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in _sources(csrc) + _headers(csrc):
+        data = path.read_bytes()
+        target = staged / path.name
+        if target.exists() and target.read_bytes() == data:
+            continue
+        tmp = target.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    return [staged / path.name for path in _sources(csrc)]
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory (one builder at a time, across processes) with an OS lock the
+    kernel releases when its holder dies, however it dies. Under it, a torch ``lock`` file
+    (its FileBaton: torch waits, without bound, while one exists) is a leftover of a build
+    stopped midway (Ctrl-C, a kill): removed, or every later build would hang on it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "tailserve.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("tailserve CPU kernels: waiting for another process building them in %s",
+                     build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            baton = build_dir / "lock"
+            if baton.exists():
+                log.warning("tailserve CPU kernels: removing %s, left by a build that was "
+                            "stopped midway; building again", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_library(name: str, csrc: Path = _CSRC, flags: tuple[str, ...] = tuple(_FLAGS),
+                  cache_root: Path | None = None) -> Path:
+    """Build (or find built) the ops library of ``csrc``'s sources and load it into this
+    process; returns its build directory. Raises whatever the build raises."""
+    from torch.utils import cpp_extension
+
+    build_dir = _build_dir(csrc, flags, cache_root)
+    with _build_lock(build_dir):
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in _stage(csrc, build_dir)],
+            extra_cflags=list(flags),
+            # libgomp by soname: the copy torch already loaded, one OpenMP runtime.
+            extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    return build_dir
 
 
 def _cache_root() -> Path:
@@ -76,17 +169,25 @@ def _required_by_env() -> bool:
     return envs.TAILSERVE_REQUIRE_CPU_KERNELS.get()
 
 
-def cxx_compiler() -> str | None:
-    """The C++ compiler torch's tooling would build with (``$CXX``, else ``c++``), if it runs."""
+def _compiler() -> tuple[str, str] | None:
+    """The C++ compiler torch's tooling would build with (``$CXX``, else ``c++``) and its
+    ``--version``, if it runs."""
     cxx = envs.CXX.get() or "c++"
     path = shutil.which(cxx)
     if path is None:
         return None
     try:
-        subprocess.run([path, "--version"], capture_output=True, check=True, timeout=30)
+        done = subprocess.run([path, "--version"], capture_output=True, check=True, text=True,
+                              timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return path
+    return path, done.stdout
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch's tooling would build with (``$CXX``, else ``c++``), if it runs."""
+    found = _compiler()
+    return found[0] if found is not None else None
 
 
 def cpu_ops_required() -> bool:
@@ -125,20 +226,7 @@ def cpu_ops_available() -> bool:
         if _result is not None:
             return _result.ok
         try:
-            from torch.utils import cpp_extension
-
-            build_dir = _build_dir()
-            build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(
-                name="tailserve_cpu_ops",
-                sources=[str(s) for s in _sources()],
-                extra_cflags=_FLAGS,
-                # libgomp by soname: the copy torch already loaded, one OpenMP runtime.
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
+            build_library("tailserve_cpu_ops")
             _result = _BuildResult(ok=True, error=None)
         except Exception as exc:  # no compiler, headers or ninja: the torch paths still work
             log.warning("tailserve CPU kernels unavailable, using torch fallbacks: %s", exc)
