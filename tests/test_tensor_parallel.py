@@ -9,6 +9,9 @@ random Llama (4 heads, 2 KV heads, SmolLM2's tokenizer) from ``tests/tiny_models
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +51,41 @@ def test_a_worker_that_fails_at_startup_fails_the_engine(tiny_model_dir: str,
     with pytest.raises(TensorParallelError, match="a tensor-parallel worker failed at start-up"):
         LLM.from_loaded(loaded, tensor_parallel_size=2, **ENGINE)
     assert not torch.distributed.is_initialized()  # the next engine may start
+
+
+def test_a_worker_that_hangs_while_loading_fails_startup_naming_it(
+        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before the module's engines (one TP engine per process). The worker inherits both
+    # switches: it sleeps where it loads the model; rank 0 waits at the start-up barrier for
+    # TAILSERVE_TP_TIMEOUT_S (which must also cover the worker's start: importing torch on a
+    # loaded machine), not torch's 7-day default.
+    monkeypatch.setenv("TAILSERVE_TEST_TP_HANG_RANK", "1")
+    monkeypatch.setenv("TAILSERVE_TP_TIMEOUT_S", "10")
+    loaded = load_model(tiny_model_dir)
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            LLM.from_loaded(loaded, tensor_parallel_size=2, **ENGINE)
+        except BaseException as exc:
+            failed.append(exc)
+
+    # In a thread, so that a start-up which hangs (torch's 7-day barrier, as before) fails
+    # this test at the harness's bound instead of holding the suite: a bound, not a timing.
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(120)
+    assert not starter.is_alive(), "start-up still waiting on the hung worker"
+    assert len(failed) == 1 and isinstance(failed[0], TensorParallelError), failed
+    msg = str(failed[0])
+    assert msg.startswith("tensor-parallel start-up failed at the start-up barrier"), msg
+    assert "after waiting up to 10 s (TAILSERVE_TP_TIMEOUT_S" in msg
+    found = re.search(r"worker rank 1 \(pid (\d+)\) was loading the model", msg)
+    assert found, msg
+    assert "\n" not in msg  # one line, for the log and the CLI
+    assert not torch.distributed.is_initialized()  # torn down: the next engine may start
+    with pytest.raises(ProcessLookupError):  # the hung worker was killed (and reaped)
+        os.kill(int(found.group(1)), 0)
 
 
 @pytest.fixture(scope="module")

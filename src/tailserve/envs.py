@@ -95,6 +95,11 @@ TAILSERVE_TEST_SLOW_STEP_MS: EnvSwitch[float] = EnvSwitch(
     "tests only: every engine step's forward takes this many milliseconds longer (a sleep "
     "inside the step's time), so a test can run one replica slower than its peers",
 )
+TAILSERVE_TEST_TP_HANG_RANK: EnvSwitch[int | None] = EnvSwitch(
+    "TAILSERVE_TEST_TP_HANG_RANK", None, int,
+    "tests only: this tensor-parallel worker rank (1..T-1) hangs while loading the model (it "
+    "sleeps until killed), so tests can see what a hung worker does to start-up",
+)
 TAILSERVE_TEST_SWEEP: EnvSwitch[bool] = EnvSwitch(
     "TAILSERVE_TEST_SWEEP", False, _flag,
     "tests only: run the slow `tailserve plan --sweep` test (it starts servers)",
@@ -107,15 +112,17 @@ TRITON_INTERPRET: EnvSwitch[bool] = EnvSwitch(
 )
 TAILSERVE_TP_TIMEOUT_S: EnvSwitch[float] = EnvSwitch(
     "TAILSERVE_TP_TIMEOUT_S", 120.0, float,
-    "tensor parallelism: seconds a rank waits for the others at start-up and inside a step's "
-    "all-reduce before the engine fails (a dead worker usually fails it at once)",
+    "tensor parallelism: seconds a rank waits for the others at start-up (a worker's start "
+    "and model load included) and inside a step's all-reduce before the engine fails (a dead "
+    "worker usually fails it at once)",
 )
 
 SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
     TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_CPU_BF16_DOT,
     TAILSERVE_QUANT_ISA, CUDA_VISIBLE_DEVICES, OMP_WAIT_POLICY,
-    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SLOW_STEP_MS, TAILSERVE_TEST_SWEEP,
+    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SLOW_STEP_MS, TAILSERVE_TEST_TP_HANG_RANK,
+    TAILSERVE_TEST_SWEEP,
     TRITON_INTERPRET, TAILSERVE_TP_TIMEOUT_S,
 )
 

@@ -70,13 +70,17 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
     try:
         core = EngineCore.from_args(EngineArgs(**engine_args))
     except Exception as exc:
-        if isinstance(exc, ValueError):
+        from tailserve.model.parallel import TensorParallelError
+
+        # ValueErrors (load / config problems) and TensorParallelErrors (a rank failed or hung
+        # at start-up, named) are ours and written for users; anything else is reported by
+        # type only, never with paths or addresses from a traceback.
+        ours = isinstance(exc, (ValueError, TensorParallelError))
+        if ours:
             logger.error("engine start-up failed: %s", exc)
         else:
             logger.exception("engine start-up failed")
-        # ValueErrors are ours (load / config problems) and written for users; anything else
-        # is reported by type only, never with paths or addresses from a traceback.
-        text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__} at start-up"
+        text = str(exc) if ours else f"{type(exc).__name__} at start-up"
         emit(StartupFailed(text))
         return 1
     loop = EngineLoop(core, emit)

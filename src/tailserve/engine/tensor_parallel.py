@@ -9,9 +9,12 @@ joins the process group (a file store in a private directory), loads the model, 
 runs every step rank 0 broadcasts until told to stop (``model/parallel.py``).
 
 Failure is never a hang: a worker that fails at start-up says so at the start-up barrier; one
-that exits later is seen before the next step is sent (``check``) or by the step's collective
-(gloo reports a closed connection at once; otherwise ``TAILSERVE_TP_TIMEOUT_S``). A worker
-exits when its engine does (the closed connection, or its parent's pid changing).
+that hangs there (loading a model from a stuck disk) fails it after ``TAILSERVE_TP_TIMEOUT_S``,
+every start-up collective being bounded by it, with each worker's last reported phase named
+(``describe``: the workers write it in the group's private directory); one that exits later is
+seen before the next step is sent (``check``) or by the step's collective (gloo reports a
+closed connection at once; otherwise ``TAILSERVE_TP_TIMEOUT_S``). A worker exits when its
+engine does (the closed connection, or its parent's pid changing).
 
 The CPU threads are split between the ranks: ``torch.get_num_threads() // T`` each.
 """
@@ -78,7 +81,7 @@ class TensorParallelWorkers:
             subprocess.Popen([
                 sys.executable, "-m", "tailserve.engine.tensor_parallel", payload, str(rank),
                 str(world), init_method, str(self.threads), str(os.getpid()),
-                logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                logging.getLevelName(logging.getLogger().getEffectiveLevel()), self._dir,
             ])
             for rank in range(1, world)
         ]
@@ -89,16 +92,21 @@ class TensorParallelWorkers:
         torch.set_num_threads(self.threads)
         log.info("tensor parallel: %d ranks (workers pid %s), %d CPU thread(s) each", world,
                  ", ".join(str(p.pid) for p in self.processes), self.threads)
+        timeout = envs.TAILSERVE_TP_TIMEOUT_S.get()
         try:
             self.group = TensorParallelGroup.init(
-                0, world, init_method, _device(unsized, 0),
-                timedelta(seconds=envs.TAILSERVE_TP_TIMEOUT_S.get()))
+                0, world, init_method, _device(unsized, 0), timedelta(seconds=timeout))
         except Exception as exc:
+            ranks = self.describe()  # before the kill below rewrites their exit codes
             self.shutdown(graceful=False)
             if torch.distributed.is_initialized():  # half made: the next engine may try again
                 torch.distributed.destroy_process_group()
-            raise TensorParallelError(f"the tensor-parallel ranks did not meet: {exc}") from None
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise TensorParallelError(
+                f"the tensor-parallel ranks did not meet (waited up to {timeout:g} s, "
+                f"TAILSERVE_TP_TIMEOUT_S): {ranks} ({first})") from None
         self.group.check_workers = self.check
+        self.group.describe_ranks = self.describe
 
     def check(self) -> None:
         """Raise when a worker has exited (called before each step is sent)."""
@@ -109,10 +117,35 @@ class TensorParallelWorkers:
                     f"tensor-parallel worker rank {rank} exited with code {code}; "
                     "the engine stops")
 
+    def describe(self) -> str:
+        """Each worker's state, for a failed start-up: its exit code, else the phase it last
+        reported (``_report``)."""
+        parts = []
+        for rank, proc in enumerate(self.processes, 1):
+            code = proc.poll()
+            if code is not None:
+                parts.append(f"worker rank {rank} exited with code {code}")
+                continue
+            try:
+                with open(_phase_path(self._dir, rank)) as f:
+                    phase = f.read()
+            except OSError:
+                phase = "starting (it had not reached the process group)"
+            parts.append(f"worker rank {rank} (pid {proc.pid}) was {phase}")
+        return "; ".join(parts) + "; the engine stops"
+
     def ready(self, ok: bool) -> None:
         """The start-up barrier after every rank built its runner (or failed to)."""
         assert self.group is not None
-        if not self.group.all_agree(ok) and ok:
+        try:
+            agreed = self.group.all_agree(ok)
+        except TensorParallelError as exc:
+            if ok:
+                raise
+            # Rank 0 failed itself: its own error is the one to report, raised by the caller.
+            log.warning("tensor parallel: %s", exc)
+            return
+        if not agreed and ok:
             raise TensorParallelError("a tensor-parallel worker failed at start-up "
                                       "(its log says why)")
 
@@ -145,6 +178,19 @@ class TensorParallelWorkers:
         atexit.unregister(self.shutdown)
 
 
+def _phase_path(status_dir: str, rank: int) -> str:
+    return os.path.join(status_dir, f"rank{rank}.phase")
+
+
+def _report(status_dir: str, rank: int, phase: str) -> None:
+    """Write what this worker is doing now, for rank 0's ``describe`` (through a rename:
+    rank 0 reads a whole phase or the one before)."""
+    path = _phase_path(status_dir, rank)
+    with open(path + ".tmp", "w") as f:
+        f.write(phase)
+    os.replace(path + ".tmp", path)
+
+
 def _watch_parent(parent: int) -> None:
     """Exit when the engine (our parent) is gone, whatever this rank is waiting in."""
     while True:
@@ -154,7 +200,7 @@ def _watch_parent(parent: int) -> None:
 
 
 def worker_main(args_json: str, rank: int, world: int, init_method: str, threads: int,
-                parent: int) -> int:
+                parent: int, status_dir: str) -> int:
     from tailserve.model.device import detect_platform
     from tailserve.model.loader import load_model
     from tailserve.model.runner import ModelRunner
@@ -168,13 +214,18 @@ def worker_main(args_json: str, rank: int, world: int, init_method: str, threads
     platform = detect_platform()
     runner_config = args.resolve_runner(platform)
     device = torch.device("cuda", rank) if runner_config.device == "cuda" else torch.device("cpu")
+    _report(status_dir, rank, "joining the process group")
     group = TensorParallelGroup.init(rank, world, init_method, device,
                                      timedelta(seconds=envs.TAILSERVE_TP_TIMEOUT_S.get()))
     try:
+        _report(status_dir, rank, f"loading the model ({args.model or 'the bundled GGUF'})")
+        if envs.TAILSERVE_TEST_TP_HANG_RANK.get() == rank:
+            threading.Event().wait()  # never set: hung, until rank 0 kills this process
         loaded = load_model(args.model, gguf_weights=gguf_weights_choice(args),
                             quantization=args.quantization,
                             quantization_group_size=args.quantization_group_size)
         unsized = args.resolve_unsized(loaded.config, platform)
+        _report(status_dir, rank, "building its runner on its shards")
         runner = ModelRunner(unsized.model, unsized.runner, unsized.scheduler.max_model_len,
                              loaded.weights, tp=group)
         del loaded  # the runner copied its shards; the whole checkpoint can go
@@ -182,17 +233,26 @@ def worker_main(args_json: str, rank: int, world: int, init_method: str, threads
     except Exception:
         log.exception("tensor-parallel worker rank %d failed at start-up", rank)
         ok = False
-    if not group.all_agree(ok):
+    _report(status_dir, rank, "waiting at the start-up barrier")
+    try:
+        if not group.all_agree(ok):
+            return 1
+        measured = None
+        if unsized.needs_kv_measurement:  # the same profiling forward as rank 0 (a collective)
+            _report(status_dir, rank, "measuring its KV cache")
+            sc = unsized.scheduler
+            measured = runner.profile_kv_cache_bytes(sc.max_num_batched_tokens,
+                                                     unsized.block_size,
+                                                     unsized.gpu_memory_utilization,
+                                                     sc.max_num_seqs)
+    except TensorParallelError as exc:  # the engine hung or went away: nothing to serve
+        log.error("tensor-parallel worker rank %d: %s", rank, exc)
         return 1
-    measured = None
-    if unsized.needs_kv_measurement:  # the same profiling forward as rank 0 (a collective)
-        sc = unsized.scheduler
-        measured = runner.profile_kv_cache_bytes(sc.max_num_batched_tokens, unsized.block_size,
-                                                 unsized.gpu_memory_utilization,
-                                                 sc.max_num_seqs)
+    _report(status_dir, rank, "allocating its KV cache")
     config = unsized.sized(measured)
     runner.allocate_kv_cache(config.cache)
     runner.prepare_steps(config.scheduler)
+    _report(status_dir, rank, "serving")
     log.info("tensor-parallel worker rank %d/%d ready: %d KV blocks", rank, world,
              config.cache.num_kv_blocks)
     while (sched := group.recv_step()) is not None:
@@ -206,4 +266,4 @@ if __name__ == "__main__":
         level=sys.argv[7], format=f"%(asctime)s tp-rank{sys.argv[2]} %(levelname)s "
         "%(name)s: %(message)s")
     sys.exit(worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-                         int(sys.argv[5]), int(sys.argv[6])))
+                         int(sys.argv[5]), int(sys.argv[6]), sys.argv[8]))

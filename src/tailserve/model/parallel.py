@@ -1,10 +1,13 @@
 """The ranks of a tensor-parallel engine, as the model runner sees them.
 
 Rank 0 is the engine (scheduler, sampling, outputs); ranks 1..T-1 run the same forward on
-their shards. Two process groups:
+their shards. Three process groups:
 
 - the default group (gloo on CPU, NCCL on CUDA) carries the all-reduces inside the forward,
   with a timeout: a rank that dies mid-step fails the step instead of hanging it;
+- a gloo group carries the start-up collectives (the barrier after every rank built its
+  runner, the KV pool's size), with the same timeout: a rank that hangs while loading fails
+  start-up with the ranks named (``describe_ranks``), it does not hold the others for days;
 - a gloo group carries each step's inputs from rank 0: a fixed header, then one int64 tensor
   of the scheduled sequences (what ``ModelRunner._prepare`` reads), so every rank flattens the
   same batch with the same code. Its timeout is long: a worker waits in it while the engine
@@ -56,8 +59,12 @@ class TensorParallelGroup:
     world_size: int
     device: torch.device
     step_group: dist.ProcessGroup  # gloo: step inputs
+    startup_group: dist.ProcessGroup  # gloo, bounded by ``timeout``: start-up collectives
+    timeout: timedelta
     # Rank 0: raises when a worker has exited (checked before each step is sent).
     check_workers: Callable[[], None] | None = None
+    # Rank 0: what each worker is doing (or how it ended), for a failed start-up collective.
+    describe_ranks: Callable[[], str] | None = None
 
     @classmethod
     def init(cls, rank: int, world_size: int, init_method: str, device: torch.device,
@@ -67,9 +74,10 @@ class TensorParallelGroup:
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timeout)
+        startup_group = dist.new_group(backend="gloo", timeout=timeout)
         step_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        assert step_group is not None
-        return cls(rank, world_size, device, step_group)
+        assert step_group is not None and startup_group is not None
+        return cls(rank, world_size, device, step_group, startup_group, timeout)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (``RowParallelLinear``)."""
@@ -83,14 +91,29 @@ class TensorParallelGroup:
         """True on every rank when every rank passes ``ok`` (a start-up barrier that also
         says whether some rank failed)."""
         flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        dist.all_reduce(flag, group=self.step_group)
+        self._startup_all_reduce(flag, dist.ReduceOp.SUM,
+                                 "the start-up barrier (every rank's runner built)")
         return int(flag.item()) == 0
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` of all ranks (the KV bytes every rank can hold)."""
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.step_group)
+        self._startup_all_reduce(t, dist.ReduceOp.MIN, "sizing the KV pool (every rank's "
+                                 "measurement)")
         return int(t.item())
+
+    def _startup_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType,
+                            what: str) -> None:
+        try:
+            dist.all_reduce(t, op=op, group=self.startup_group)
+        except RuntimeError as exc:  # a rank hung (the timeout) or died (a closed connection)
+            waited = self.timeout.total_seconds()
+            ranks = self.describe_ranks() if self.describe_ranks is not None else (
+                "rank 0 (the engine) or another worker did not arrive")
+            raise TensorParallelError(
+                f"tensor-parallel start-up failed at {what} on rank {self.rank} after waiting "
+                f"up to {waited:g} s (TAILSERVE_TP_TIMEOUT_S; raise it if a rank is only "
+                f"slow): {ranks}") from exc
 
     # -------------------------------------------------------------- rank 0 -> workers
     def send_step(self, scheduled: list[ScheduledRequest]) -> None:
