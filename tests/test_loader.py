@@ -369,6 +369,29 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     assert "llama, qwen2" in str(err.value)
 
 
+def test_gguf_truncated_mid_tensor_or_mid_header(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(tmp_path / "whole.gguf", "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    whole = (tmp_path / "whole.gguf").read_bytes()
+    # The last tensor (8 float32) cut after 5 of its values: a download stopped mid-tensor.
+    (tmp_path / "cut.gguf").write_bytes(whole[:-12])
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(tmp_path / "cut.gguf"))
+    msg = str(err.value)
+    assert msg == (f"{tmp_path / 'cut.gguf'}: tensor output_norm.weight ends at byte "
+                   f"{len(whole)} but the file has {len(whole) - 12} bytes (truncated "
+                   "download?)"), msg
+    # Cut inside the tensor table: the header's counts point past the end.
+    (tmp_path / "head.gguf").write_bytes(whole[:40])
+    with pytest.raises(ModelLoadError, match="is a truncated or corrupt GGUF file"):
+        load_model(str(tmp_path / "head.gguf"))
+
+
 def test_llama31_gguf_rope_freqs_is_refused(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(tmp_path / "l31.gguf", "llama")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))

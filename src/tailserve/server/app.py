@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -288,6 +289,11 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
 
     tracer = make_tracer(settings.otlp_traces_endpoint)  # fails fast if the extra is missing
     source = resolve_model_path(engine_args.model)
+    busy = _cannot_listen(settings.host, settings.port)
+    if busy is not None:  # before the engine loads a model for a server that cannot listen
+        print(f"error: cannot listen on {settings.host}:{settings.port} (--host / --port): "
+              f"{busy}", file=sys.stderr)
+        return 1
     client: EngineClient = MPEngineClient(
         engine_args, watchdog_timeout_s=settings.watchdog_timeout,
         log_level=settings.log_level.upper(),
@@ -333,6 +339,20 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     if not server.started:
         return 1
     return ctx.exit_code
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why uvicorn could not bind ``host:port`` (a port in use, an address not on this host),
+    found by binding as it does and letting go; None when it can. Another process may take the
+    port in the moment between: then uvicorn's own bind error still stops the server."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _print_ready(settings: ServerSettings, name: str, source: str) -> None:
