@@ -69,3 +69,13 @@ def test_packed_gguf_counts_the_file_blocks_once() -> None:
     rope = typing.cast(torch.Tensor, runner.model.rope.cos)
     assert rope.numel() > 0  # present, and left out of the count
     assert resident_weight_bytes(runner.model) == runner.weight_bytes
+
+
+def test_engine_process_loads_no_tokenizer() -> None:
+    """The engine process loads without a tokenizer (the API process tokenizes): a GGUF's stop
+    and start ids are then its metadata's, the same ones its tokenizer is built from."""
+    bare = load_model(None, gguf_weights="packed", with_tokenizer=False)
+    full = load_model(None, gguf_weights="packed")
+    assert bare.tokenizer is None and full.tokenizer is not None
+    assert bare.config == full.config
+    assert full.config.eos_token_ids == (full.tokenizer.eos_token_id,)

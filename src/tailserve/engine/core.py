@@ -89,10 +89,11 @@ class EngineCore:
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None, *,
-                  keep_checkpoint: bool = False) -> EngineCore:
+                  keep_checkpoint: bool = False, with_tokenizer: bool = True) -> EngineCore:
         """Load (unless ``loaded`` is given), resolve ``args`` against the model, build.
         What it loaded itself it lets go once the runner is built (``release_checkpoint``)
-        unless ``keep_checkpoint`` (tools that read ``loaded.weights`` afterwards)."""
+        unless ``keep_checkpoint`` (tools that read ``loaded.weights`` afterwards);
+        ``with_tokenizer=False``: no tokenizer in ``loaded`` (``load_model``)."""
         platform = detect_platform()
         owned = loaded is None and not keep_checkpoint
         if loaded is None:
@@ -110,7 +111,8 @@ class EngineCore:
             loaded = load_model(args.model, gguf_weights=resolve_gguf_weights(
                 gguf_weights_choice(args), runner_config.device, runner_config.dtype),
                 quantization=args.quantization,
-                quantization_group_size=args.quantization_group_size)
+                quantization_group_size=args.quantization_group_size,
+                with_tokenizer=with_tokenizer)
         unsized = args.resolve_unsized(loaded.config, platform)
         if args.tensor_parallel_size > 1:
             core = cls._from_args_tensor_parallel(args, unsized, loaded)

@@ -47,7 +47,10 @@ class LLM:
                keep_checkpoint: bool = False) -> None:
         self.engine_args = args
         self.engine = EngineCore.from_args(args, loaded, keep_checkpoint=keep_checkpoint)
-        self.tokenizer = self.engine.loaded.tokenizer
+        tokenizer = self.engine.loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError("LLM needs a tokenizer: load the model with with_tokenizer=True")
+        self.tokenizer = tokenizer
         self.input_processor = InputProcessor(self.tokenizer, self.engine.config.request_limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -70,7 +70,8 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
     from tailserve.engine.loop import EngineLoop
 
     try:
-        core = EngineCore.from_args(EngineArgs(**engine_args))
+        # No tokenizer here: the API process tokenizes and detokenizes.
+        core = EngineCore.from_args(EngineArgs(**engine_args), with_tokenizer=False)
     except Exception as exc:
         if isinstance(exc, ValueError):
             logger.error("engine start-up failed: %s", exc)
