@@ -128,7 +128,7 @@ def measure(name: str, model: str | None, args: list[str], kv_gib: float) -> dic
         f"{os.path.basename(n)} {b / MB:.0f} MB" for b, n in top))
     print(f"   target: engine RSS {engine['Rss'] / MB:.1f} MB <= file + KV pool + 300 MB = "
           f"{target / MB:.1f} MB: {'MET' if row['met'] else 'NOT MET'}"
-          f" (against file + 300 MB alone, the pool's untouched pages aside: "
+          f" (file + 300 MB alone, the KV pool aside: "
           f"{(engine['Rss'] - size - SLACK) / MB:+.1f} MB)")
     return row
 
