@@ -587,7 +587,7 @@ def main() -> None:
     engine_args = parse_engine_args(args.engine_arg)
     results["engine_args"] = engine_args
     t0 = time.perf_counter()
-    llm = LLM(**engine_args)
+    llm = LLM(keep_checkpoint=True, **engine_args)  # the roofline and transformers read it
     print(f"tailserve loaded in {time.perf_counter() - t0:.1f} s; engine args {engine_args}")
     cfg = llm.engine.loaded.config
     excluded = special_token_ids(llm.tokenizer)

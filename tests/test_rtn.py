@@ -35,6 +35,7 @@ from tailserve.model.loader import LoadedModel, check_quantization_supported, lo
 from tailserve.model.quant.formats import dequantize_reference, format_of, is_packed
 from tailserve.model.transforms.gguf_linear import GGUFEmbedding, GGUFLinear
 from tailserve.model.transforms.rtn import quantize_rtn
+from tailserve.model.weight_storage import bytes_by_format, planned_storage
 from test_dtypes16 import eager_and_graph, greedy
 from test_gguf_packed import TEXT, make_runner, perplexity, reference_logits, runner_logits
 
@@ -163,10 +164,12 @@ def test_serve_flags_on_a_float32_checkpoint_with_an_untied_head(tiny_model_dir:
     the tiny float32 model: its untied LM head is Q8_0 of its own."""
     llm = LLM(model=tiny_model_dir, quantization="int4", quantization_group_size=64,
               kv_cache_memory=0.05, max_model_len=256)
-    weights = llm.engine.loaded.weights
-    assert format_of(weights["lm_head.weight"]).name == "Q8_0"
-    assert format_of(weights["model.layers.0.mlp.up_proj.weight"]).name == "Q4_1"
-    assert type(llm.engine.runner.model.lm_head) is GGUFLinear
+    assert llm.engine.loaded.weights == {}  # released: the runner holds the blocks it serves
+    model = llm.engine.runner.model
+    assert type(model.lm_head) is GGUFLinear
+    assert format_of(typing.cast(GGUFLinear, model.lm_head).part0).name == "Q8_0"
+    down = typing.cast(GGUFLinear, model.layers[0].mlp.down_proj)
+    assert format_of(down.part0).name == "Q4_1"
     cfg, _, _ = load_config(tiny_model_dir)
     assert llm.engine.runner.weight_bytes == make_plan(
         cfg, PlanInputs(quantization="int4", quantization_group_size=64)).weight_bytes_by_format
@@ -183,11 +186,12 @@ def test_plan_counts_every_format_as_the_runner_does(
     gguf_plan = make_plan(cfg, PlanInputs(dtype="auto"), path, file_bytes)
     assert gguf_plan.weight_bytes_by_format == make_runner(packed.config,
                                                            packed.weights).weight_bytes
-    # The bf16 checkpoint as stored.
+    # The bf16 checkpoint as stored; the CPU runner computes in float32, so its norms are
+    # float32 (planned_storage's compute_dtype; plan's default device computes in bf16).
     runner = make_runner(bf16_loaded.config, bf16_loaded.weights, dtype="auto")
-    assert runner.config.dtype == "bfloat16"
-    assert make_plan(cfg, PlanInputs(dtype="bfloat16")).weight_bytes_by_format == \
-        runner.weight_bytes
+    assert (runner.config.dtype, runner.config.compute_dtype) == ("bfloat16", "float32")
+    assert bytes_by_format(planned_storage(cfg, dtype="bfloat16", compute_dtype="float32")) \
+        == runner.weight_bytes
     # The CLI: --quantization (EngineArgs' help), and a group size that does not divide.
     assert main(["plan", default_bf16_folder, "--quantization", "int8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -87,9 +88,14 @@ class EngineCore:
                         self.runner.cuda_graph_bytes / (1 << 30))
 
     @classmethod
-    def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> EngineCore:
-        """Load (unless ``loaded`` is given), resolve ``args`` against the model, build."""
+    def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None, *,
+                  keep_checkpoint: bool = False, with_tokenizer: bool = True) -> EngineCore:
+        """Load (unless ``loaded`` is given), resolve ``args`` against the model, build.
+        What it loaded itself it lets go once the runner is built (``release_checkpoint``)
+        unless ``keep_checkpoint`` (tools that read ``loaded.weights`` afterwards);
+        ``with_tokenizer=False``: no tokenizer in ``loaded`` (``load_model``)."""
         platform = detect_platform()
+        owned = loaded is None and not keep_checkpoint
         if loaded is None:
             from tailserve.model.loader import (
                 check_quantization_supported,
@@ -105,10 +111,12 @@ class EngineCore:
             loaded = load_model(args.model, gguf_weights=resolve_gguf_weights(
                 gguf_weights_choice(args), runner_config.device, runner_config.dtype),
                 quantization=args.quantization,
-                quantization_group_size=args.quantization_group_size)
+                quantization_group_size=args.quantization_group_size,
+                with_tokenizer=with_tokenizer)
         unsized = args.resolve_unsized(loaded.config, platform)
         if args.tensor_parallel_size > 1:
-            return cls._from_args_tensor_parallel(args, unsized, loaded)
+            core = cls._from_args_tensor_parallel(args, unsized, loaded)
+            return core.release_checkpoint() if owned else core
         runner = None
         measured = None
         if unsized.needs_kv_measurement:
@@ -120,7 +128,18 @@ class EngineCore:
                 unsized.gpu_memory_utilization, unsized.scheduler.max_num_seqs,
             )
         # Validates that one max_model_len sequence fits before a byte of KV is allocated.
-        return cls(unsized.sized(measured), loaded, runner)
+        core = cls(unsized.sized(measured), loaded, runner)
+        return core.release_checkpoint() if owned else core
+
+    def release_checkpoint(self) -> EngineCore:
+        """Let the loaded checkpoint's tensors go once the runner holds its own (returns
+        self). The runner keeps what it serves; the dict's other entries are copies: float
+        values cast to the storage dtype, q/k/v and gate/up parts it concatenated, a rank's
+        whole matrices it sliced (538 MB for the bundled model read as float32 and served as
+        bfloat16). Config, tokenizer and source stay. Not for a ``LoadedModel`` handed in
+        (``LLM.from_loaded``): its owner may build more engines from it."""
+        self.loaded = dataclasses.replace(self.loaded, weights={})
+        return self
 
     @classmethod
     def _from_args_tensor_parallel(

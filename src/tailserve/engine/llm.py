@@ -30,8 +30,11 @@ class LLM:
     """Batch generation with continuous batching. A prompt is a string or
     ``{"prompt_token_ids": [...]}``; ``sampling_params`` is one for all or one per prompt."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self._setup(EngineArgs(model=model, **engine_args), None)
+    def __init__(self, model: str | None = None, *, keep_checkpoint: bool = False,
+                 **engine_args: Any) -> None:
+        """``keep_checkpoint``: keep the loaded tensors in ``engine.loaded.weights`` after
+        the runner is built (by default they go: the runner holds what it serves)."""
+        self._setup(EngineArgs(model=model, **engine_args), None, keep_checkpoint)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, **engine_args: Any) -> LLM:
@@ -40,10 +43,14 @@ class LLM:
         llm._setup(EngineArgs(model=loaded.source, **engine_args), loaded)
         return llm
 
-    def _setup(self, args: EngineArgs, loaded: LoadedModel | None) -> None:
+    def _setup(self, args: EngineArgs, loaded: LoadedModel | None,
+               keep_checkpoint: bool = False) -> None:
         self.engine_args = args
-        self.engine = EngineCore.from_args(args, loaded)
-        self.tokenizer = self.engine.loaded.tokenizer
+        self.engine = EngineCore.from_args(args, loaded, keep_checkpoint=keep_checkpoint)
+        tokenizer = self.engine.loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError("LLM needs a tokenizer: load the model with with_tokenizer=True")
+        self.tokenizer = tokenizer
         self.input_processor = InputProcessor(self.tokenizer, self.engine.config.request_limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -8,6 +8,8 @@ the model fails.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -68,7 +70,8 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
     from tailserve.engine.loop import EngineLoop
 
     try:
-        core = EngineCore.from_args(EngineArgs(**engine_args))
+        # No tokenizer here: the API process tokenizes and detokenizes.
+        core = EngineCore.from_args(EngineArgs(**engine_args), with_tokenizer=False)
     except Exception as exc:
         from tailserve.model.parallel import TensorParallelError
 
@@ -83,12 +86,18 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
         text = str(exc) if ours else f"{type(exc).__name__} at start-up"
         emit(StartupFailed(text))
         return 1
+    _trim_heap()
     loop = EngineLoop(core, emit)
     emit(loop.ready_message())
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
 
+    busy = [False]
+
     def wait_for_inputs(timeout_s: float) -> list[EngineInput]:
+        if timeout_s > 0 and busy[0]:  # the last request just finished: the engine is idle
+            _trim_heap()
+        busy[0] = timeout_s == 0
         batch: list[EngineInput] = []
         if poller.poll(int(timeout_s * 1000)):
             while True:
@@ -111,3 +120,18 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
         return drive(loop, wait_for_inputs, parent_gone)
     finally:
         core.close()
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS: after start-up (the released checkpoint, the
+    loader's and calibration's temporaries) and each time the engine goes idle (the steps'
+    activations). glibc keeps freed small and mid-sized blocks in its arenas (the bundled
+    model: 48 MB after start-up, benchmarks/resident_memory.py). Measured on the bundled
+    model: 9 ms after start-up, 0.4-1.7 ms on going idle after a 1,000-token request (a request
+    arriving meanwhile waits that long); never inside a busy stretch; a no-op without glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

@@ -223,7 +223,8 @@ def worker_main(args_json: str, rank: int, world: int, init_method: str, threads
             threading.Event().wait()  # never set: hung, until rank 0 kills this process
         loaded = load_model(args.model, gguf_weights=gguf_weights_choice(args),
                             quantization=args.quantization,
-                            quantization_group_size=args.quantization_group_size)
+                            quantization_group_size=args.quantization_group_size,
+                            with_tokenizer=False)
         unsized = args.resolve_unsized(loaded.config, platform)
         _report(status_dir, rank, "building its runner on its shards")
         runner = ModelRunner(unsized.model, unsized.runner, unsized.scheduler.max_model_len,

@@ -93,11 +93,19 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         # [max_position, head_dim / 2] each
         self.cos: torch.Tensor
         self.sin: torch.Tensor
+        if torch.get_default_device().type == "meta":
+            # A meta build (the runner's) makes the table again on its device; the values are
+            # never read here, and computing them on meta would run torch's Python reference
+            # ops, whose first use imports torch._dynamo and Triton (model/meta_build.py).
+            freqs = torch.empty(max_position, head_dim // 2)
+            self.register_buffer("cos", freqs, persistent=False)
+            self.register_buffer("sin", torch.empty_like(freqs), persistent=False)
+            return
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

@@ -59,7 +59,9 @@ class LoadedModel:
     config: ModelConfig
     # HF names, CPU, contiguous: float32 / bfloat16 / float16, or packed GGUF blocks (uint8)
     weights: dict[str, torch.Tensor]
-    tokenizer: PreTrainedTokenizerBase  # fast; shared via the tokenizer cache -- do not mutate
+    # fast; shared via the tokenizer cache -- do not mutate. None: loaded without it
+    # (load_model(with_tokenizer=False), the engine process: the API process tokenizes)
+    tokenizer: PreTrainedTokenizerBase | None
     source: str  # resolved path that was loaded
 
 
@@ -86,7 +88,8 @@ GGUF_WEIGHTS = ("auto", "packed", "dequantize")
 
 def load_model(path: str | None, *, gguf_weights: str = "dequantize",
                quantization: str | None = None,
-               quantization_group_size: int = RTN_BLOCK) -> LoadedModel:
+               quantization_group_size: int = RTN_BLOCK,
+               with_tokenizer: bool = True) -> LoadedModel:
     """Load ``path`` (``None``: the bundled default); raises ``ModelLoadError`` on any problem.
 
     ``gguf_weights`` (a GGUF only): ``"dequantize"`` expands every tensor to float32 (the
@@ -95,6 +98,10 @@ def load_model(path: str | None, *, gguf_weights: str = "dequantize",
     ``resolve_gguf_weights``. ``quantization`` (``int8`` / ``int4``, a float checkpoint only):
     each tensor round-to-nearest quantized into blocks as it is read
     (``model/transforms/rtn.py``), in groups of ``quantization_group_size`` values.
+    ``with_tokenizer=False``: ``tokenizer`` is None (the engine process, which never
+    tokenizes). A GGUF's stop and start ids then come from its metadata, the keys its
+    tokenizer is built from, and the tokenizer (with transformers, 52 MB of the engine's RSS for
+    the bundled model) is never built; a folder's tokenizer is still read for its ids.
     """
     if gguf_weights not in ("packed", "dequantize"):
         raise ValueError(f"gguf_weights must be 'packed' or 'dequantize', got {gguf_weights!r}")
@@ -105,8 +112,9 @@ def load_model(path: str | None, *, gguf_weights: str = "dequantize",
                 f"--quantization {quantization} quantizes a float checkpoint as it loads, but "
                 f"{source} is a GGUF, quantized already: its blocks are served as stored "
                 "(--gguf-weights packed); drop --quantization")
-        return _load_gguf(source, packed=gguf_weights == "packed")
-    return _load_hf_folder(source, quantization, quantization_group_size)
+        return _load_gguf(source, packed=gguf_weights == "packed", with_tokenizer=with_tokenizer)
+    loaded = _load_hf_folder(source, quantization, quantization_group_size)
+    return loaded if with_tokenizer else dataclasses.replace(loaded, tokenizer=None)
 
 
 def packed_gguf_supported(device: str, dtype: str) -> bool:
@@ -186,7 +194,7 @@ def _resolve(path: str) -> str:
     )
 
 
-def _load_gguf(path: str, *, packed: bool) -> LoadedModel:
+def _load_gguf(path: str, *, packed: bool, with_tokenizer: bool = True) -> LoadedModel:
     f = read_gguf(path)
     config = gguf_model_config(f)
     if "tokenizer.ggml.tokens" not in f.metadata:  # checked before seconds of dequantizing
@@ -196,6 +204,8 @@ def _load_gguf(path: str, *, packed: bool) -> LoadedModel:
         )
     weights = load_gguf_weights(f, config, packed=packed)
     _check_weights(weights, config, path)
+    if not with_tokenizer:  # the ids are the metadata's tokenizer.ggml.* (gguf_model_config)
+        return LoadedModel(config, weights, None, path)
     tokenizer = load_gguf_tokenizer(path)
     return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, path)
 

@@ -32,16 +32,14 @@ from tailserve.model.device import torch_dtype
 from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
+from tailserve.model.meta_build import skip_init
 from tailserve.model.parallel import TensorParallelGroup
+from tailserve.model.resident_weights import resident_weight_bytes
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.sampling_buffers import SamplingBuffers, sampling_buffer_bytes
 from tailserve.model.step_buffers import StepInputBuffers, step_buffer_bytes
 from tailserve.model.transforms import apply_cpu_kernels
-from tailserve.model.transforms.gguf_linear import (
-    apply_gguf_weights,
-    has_packed,
-    weight_bytes_by_format,
-)
+from tailserve.model.transforms.gguf_linear import apply_gguf_weights, has_packed
 from tailserve.model.transforms.linear16 import cast_for_storage
 from tailserve.model.transforms.tensor_parallel import apply_tensor_parallel, shard_weights
 from tailserve.model.transforms.triton_kernels import apply_triton_kernels
@@ -117,30 +115,29 @@ class ModelRunner:
                 + ": load with gguf_weights='dequantize'"
             )
         # Built without memory, then given uninitialized tensors that load_weights fills: no
-        # random initialization of weights about to be overwritten, and the float32 matrices
+        # random initialization of weights about to be overwritten (skip_init: on meta it
+        # would import torch._dynamo and Triton, 154 MB), and the float32 matrices
         # a packed-GGUF swap replaces are never allocated (538 MB for the bundled model).
         # Built in the weights' dtype and cast by role before the checkpoint is copied in, so
         # a 16-bit checkpoint is never widened into a float32 model on the way; the rope
         # table (materialize_model) stays float32.
-        with torch.device("meta"), _default_dtype(self.weight_dtype):
+        with torch.device("meta"), _default_dtype(self.weight_dtype), skip_init():
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
         cast_for_storage(model, self.weight_dtype, self.dtype)
         apply_gguf_weights(model, weights)  # packed matrices (GGUF, --quantization): blocks
-        # Bytes of the weights as stored, per format: the start-up log and /metrics (after
-        # the swap, which dequantizes a packed part fused with a float one).
-        self.weight_bytes = weight_bytes_by_format(weights)
         materialize_model(model, self.device, max_model_len)
         model.load_weights(weights)
         if tp is not None:  # o_proj / down_proj sum their partial products over the ranks
             apply_tensor_parallel(model, tp.all_reduce)
         self.model = model.eval()
         if self.device.type == "cpu":
-            report = apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
-            if report.bytes_added:  # panel / oneDNN copies of the unpacked weights
-                self.weight_bytes[config.dtype] = (self.weight_bytes.get(config.dtype, 0)
-                                                   + report.bytes_added)
+            apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
         elif self.device.type == "cuda" and triton_available():
             apply_triton_kernels(self.model)
+        # Bytes per storage format the model's tensors hold after every transform (the
+        # kernels' layout copies included, a 16-bit cast counted at 16 bits): the start-up
+        # log and tailserve:model_weight_bytes.
+        self.weight_bytes = resident_weight_bytes(self.model)
         log.info("resident weights: %.1f MB (%s)", sum(self.weight_bytes.values()) / 1e6,
                  ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(self.weight_bytes.items())))
         # Decode-only steps in one compiled call where the CPU kernels cover the whole model.

@@ -129,18 +129,21 @@ def check_rtn_shapes(config: ModelConfig, quantization: str, group_size: int,
 
 def planned_storage(
     config: ModelConfig, *, dtype: str = "bfloat16", quantization: str | None = None,
-    gguf_types: dict[str, str] | None = None,
+    gguf_types: dict[str, str] | None = None, compute_dtype: str | None = None,
 ) -> list[tuple[str, tuple[int, ...]]]:
     """``(format, shape)`` of every weight as the loader stores it: the formats ``gguf_types``
     names (a GGUF's HF-named tensors as kept packed: a block format, else float32), else
     ``quantization``'s (``rtn_format``), else ``dtype`` for every tensor (a checkpoint keeps
-    its dtype)."""
+    its dtype) but the norms and biases, which are in ``compute_dtype`` where it is given (the
+    runner's ``cast_for_storage``: on CPU 16-bit weights compute in float32)."""
     out = []
     for name, shape in expected_weight_shapes(config).items():
         if gguf_types is not None:
             fmt = gguf_types.get(name, "float32")
         elif quantization is not None:
             fmt = rtn_format(name, shape, quantization)
+        elif compute_dtype is not None and len(shape) == 1:
+            fmt = compute_dtype
         else:
             fmt = dtype
         out.append((fmt, shape))

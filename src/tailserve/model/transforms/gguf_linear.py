@@ -31,10 +31,8 @@ from tailserve.model.quant.formats import (
     dequantize_reference,
     format_of,
     is_packed,
-    logical_shape,
 )
 from tailserve.model.transforms.report import TransformReport
-from tailserve.model.weight_storage import bytes_by_format
 
 
 class GGUFLinear(nn.Module):
@@ -156,13 +154,3 @@ def apply_gguf_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> Tr
             setattr(owner, attr, fused(getattr(owner, attr), names, bias_names))
     return TransformReport(swapped=dict(swapped))
 
-
-def storage_format(t: torch.Tensor) -> str:
-    """A loaded tensor's storage format: its block format's name, else its dtype's."""
-    return format_of(t).name if is_packed(t) else str(t.dtype).removeprefix("torch.")
-
-
-def weight_bytes_by_format(weights: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Bytes of the loaded weights per storage format (``Q4_1``, ``Q8_0``, ``float32``...),
-    counted as ``tailserve plan`` counts them (``weight_storage.bytes_by_format``)."""
-    return bytes_by_format((storage_format(t), logical_shape(t)) for t in weights.values())
