@@ -18,7 +18,8 @@ way, and prints its prediction for every shape against the measured time, for
 ``decode-only`` and ``one-call``.
 
     python benchmarks/mixed_step.py                 # the five shapes of RESULTS.md
-    python benchmarks/mixed_step.py --fit --rounds 5
+    python benchmarks/mixed_step.py --fit --rounds 7 --clock cpu
+    python benchmarks/mixed_step.py --shapes 1,64,16,0 1,64,0,0 --rounds 61
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import typing
 from collections.abc import Callable
 
 import torch
@@ -104,18 +106,24 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU time, less disturbed by other processes")
     ap.add_argument("--fit", action="store_true", help="also the step-time model's errors")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="decodes,ctx,chunk,start each (default: the five of RESULTS.md)")
     args = ap.parse_args()
     runner, block_size = build(args.gguf_weights)
     graph = runner.decode_graph
-    limit = "off" if graph is None else f"on, up to {graph.max_tokens or 'any'} tokens"
+    limit = ("off" if graph is None else "on, any token count" if graph.max_tokens is None
+             else f"on, up to {graph.max_tokens} tokens")
     print(f"threads {torch.get_num_threads()}, one-call path {limit}")
-    shapes = SHAPES if not args.fit else tuple(dict.fromkeys(SHAPES + PLAN + EXTRA))
+    timed = SHAPES if args.shapes is None else tuple(
+        typing.cast(tuple[int, int, int, int], tuple(int(v) for v in a.split(",")))
+        for a in args.shapes)
+    shapes = timed if not args.fit else tuple(dict.fromkeys(timed + PLAN + EXTRA))
     med = measure(runner, block_size, shapes, args.rounds,
                   min if args.stat == "min" else statistics.median,
                   time.perf_counter if args.clock == "wall" else time.process_time)
     print(f"{args.stat} of {args.rounds} rounds, {args.clock} clock")
     print(f"{'(decodes, ctx, chunk, start)':30} {'module':>9} {'one-call':>9} {'saved':>7}")
-    for s in SHAPES:
+    for s in timed:
         m, o = med[s]["module"], med[s]["one-call"]
         print(f"{s!s:30} {m * 1e3:8.1f}ms {o * 1e3:8.1f}ms {(m - o) * 1e3:6.1f}ms")
     if not args.fit:
