@@ -1,4 +1,5 @@
-"""The one-call decode path (CpuDecodeGraph / decode_layers) against the module forward."""
+"""The one-call step path (CpuDecodeGraph / decode_layers) against the module forward, on
+decode-only and mixed steps (decode rows, then prefill chunks)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,61 @@ def decode_batch(
     return ids, positions, meta
 
 
+def mixed_batch(
+    runner: ModelRunner, decode_lens: list[int], chunks: list[tuple[int, int]], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step laid out as the runner lays it out: one decode token per ``decode_lens`` entry
+    (at position len - 1), then a chunk of n tokens from position start for each (start, n)
+    of ``chunks``, over scattered block tables."""
+    g = torch.Generator().manual_seed(seed)
+    lens = decode_lens + [start + n for start, n in chunks]
+    query_lens = [1] * len(decode_lens) + [n for _, n in chunks]
+    per_seq = -(-max(lens) // BLOCK_SIZE)
+    blocks = torch.randperm(runner.num_kv_blocks, generator=g)[: len(lens) * per_seq]
+    tables = blocks.view(len(lens), per_seq).long()
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, query_lens, strict=True)])
+    seq_of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(query_lens))
+    slots = tables[seq_of, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    ids = torch.randint(20, runner.model_config.vocab_size, (len(positions),), generator=g)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        num_decodes=len(decode_lens), slot_mapping=slots, query_start_loc=starts,
+        query_lens=query_lens, seq_lens_list=lens, seq_lens=torch.tensor(lens),
+        block_tables=tables, block_size=BLOCK_SIZE, scale=runner.scale,
+    )
+    return ids, positions, meta
+
+
+def assert_graph_matches_module_forward(
+    runner: ModelRunner, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """The graph's hidden states and K/V writes are bit-identical to the module forward's."""
+    graph = runner.decode_graph
+    assert graph is not None and graph.supports(meta)
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()  # earlier tokens' K/V, the same for both paths
+    pools = runner.kv_cache.clone()
+    with torch.inference_mode():
+        runner.backend.begin_step(meta)
+        want = runner.model(ids, positions, runner.kv_caches, meta)
+        got = graph(ids, positions, list(pools.unbind(0)), meta)
+    assert torch.equal(got, want)
+    # This step's K/V were written to the same slots, and nothing else changed.
+    assert torch.equal(pools, runner.kv_cache)
+
+
+# (decode contexts, prefill chunks as (start, tokens)): a first chunk, one deep in a prompt
+# with odd lengths, two chunks behind decodes, and a step of chunks alone.
+MIXED_STEPS = {
+    "3dec+first-chunk": ([5, 40, 17], [(0, 23)]),
+    "2dec+deep-chunk": ([130, 9], [(201, 37)]),
+    "4dec+two-chunks": ([300, 1, 16, 33], [(96, 19), (0, 7)]),
+    "chunks-only": ([], [(17, 1), (45, 50)]),
+}
+
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("decode")
@@ -93,6 +149,16 @@ def test_decode_graph_is_bit_identical_to_the_module_forward(
     assert torch.equal(pools, runner.kv_cache)
 
 
+@pytest.mark.parametrize("model", ["llama-d16", "llama-d64-gqa4", "qwen2-bias"])
+@pytest.mark.parametrize("step", list(MIXED_STEPS))
+def test_mixed_step_is_bit_identical_to_the_module_forward(
+    tiny_dirs: dict[str, str], model: str, step: str
+) -> None:
+    runner = make_runner(tiny_dirs[model])
+    decode_lens, chunks = MIXED_STEPS[step]
+    assert_graph_matches_module_forward(runner, *mixed_batch(runner, decode_lens, chunks, seed=4))
+
+
 def test_engine_output_is_the_same_with_enforce_eager(tiny_dirs: dict[str, str]) -> None:
     path = tiny_dirs["qwen2-bias"]
     g = torch.Generator().manual_seed(5)
@@ -110,14 +176,22 @@ def test_engine_output_is_the_same_with_enforce_eager(tiny_dirs: dict[str, str])
     assert all(len(ids) >= 24 for ids, _ in results[1])
 
 
-def test_decode_graph_only_for_decode_only_steps_within_panel_rows(
-    tiny_dirs: dict[str, str],
-) -> None:
+def test_float_panels_run_here_only_up_to_panel_rows(tiny_dirs: dict[str, str]) -> None:
+    """Decode-only and mixed steps alike, up to PANEL_MAX_ROWS tokens: above it the module
+    forward gives float32 panels' products to oneDNN, which rounds differently."""
     runner = make_runner(tiny_dirs["llama-d16"])
+    graph = runner.decode_graph
+    assert graph is not None and graph.max_tokens == PANEL_MAX_ROWS
     _, _, meta = decode_batch(runner, [4, 9], seed=1)
-    assert CpuDecodeGraph.supports(meta)
+    assert graph.supports(meta)
     meta.num_decodes = 1  # the second sequence is now a (one-token) prefill chunk
-    assert not CpuDecodeGraph.supports(meta)
+    assert graph.supports(meta)
+    for decodes, chunk in (([], PANEL_MAX_ROWS), ([7], PANEL_MAX_ROWS - 1)):
+        _, _, meta = mixed_batch(runner, decodes, [(3, chunk)], seed=2)
+        assert graph.supports(meta)
+    for decodes, chunk in (([], PANEL_MAX_ROWS + 1), ([7, 8], PANEL_MAX_ROWS - 1)):
+        _, _, meta = mixed_batch(runner, decodes, [(3, chunk)], seed=2)
+        assert not graph.supports(meta)  # the module forward runs it
     n = PANEL_MAX_ROWS + 1
     wide = AttentionMetadata(
         num_decodes=n, slot_mapping=torch.zeros(n, dtype=torch.long),
@@ -125,7 +199,7 @@ def test_decode_graph_only_for_decode_only_steps_within_panel_rows(
         seq_lens=torch.ones(n, dtype=torch.long), block_tables=torch.zeros(n, 1, dtype=torch.long),
         block_size=BLOCK_SIZE, scale=1.0,
     )
-    assert not CpuDecodeGraph.supports(wide)  # the module forward would use oneDNN there
+    assert not graph.supports(wide)
 
 
 def refusal(caplog: pytest.LogCaptureFixture, model: nn.Module) -> str:
@@ -158,6 +232,14 @@ def test_decode_graph_needs_every_piece_on_the_kernels(
     assert runner.decode_graph is None
     assert refusal(caplog, runner.model).endswith(
         "layers.0.self_attn.o_proj has no panel copy (72 outputs, not a multiple of 16)")
+    # head_dim 24: every projection has panels, but the module forward's attention takes the
+    # reference path for such heads (and the prefill kernel refuses them).
+    odd = build_tiny_llama(tmp_path / "d24", hidden_size=96, num_attention_heads=4,
+                           num_key_value_heads=2)
+    runner = make_runner(odd)
+    assert runner.decode_graph is None
+    assert refusal(caplog, runner.model).endswith(
+        "head_dim 24 is not a multiple of 16, which the attention kernels need")
 
 
 def test_decode_graph_refuses_modules_it_does_not_know(
@@ -221,7 +303,9 @@ def test_decode_layers_rejects_bad_arguments(tiny_dirs: dict[str, str]) -> None:
         embeds = runner.model.embed_tokens(ids)
         cos, sin = runner.model.rope.lookup(positions)
         norm = runner.model.norm.weight
-        args = (meta.block_tables, meta.seq_lens, norm, graph.num_heads, graph.eps, meta.scale)
+        starts = torch.tensor(meta.query_start_loc)
+        args = (meta.block_tables, meta.seq_lens, starts, meta.num_decodes, norm,
+                graph.num_heads, graph.eps, meta.scale)
         with pytest.raises(RuntimeError, match="13 weights for 2 layers"):
             torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.flat_weights[:-1],
                                               runner.kv_caches, meta.slot_mapping, *args)
@@ -232,3 +316,41 @@ def test_decode_layers_rejects_bad_arguments(tiny_dirs: dict[str, str]) -> None:
             torch.ops.tailserve.decode_layers(embeds, cos, sin, graph.flat_weights,
                                               runner.kv_caches, bad_slots, *args)
         assert torch.equal(runner.kv_cache, before)  # checked before anything is written
+
+
+def test_decode_layers_rejects_a_bad_step_layout(tiny_dirs: dict[str, str]) -> None:
+    """query_start_loc and num_decodes are checked before anything is written."""
+    runner = make_runner(tiny_dirs["llama-d16"])
+    graph = runner.decode_graph
+    assert graph is not None
+    ids, positions, meta = mixed_batch(runner, [3, 20], [(5, 6)], seed=2)  # 8 tokens
+    with torch.inference_mode():
+        embeds = runner.model.embed_tokens(ids)
+        cos, sin = runner.model.rope.lookup(positions)
+
+        def call(starts: list[int], num_decodes: int, seq_lens: torch.Tensor = meta.seq_lens,
+                 block_tables: torch.Tensor = meta.block_tables) -> None:
+            torch.ops.tailserve.decode_layers(
+                embeds.clone(), cos, sin, graph.flat_weights, runner.kv_caches,
+                meta.slot_mapping, block_tables, seq_lens, torch.tensor(starts), num_decodes,
+                runner.model.norm.weight, graph.num_heads, graph.eps, meta.scale)
+
+        before = runner.kv_cache.clone()
+        with pytest.raises(RuntimeError, match=r"query_start_loc must be int64 \[4\] for 3"):
+            call([0, 1, 2], 2)
+        with pytest.raises(RuntimeError, match="4 decodes of 3 sequences"):
+            call([0, 1, 2, 8], 4)
+        with pytest.raises(RuntimeError, match="sequence 1 has 2 tokens"):
+            call([0, 1, 3, 8], 2)  # a decode row of two tokens
+        with pytest.raises(RuntimeError, match="sequence 2 has 0 tokens"):
+            call([0, 1, 2, 2], 2)
+        with pytest.raises(RuntimeError, match="runs from 0 to 7 for 3 sequences, the step has 8"):
+            call([0, 1, 2, 7], 2)
+        short = meta.seq_lens.clone()
+        short[2] = 5  # a chunk of 6 tokens in a context of 5
+        with pytest.raises(RuntimeError, match="sequence 2 has 6 new tokens, context 5"):
+            call([0, 1, 2, 8], 2, seq_lens=short)
+        with pytest.raises(RuntimeError, match="block_tables must be int64"):
+            call([0, 1, 2, 8], 2, block_tables=meta.block_tables[:2])
+        assert torch.equal(runner.kv_cache, before)
+        call([0, 1, 2, 8], 2)  # the same step, well formed

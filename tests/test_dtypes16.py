@@ -23,7 +23,7 @@ from tailserve.model.runner import ModelRunner
 from tailserve.model.transforms import Linear16, WideEmbedding
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.platforms import Platform
-from test_cpu_decode import decode_batch
+from test_cpu_decode import assert_graph_matches_module_forward, decode_batch, mixed_batch
 from tiny_models import build_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -141,6 +141,11 @@ def test_decode_graph_is_bit_identical_with_16bit_weights_and_cache(
         got = graph(ids, positions, list(pools.unbind(0)), meta)
     assert torch.equal(got, want)
     assert torch.equal(pools, runner.kv_cache)  # the same rounded K/V in the same slots
+    # Decodes and a prefill chunk, more tokens than float32 panels run here: panel16_linear
+    # serves every row count in both paths.
+    assert graph.max_tokens is None
+    assert_graph_matches_module_forward(
+        runner, *mixed_batch(runner, [5, 300, 17], [(40, 141)], seed=3))
 
 
 def test_16bit_weights_against_their_float32_widening(bf16_tiny: str, bf16_path: str) -> None:

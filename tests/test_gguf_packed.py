@@ -45,7 +45,7 @@ from tailserve.model.quant.formats import (
 from tailserve.model.runner import ModelRunner, materialize_model
 from tailserve.model.transforms.gguf_linear import GGUFEmbedding, GGUFLinear
 from tailserve.obs.metrics import ServerMetrics
-from test_cpu_decode import decode_batch
+from test_cpu_decode import assert_graph_matches_module_forward, decode_batch, mixed_batch
 from test_quant_kernels import random_blocks
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
@@ -169,6 +169,22 @@ def test_one_call_decode_and_module_forward_give_the_same_tokens(
     assert (q4, q8) == (66_355_200, 30_081_024)  # the file's blocks, byte for byte
 
 
+def test_mixed_steps_on_the_bundled_gguf_match_the_module_forward(
+    packed_loaded: LoadedModel,
+) -> None:
+    """Decodes and prefill chunks in one call on the real packed weights, bit-identical to the
+    module forward, at any token count (quant_linear serves every row count in both)."""
+    runner = make_runner(packed_loaded.config, packed_loaded.weights, num_kv_blocks=128)
+    graph = runner.decode_graph
+    assert graph is not None and graph.max_tokens is None
+    # 4 decodes + a first chunk + one deep in a prompt: 4 + 33 + 101 = 138 tokens, more
+    # than float32 panels would run here (PANEL_MAX_ROWS).
+    ids, positions, meta = mixed_batch(runner, [64, 200, 9, 130], [(0, 33), (150, 101)], seed=3)
+    assert_graph_matches_module_forward(runner, ids, positions, meta)
+    ids, positions, meta = mixed_batch(runner, [31], [(77, 5)], seed=4)
+    assert_graph_matches_module_forward(runner, ids, positions, meta)
+
+
 def test_gguf_weights_choice() -> None:
     assert resolve_gguf_weights("auto", "cpu", "float32") == "packed"
     assert resolve_gguf_weights("auto", "cpu", "bfloat16") == "dequantize"
@@ -277,6 +293,10 @@ def test_every_format_one_call_decode_matches_module_forward(tmp_path: Path, qty
         got = graph(ids, positions, list(pools.unbind(0)), meta)
     assert torch.equal(got, want)
     assert torch.equal(pools, runner.kv_cache)
+    # A mixed step of more tokens than float32 panels run here: quant_linear at any rows.
+    assert graph.max_tokens is None
+    assert_graph_matches_module_forward(
+        runner, *mixed_batch(runner, [1, 40, 17], [(23, 150)], seed=2))
     # The same model dequantized: the packed forward is within the activation-quantization
     # error of it (random weights compound it faster than trained ones: 1-4% measured).
     ref_config, ref_weights = tiny(path, packed=False)

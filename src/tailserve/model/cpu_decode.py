@@ -1,16 +1,20 @@
-"""Decode-only steps in one compiled call on CPU: the counterpart of replaying a CUDA graph.
+"""A step's decoder layers in one compiled call on CPU: the counterpart of replaying a CUDA graph.
 
-When every scheduled sequence decodes one token, a step runs the same ~10 small ops per layer
-every time. From Python each op costs a module call, argument parsing and a dispatch, which
-adds up to milliseconds per step (benchmarks/RESULTS.md). ``torch.ops.tailserve.decode_layers``
-runs the same kernels in the same order in C++, so the hidden states are bit-identical to the
-module forward's (tests/test_cpu_decode.py). Steps with a prefill chunk, and models or dtypes
-the kernels do not cover, keep the module forward; ``enforce_eager`` turns this path off.
+A step runs the same ~10 small ops per layer every time. From Python each op costs a module
+call, argument parsing and a dispatch, which adds up to milliseconds per step
+(benchmarks/RESULTS.md). ``torch.ops.tailserve.decode_layers`` runs the same kernels in the
+same order in C++, so the hidden states are bit-identical to the module forward's
+(tests/test_cpu_decode.py). It runs decode-only steps and mixed ones (decode rows, then
+prefill chunks, attended as ``CpuKernelAttentionBackend`` does) alike; the names say "decode"
+because the path began with decode-only steps ("decode_layers": the decoder layers). A step
+whose row count the module forward would give another kernel (float32 panels above
+``PANEL_MAX_ROWS`` rows go to oneDNN), and models or dtypes the kernels do not cover, keep the
+module forward; ``enforce_eager`` turns this path off.
 
 The graph replaces the module forward only for a model it knows module by module: ``build``
 checks every module of the model against ``_MODEL_PARTS`` / ``_LAYER_PARTS`` (exact types) and
 refuses, with a logged reason, any it does not know, so a new model feature is never skipped on
-decode-only steps while the module forward would run it.
+the steps it runs while the module forward would run it.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ log = logging.getLogger(__name__)
 # the model, or another type at one of these paths, is refused. The LM head runs after the
 # graph (compute_logits), as after the module forward. A projection is float32 panels
 # (KernelLinear), 16-bit ones (Linear16) or GGUF blocks as stored (GGUFLinear, read by
-# quant_linear); decode_layers reads each.
+# quant_linear); decode_layers reads each. The last two run one kernel at every row count;
+# KernelLinear runs panel_linear up to PANEL_MAX_ROWS rows only (``max_tokens``).
 _LINEAR = (KernelLinear, Linear16, GGUFLinear)
 _MODEL_PARTS: dict[str, tuple[type[nn.Module], ...]] = {
     "": (LlamaForCausalLM,),
@@ -100,9 +105,14 @@ class _Refused(Exception):
 class CpuDecodeGraph:
     """The decoder layers of a CPU-kernel model, flattened for ``decode_layers``."""
 
-    def __init__(self, model: LlamaForCausalLM, layers: list[DecodeLayerWeights]) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, layers: list[DecodeLayerWeights], max_tokens: int | None
+    ) -> None:
         self.model = model
         self.layers = tuple(layers)
+        # The most tokens a step may have here (None: any): where the module forward would
+        # switch a projection to another kernel, the two paths would no longer compute the same.
+        self.max_tokens = max_tokens
         self.flat_weights = [t for layer in self.layers for t in layer.op_args()]
         self.final_norm = model.norm.weight.detach()
         cfg = model.config
@@ -125,31 +135,44 @@ class CpuDecodeGraph:
                 raise _Refused("the model has no decoder layers")
             layers = [_layer_weights(f"layers.{i}", typing.cast(LlamaDecoderLayer, layer))
                       for i, layer in enumerate(llama.layers)]
+            if llama.config.head_dim % 16:
+                # CpuKernelAttentionBackend gives such heads to the reference attention.
+                raise _Refused(f"head_dim {llama.config.head_dim} is not a multiple of 16, "
+                               "which the attention kernels need")
         except _Refused as why:
-            log.info("one-call decode (decode_layers) off, module forward runs: %s", why)
+            log.info("one-call step (decode_layers) off, module forward runs: %s", why)
             return None
-        return cls(llama, layers)
+        panels = [path for path, m in model.named_modules()
+                  if type(m) is KernelLinear and _LAYER_PATH.fullmatch(path)]
+        if panels:
+            log.info("one-call step (decode_layers) on for steps of up to %d tokens: %s and "
+                     "%d more projections are float32 panels, which the module forward gives "
+                     "to oneDNN above that", PANEL_MAX_ROWS, panels[0], len(panels) - 1)
+        return cls(llama, layers, PANEL_MAX_ROWS if panels else None)
 
-    @staticmethod
-    def supports(meta: AttentionMetadata) -> bool:
-        """Decode-only steps of up to PANEL_MAX_ROWS sequences: there the module forward runs
-        every linear on the panel kernel (or, for packed GGUF weights, quant_linear) too, so
-        both paths compute the same."""
-        return meta.num_decodes == meta.num_seqs and 0 < meta.num_seqs <= PANEL_MAX_ROWS
+    def supports(self, meta: AttentionMetadata) -> bool:
+        """Whether this step runs here: any mix of decodes and prefill chunks, of up to
+        ``max_tokens`` tokens (float32 panels: PANEL_MAX_ROWS, where the module forward
+        leaves the panel kernel for oneDNN; GGUF blocks and 16-bit panels: any count)."""
+        tokens = meta.query_start_loc[-1]
+        return meta.num_seqs > 0 and (self.max_tokens is None or tokens <= self.max_tokens)
 
     def __call__(
         self,
-        input_ids: torch.Tensor,  # [num_seqs]
-        positions: torch.Tensor,  # [num_seqs]
+        input_ids: torch.Tensor,  # [num_tokens]: decodes first, then prefill chunks
+        positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_seqs, hidden], after the final norm
+    ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
         model = self.model
         cos, sin = model.rope.lookup(positions)
+        starts = meta.query_start_loc_tensor
+        if starts is None:
+            starts = torch.tensor(meta.query_start_loc, dtype=torch.int64)
         return torch.ops.tailserve.decode_layers(
             model.embed_tokens(input_ids), cos, sin, self.flat_weights, kv_caches,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, self.final_norm,
-            self.num_heads, self.eps, meta.scale,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, starts, meta.num_decodes,
+            self.final_norm, self.num_heads, self.eps, meta.scale,
         )
 
 

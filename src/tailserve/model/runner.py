@@ -140,7 +140,8 @@ class ModelRunner:
         self.weight_bytes = resident_weight_bytes(self.model)
         log.info("resident weights: %.1f MB (%s)", sum(self.weight_bytes.values()) / 1e6,
                  ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(self.weight_bytes.items())))
-        # Decode-only steps in one compiled call where the CPU kernels cover the whole model.
+        # Steps in one compiled call (decodes and prefill chunks) where the CPU kernels cover
+        # the whole model.
         self.decode_graph = (
             None if config.enforce_eager or self.device.type != "cpu"
             else CpuDecodeGraph.build(self.model)
@@ -334,15 +335,11 @@ class ModelRunner:
         )
 
     def _forward(self, batch: _Batch) -> torch.Tensor:
-        """The step's hidden states: a CUDA graph, the CPU decode graph, or the modules."""
+        """The step's hidden states: a CUDA graph, the CPU one-call graph (decodes and
+        prefill chunks alike), or the modules."""
         if batch.graph_batch_size is not None and self.cuda_graphs is not None:
             hidden = self.cuda_graphs.replay(batch.graph_batch_size, batch.meta.num_seqs)
-        elif (
-            self.decode_graph is not None
-            # A step with a prefill chunk (every first token) never asks the decode graph.
-            and batch.meta.num_decodes == batch.meta.num_seqs
-            and self.decode_graph.supports(batch.meta)
-        ):
+        elif self.decode_graph is not None and self.decode_graph.supports(batch.meta):
             hidden = self.decode_graph(
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta
             )

@@ -23,7 +23,8 @@ TORCH_LIBRARY(tailserve, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("decode_layers(Tensor(a!) embeds, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "Tensor final_norm, int num_heads, float eps, float scale) -> Tensor");
+        "Tensor query_start_loc, int num_decodes, Tensor final_norm, int num_heads, float eps, "
+        "float scale) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor w) -> Tensor");
   m.def("quant_dequantize(Tensor w) -> Tensor");

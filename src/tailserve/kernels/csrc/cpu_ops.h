@@ -11,7 +11,8 @@
 //   panel16_linear          linear16.cpp     any rows on 16-bit (bf16 / fp16) weight panels
 //   rms_norm, fused_add_rms_norm, silu_and_mul, rope_
 //                           elementwise.cpp  one pass each instead of several torch ops
-//   decode_layers           decode_layers.cpp  every decoder layer of a decode-only step
+//   decode_layers           decode_layers.cpp  every decoder layer of a step (decodes and
+//                                            prefill chunks)
 //   set_kernel_spin_us      work_pool.cpp    how long idle workers spin before they sleep
 //   quant_linear, quant_embedding, quant_dequantize, set_quant_isa
 //                           quant_linear.cpp products and lookups on GGUF blocks as stored
@@ -54,8 +55,9 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList weights, at::TensorList kv_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, const at::Tensor& final_norm,
-                         int64_t num_heads, double eps, double scale);
+                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                         int64_t num_decodes, const at::Tensor& final_norm, int64_t num_heads,
+                         double eps, double scale);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias);
 at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w);

@@ -1,12 +1,15 @@
-// torch.ops.tailserve.decode_layers: every decoder layer of a decode-only step, then the final
-// norm, in one call.
+// torch.ops.tailserve.decode_layers: every decoder layer of one step (its decode rows and its
+// prefill chunks), then the final norm, in one call. "decode" as in "decoder layers": the op
+// began with decode-only steps and keeps its name.
 //
-// A step in which each sequence decodes one token runs ~10 small ops per layer. Called from
-// Python, each costs a module call, argument parsing and a dispatch; over 30 layers that is
-// several milliseconds per step, a tenth of a single-stream token on a 2-core CPU. This runs
-// the same kernels in the same order as LlamaForCausalLM.forward after apply_cpu_kernels
-// (model/transforms/), so its hidden states are bit-identical to the module forward's: the CPU
-// counterpart of replaying a captured CUDA graph. Registered in bindings.cpp.
+// A step runs ~10 small ops per layer. Called from Python, each costs a module call, argument
+// parsing and a dispatch; over 30 layers that is several milliseconds per step, a tenth of a
+// single-stream token on a 2-core CPU, and under mixed traffic most steps carry a prefill
+// chunk. This runs the same kernels in the same order as LlamaForCausalLM.forward after
+// apply_cpu_kernels (model/transforms/), with attention split as CpuKernelAttentionBackend
+// splits it (decode rows, then prefill chunks), so its hidden states are bit-identical to the
+// module forward's: the CPU counterpart of replaying a captured CUDA graph. Registered in
+// bindings.cpp.
 
 #include <ATen/ATen.h>
 
@@ -62,15 +65,17 @@ int64_t outputs_of(const at::Tensor& w) {
 
 }  // namespace
 
-// embeds [T, hidden]: this step's token embeddings, one token per sequence; it becomes the
-// residual stream and is modified in place. cos, sin [T, 1, head_dim / 2]. kv_caches: one
-// [2, num_blocks, block_size, num_kv_heads, head_dim] pool per layer. Returns the final
-// normed hidden states [T, hidden].
+// embeds [T, hidden]: this step's token embeddings, laid out as AttentionMetadata says: the
+// first num_decodes rows one token per decoding sequence, then each prefilling sequence's chunk
+// (query_start_loc [num_seqs + 1], int64). It becomes the residual stream and is modified in
+// place. cos, sin [T, 1, head_dim / 2]. kv_caches: one [2, num_blocks, block_size,
+// num_kv_heads, head_dim] pool per layer. Returns the final normed hidden states [T, hidden].
 at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList weights, at::TensorList kv_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, const at::Tensor& final_norm,
-                         int64_t num_heads, double eps, double scale) {
+                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                         int64_t num_decodes, const at::Tensor& final_norm, int64_t num_heads,
+                         double eps, double scale) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(num_layers >= 1 && static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers,
               "decode_layers: ", weights.size(), " weights for ", num_layers, " layers (want ",
@@ -95,6 +100,36 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
               num_heads, " heads and ", num_kv_heads, " KV heads of ", head_dim);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == T, "decode_layers: slot_mapping must be int64 [T]");
+  // The step's layout, checked here once rather than by each layer's attention call (the
+  // prefill kernel checks each chunk against its context and block table again).
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 &&
+                  seq_lens.is_contiguous(), "decode_layers: seq_lens must be int64 [num_seqs]");
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.dim() == 1 &&
+                  query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1,
+              "decode_layers: query_start_loc must be int64 [", num_seqs + 1, "] for ", num_seqs,
+              " sequences");
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= num_seqs, "decode_layers: ", num_decodes,
+              " decodes of ", num_seqs, " sequences");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.size(0) >= num_seqs,
+              "decode_layers: block_tables must be int64 [>= ", num_seqs, ", max_blocks]");
+  TORCH_CHECK(num_decodes == num_seqs || head_dim % 16 == 0, "decode_layers: prefill chunks ",
+              "need a head_dim that is a multiple of 16, not ", head_dim);
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t block_size = pool0.size(2);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(s < num_decodes ? n == 1 : n >= 1, "decode_layers: sequence ", s, " has ", n,
+                " tokens (", num_decodes, " decodes of one token, then chunks of at least one)");
+    TORCH_CHECK(n <= lens[s] && (lens[s] + block_size - 1) / block_size <= block_tables.size(1),
+                "decode_layers: sequence ", s, " has ", n, " new tokens, context ", lens[s],
+                ", a block table of ", block_tables.size(1), " blocks");
+  }
+  TORCH_CHECK(num_seqs >= 1 && qsl[0] == 0 && qsl[num_seqs] == T, "decode_layers: ",
+              "query_start_loc runs from ", qsl[0], " to ", qsl[num_seqs], " for ", num_seqs,
+              " sequences, the step has ", T, " tokens");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t num_slots = pool0.size(1) * pool0.size(2);
   for (int64_t t = 0; t < T; ++t) {
@@ -121,9 +156,17 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
     rope_(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim}), cos,
           sin);
     write_kv(kv_caches[l], qkv, q_size, kv_size, slots);
+    // As CpuKernelAttentionBackend.forward: decode rows, then the chunks after them.
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     at::Tensor attn = at::empty({T, num_heads, head_dim}, x.options());
-    paged_decode_attention(attn, qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim}),
-                           kv_caches[l], block_tables, seq_lens, scale);
+    if (num_decodes > 0) {
+      paged_decode_attention(attn.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes),
+                             kv_caches[l], block_tables, seq_lens, scale);
+    }
+    if (num_decodes < num_seqs) {
+      paged_prefill_attention(attn, q, kv_caches[l], block_tables, seq_lens, query_start_loc,
+                              num_decodes, scale);
+    }
     h = project(attn.view({T, q_size}), w[3], std::nullopt);
     fused_add_rms_norm(h, residual, w[4], eps);
     x = project(silu_and_mul(project(h, w[5], std::nullopt)), w[6], std::nullopt);
