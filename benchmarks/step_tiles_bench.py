@@ -1,11 +1,13 @@
 """Engine step times on the bundled GGUF with the tiled blocks the runner serves against the
 stored blocks (the same modules with their tensors untiled, as before tiling), in one run.
 
-    python benchmarks/step_tiles_bench.py [--repeats 9]
+    python benchmarks/step_tiles_bench.py [--repeats 9] [--threads 1]
 
-Each shape is (decodes, context, prefill chunk): ``runner.execute`` on the calibration batches
-(``engine/calibrate._batch``), median of ``--repeats`` after two warm-up steps; the two forms
-alternate shape by shape so a shared machine's load falls on both alike.
+``--threads 1`` times the process's CPU time (what a shared machine disturbs least); otherwise
+wall time at torch's thread count. Each shape is (decodes, context, prefill chunk):
+``runner.execute`` on the calibration batches (``engine/calibrate._batch``), median of
+``--repeats`` after two warm-up steps; the two forms alternate shape by shape so a shared
+machine's load falls on both alike.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ def untiled(runner: ModelRunner) -> ModelRunner:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
     path = EngineArgs().model
     loaded = load_model(path, gguf_weights="packed")
     config = EngineArgs(model=path, device="cpu", num_kv_blocks=2048,
@@ -71,9 +77,9 @@ def main() -> None:
             runner.execute(batch)
             times = []
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
+                t0 = clock()
                 runner.execute(batch)
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
             ms[label] = statistics.median(times) * 1e3
         print(f"decodes {decodes:2d} ctx {ctx:3d} chunk {chunk:3d}: stored {ms['stored']:6.1f} ms"
               f"  tiled {ms['tiled']:6.1f} ms  x{ms['stored'] / ms['tiled']:.2f}")
