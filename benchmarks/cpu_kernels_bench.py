@@ -6,9 +6,13 @@
 
 ``stream``: ``quant_linear`` at one row on SmolLM2's shapes, the weights cycled through
 ``--stream-mb`` of copies so each call reads DRAM as a decode step does (97 MB of weights do
-not fit in L3); GB/s of weight bytes. ``attention``: ``paged_prefill_attention`` against SDPA
-on one causal prompt (9 / 3 heads of 64), GFLOP/s. With one thread the time is the process's
-CPU time, which a shared machine disturbs far less than wall time.
+not fit in L3); GB/s of weight bytes, stored blocks then tiled. ``tiles``: ``quant_linear``
+per call at 1..512 rows on the stored blocks against the tiled form the runner serves
+(``tile_blocks``), interleaved, on the bundled file's blocks (median of ``--repeats``).
+``attention``:
+``paged_prefill_attention`` against SDPA on one causal prompt (9 / 3 heads of 64), GFLOP/s.
+With one thread the time is the process's CPU time, which a shared machine disturbs far less
+than wall time.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from tailserve.kernels import cpu_ops_available
+from tailserve.model.gguf import read_gguf
+from tailserve.model.loader import default_model_path
+from tailserve.model.quant.formats import tile_blocks
 
 ops = torch.ops.tailserve
 
@@ -46,17 +53,48 @@ def bench_stream(clock: Callable[[], float], stream_mb: float, repeats: int) -> 
     for name, (n, k, ts) in SHAPES.items():
         nbytes = n * (k // 32) * ts
         copies = max(1, int(stream_mb * 1e6 // nbytes))
-        ws = [packed(n, k, ts, g) for _ in range(copies)]
+        stored = [packed(n, k, ts, g) for _ in range(copies)]
         x = torch.randn(1, k, generator=g)
-        for w in ws:
-            ops.quant_linear(x, w, None)
-        t0 = clock()
-        for _ in range(repeats):
+        for form, ws in (("stored", stored), ("tiled", [tile_blocks(w) for w in stored])):
             for w in ws:
                 ops.quant_linear(x, w, None)
-        dt = (clock() - t0) / (repeats * copies)
-        print(f"stream {name:14s} {dt * 1e3:7.3f} ms  {nbytes / dt / 1e9:5.1f} GB/s  "
-              f"({nbytes / 1e6:.2f} MB x {copies} copies)")
+            t0 = clock()
+            for _ in range(repeats):
+                for w in ws:
+                    ops.quant_linear(x, w, None)
+            dt = (clock() - t0) / (repeats * copies)
+            print(f"stream {name:14s} {form:6s} {dt * 1e3:7.3f} ms  {nbytes / dt / 1e9:5.1f} GB/s"
+                  f"  ({nbytes / 1e6:.2f} MB x {copies} copies)")
+
+
+# name -> tensor of the bundled GGUF (the second layer's gate, up, down; the tied LM head)
+TILE_TENSORS = {
+    "gate Q4_1 1536x576": "blk.1.ffn_gate.weight",
+    "down Q4_1 576x1536": "blk.1.ffn_down.weight",
+    "lm_head Q8_0 49152x576": "token_embd.weight",
+}
+
+
+def bench_tiles(clock: Callable[[], float], rows: list[int], repeats: int) -> None:
+    f = read_gguf(default_model_path())
+    g = torch.Generator().manual_seed(0)
+    for name, tensor in TILE_TENSORS.items():
+        stored = f.packed(tensor)
+        tiled = tile_blocks(stored)
+        k = stored.shape[1] * 32
+        for m in rows:
+            if "lm_head" in name and m > 128:
+                continue  # 0.5 s a call: the head runs on the sampled rows only
+            x = torch.randn(m, k, generator=g)
+            times: dict[str, list[float]] = {"stored": [], "tiled": []}
+            for _ in range(repeats):  # interleaved
+                for label, w in (("stored", stored), ("tiled", tiled)):
+                    t0 = clock()
+                    ops.quant_linear(x, w, None)
+                    times[label].append(clock() - t0)
+            old, new = (statistics.median(times[t]) * 1e3 for t in ("stored", "tiled"))
+            print(f"tiles {name:24s} M={m:4d}: stored {old:8.3f} ms  tiled {new:8.3f} ms  "
+                  f"x{old / new:.2f}")
 
 
 def attention_case(n: int) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -101,7 +139,8 @@ def main() -> None:
     ap.add_argument("--stream-mb", type=float, default=128.0)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1000])
-    ap.add_argument("--only", choices=["stream", "attention"], default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 128, 512])
+    ap.add_argument("--only", choices=["stream", "tiles", "attention"], default=None)
     args = ap.parse_args()
     if not cpu_ops_available():
         raise SystemExit("the CPU kernels are not available here")
@@ -109,6 +148,8 @@ def main() -> None:
     clock = time.process_time if args.threads == 1 else time.perf_counter
     if args.only in (None, "stream"):
         bench_stream(clock, args.stream_mb, 3)
+    if args.only in (None, "tiles"):
+        bench_tiles(clock, args.rows, args.repeats)
     if args.only in (None, "attention"):
         bench_attention(clock, args.lengths, args.repeats)
 

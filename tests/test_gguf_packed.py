@@ -41,6 +41,8 @@ from tailserve.model.quant.formats import (
     dequantize_reference,
     format_of,
     is_packed,
+    is_tiled,
+    untile_blocks,
 )
 from tailserve.model.runner import ModelRunner, materialize_model
 from tailserve.model.transforms.gguf_linear import GGUFEmbedding, GGUFLinear
@@ -144,6 +146,27 @@ def test_logits_and_perplexity_against_the_dequantized_reference(
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.95
     ppl, ppl_ref = perplexity(got, ids), perplexity(ref, ids)
     assert abs(ppl / ppl_ref - 1) < PERPLEXITY_RTOL, (ppl, ppl_ref)
+
+
+def test_the_runner_serves_tiles_that_share_the_dicts_bytes(packed_loaded: LoadedModel) -> None:
+    weights = dict(packed_loaded.weights)
+    engine = EngineArgs(device="cpu", dtype="float32", num_kv_blocks=64,
+                        max_model_len=512).resolve(packed_loaded.config, detect_platform())
+    runner = ModelRunner(engine.model, engine.runner, engine.scheduler.max_model_len, weights)
+    model = runner.model
+    tensors = [p for m in model.modules() if isinstance(m, GGUFLinear) for p in m.parts]
+    assert all(is_tiled(t) for t in tensors)  # Q4_1 / Q8_0, every row count a multiple of 16
+    assert model.lm_head.part0 is model.embed_tokens.table  # the tied table, once
+    # The dict's entries are the modules' bytes (views of the fused tiles), the file's bytes.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    qkv = typing.cast(GGUFLinear, model.layers[0].self_attn.qkv_proj).part0
+    assert weights[q].untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    assert torch.equal(untile_blocks(weights[q]), packed_loaded.weights[q])
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in weights.values() if is_packed(t)}
+    file_bytes = sum(t.numel() for t in packed_loaded.weights.values() if is_packed(t))
+    assert sum(storages.values()) == file_bytes
+    assert runner.weight_bytes["Q4_1"] + runner.weight_bytes["Q8_0"] == file_bytes
 
 
 def test_one_call_decode_and_module_forward_give_the_same_tokens(

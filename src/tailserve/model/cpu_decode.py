@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # relative to ``layers.<i>``) with the exact type whose forward it reproduces. Anything else in
 # the model, or another type at one of these paths, is refused. The LM head runs after the
 # graph (compute_logits), as after the module forward. A projection is float32 panels
-# (KernelLinear), 16-bit ones (Linear16) or GGUF blocks as stored (GGUFLinear, read by
+# (KernelLinear), 16-bit ones (Linear16) or GGUF blocks, stored or tiled (GGUFLinear, read by
 # quant_linear); decode_layers reads each. The last two run one kernel at every row count;
 # KernelLinear runs panel_linear up to PANEL_MAX_ROWS rows only (``max_tokens``).
 _LINEAR = (KernelLinear, Linear16, GGUFLinear)
@@ -80,8 +80,8 @@ _NO_BIAS = torch.empty(0)  # decode_layers reads an empty qkv bias as "none"
 @dataclass(frozen=True)
 class DecodeLayerWeights:
     """One decoder layer's weights as decode_layers reads them: panels [out/16, in, 16]
-    (float32, or 16-bit as ``Linear16`` keeps them), or GGUF blocks [out, blocks, type_size]
-    (uint8)."""
+    (float32, or 16-bit as ``Linear16`` keeps them), or GGUF blocks (uint8), as stored
+    [out, blocks, type_size] or tiled [out/16, blocks, 16, type_size]."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # panels of [q_size + 2 * kv_size, hidden]

@@ -54,13 +54,15 @@ void write_kv(const at::Tensor& kv_cache, const at::Tensor& qkv, int64_t q_size,
 }
 
 // A layer's projection: panels [N/16, K, 16] in float32 or 16 bits (decode_linear,
-// linear16.cpp) or GGUF blocks as stored (uint8 [N, blocks, type_size], quant_linear.cpp).
+// linear16.cpp) or GGUF blocks (uint8, quant_linear.cpp): as stored [N, blocks, type_size] or
+// in tiles of 16 rows [N / 16, K / 32, 16, type_size] (quant_tiled.h).
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   return w.scalar_type() == at::kByte ? quant_linear(x, w, b) : decode_linear(x, w, b);
 }
 
 int64_t outputs_of(const at::Tensor& w) {
-  return w.scalar_type() == at::kByte ? w.size(0) : w.size(0) * 16;
+  if (w.scalar_type() == at::kByte) return w.dim() == 4 ? w.size(0) * 16 : w.size(0);
+  return w.size(0) * 16;
 }
 
 }  // namespace
@@ -95,7 +97,8 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
   const int64_t T = embeds.size(0);
   const int64_t num_kv_heads = pool0.size(3), head_dim = pool0.size(4);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(weights[1].dim() == 3 && outputs_of(weights[1]) == q_size + 2 * kv_size,
+  TORCH_CHECK((weights[1].dim() == 3 || (weights[1].dim() == 4 && weights[1].scalar_type() == at::kByte)) &&
+                  outputs_of(weights[1]) == q_size + 2 * kv_size,
               "decode_layers: qkv weights give ", outputs_of(weights[1]), " outputs for ",
               num_heads, " heads and ", num_kv_heads, " KV heads of ", head_dim);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&

@@ -5,6 +5,9 @@
 // whole ggml blocks, as in the file. type_size alone names the format (Q4_0 18, Q4_1 20,
 // Q5_0 22, Q5_1 24, Q8_0 34, Q4_K 144, Q5_K 176, Q6_K 210 bytes), so no format argument
 // travels beside the tensor and decode_layers can tell a packed weight from a float panel.
+// The 32-value formats are served tiled, [N / 16, K / 32, 16, type_size] (the same bytes in
+// the order of the integer dot products, built once at load): those go to quant_tiled.cpp
+// for every row count after x is quantized here; what follows reads the stored form.
 //
 // y = x W^T works the way llama.cpp gets its speed: each row of x is quantized to int8 in
 // blocks of 32 (scale dx = max|x| / 127, round to nearest), and every format is read as
@@ -31,6 +34,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "quant_tiled.h"
 #include "simd.h"
 #include "work_pool.h"
 
@@ -192,7 +196,8 @@ inline float hsum256(__m256 v) {
 // x [M, K] -> xq [M, K] int8, dx [M, K / 32], xs [M, K / 16] = dx * (sum of xq over 16),
 // xs32 [M, K / 32] the same over 32. Every path (and the torch reference) rounds the same
 // float32 products x * (1 / d) to nearest even, so they agree on every integer.
-inline void quantize_block(const float* v, int8_t* o, float* d_out, float* s16, float* s32) {
+inline void quantize_block(const float* v, int8_t* o, float* d_out, float* s16, float* s32,
+                           int32_t* i32) {
 #ifdef TS_AVX2
   __m256 x[4];
   for (int i = 0; i < 4; ++i) x[i] = _mm256_loadu_ps(v + 8 * i);
@@ -234,17 +239,18 @@ inline void quantize_block(const float* v, int8_t* o, float* d_out, float* s16, 
   s16[0] = d * lo;
   s16[1] = d * hi;
   *s32 = d * (lo + hi);
+  *i32 = static_cast<int32_t>(lo + hi);  // sums of at most 32 x 127: exact in float
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs,
-                   float* xs32) {
+                   float* xs32, int32_t* xi32) {
   const int64_t nb = K / 32;
   parallel_dynamic((M + 7) / 8, [&](int64_t item) {
     const int64_t m1 = std::min(M, item * 8 + 8);
     for (int64_t m = item * 8; m < m1; ++m) {
       for (int64_t b = 0; b < nb; ++b) {
         quantize_block(x + m * K + b * 32, xq + m * K + b * 32, dx + m * nb + b,
-                       xs + m * (K / 16) + 2 * b, xs32 + m * nb + b);
+                       xs + m * (K / 16) + 2 * b, xs32 + m * nb + b, xi32 + m * nb + b);
       }
     }
   });
@@ -396,21 +402,33 @@ struct Packed {
   FmtInfo f;
   int64_t N, K, type_size;
   const uint8_t* data;
+  bool tiled;  // [N / 16, K / 32, 16, type_size] (quant_tiled.h), else [N, blocks, type_size]
 };
 
 Packed check_packed(const at::Tensor& w, const char* op) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 &&
-                  w.is_contiguous(),
-              op, ": packed weight must be a contiguous uint8 CPU tensor [N, blocks, type_size], "
-              "got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte &&
+                  (w.dim() == 3 || w.dim() == 4) && w.is_contiguous(),
+              op, ": packed weight must be a contiguous uint8 CPU tensor [N, blocks, type_size] "
+              "(as stored) or [N / 16, K / 32, 16, type_size] (tiled), got ", w.scalar_type(),
+              " ", w.sizes());
   Packed p;
-  TORCH_CHECK(fmt_of(w.size(2), &p.f), op, ": no ggml format has ", w.size(2),
+  const int64_t ts = w.size(w.dim() - 1);
+  TORCH_CHECK(fmt_of(ts, &p.f), op, ": no ggml format has ", ts,
               "-byte blocks (Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24, Q8_0 34, Q4_K 144, Q5_K 176, "
               "Q6_K 210)");
-  p.N = w.size(0);
-  p.K = w.size(1) * p.f.block;
-  p.type_size = w.size(2);
+  p.tiled = w.dim() == 4;
+  p.type_size = ts;
   p.data = w.data_ptr<uint8_t>();
+  if (p.tiled) {
+    TORCH_CHECK(p.f.block == 32 && w.size(2) == 16, op, ": a tiled weight is [N / 16, K / 32, "
+                "16, type_size] of a 32-value format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), got ",
+                w.sizes());
+    p.N = w.size(0) * 16;
+    p.K = w.size(1) * 32;
+  } else {
+    p.N = w.size(0);
+    p.K = w.size(1) * p.f.block;
+  }
   return p;
 }
 
@@ -865,10 +883,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
   // x in int8: xq [M, K], dx [M, K/32], xs [M, K/16] (and per 32: xs32)
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * (K / 32)), xs(M * (K / 16)), xs32(M * (K / 32));
-  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data(), xs32.data());
+  std::vector<int32_t> xi32(M * (K / 32));
+  quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data(), xs32.data(),
+                xi32.data());
   const int isa = current_isa();
   const bool is_signed = p.f.fmt == Fmt::Q8_0;
   float* yp = y.data_ptr<float>();
+  if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp)
+    tiled_linear(isa, p.type_size, p.data, N, K, M, xq.data(), dx.data(), xs32.data(),
+                 xi32.data(), yp, bp);
+    return y;
+  }
 #ifdef TS_AVX2
   if (isa >= kAvx2 && M <= kFusedMaxRows) {
     // Runs of rows per hand-out: each thread's reads stay sequential.
@@ -1011,6 +1036,13 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w) {
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = (K / p.f.block) * p.type_size;
   const bool is_signed = p.f.fmt == Fmt::Q8_0;
+  if (p.tiled) {
+    parallel_dynamic((T + 15) / 16, [&](int64_t item) {
+      const int64_t t1 = std::min(T, item * 16 + 16);
+      for (int64_t t = item * 16; t < t1; ++t) tiled_row(p.type_size, p.data, K, ip[t], op + t * K);
+    });
+    return out;
+  }
   parallel_dynamic((T + 15) / 16, [&](int64_t item) {
     std::vector<uint8_t> q(K);
     std::vector<float> a4(K / 4), b16(K / 16);

@@ -27,6 +27,8 @@ row-parallel projections along their input only on block boundaries (32 values a
 Q4_0..Q8_0, 256 for the K-quants): a rank's share of the input must be whole blocks, or the
 cut is refused with the numbers (load with ``gguf_weights='dequantize'``). The bundled
 SmolLM2-135M (Q4_1) splits in 3: o_proj 576 -> 192 inputs (6 blocks), down_proj 1536 -> 512.
+The cut is made on the stored form (a tiled tensor, from a dict a runner already used, is
+untiled first); each rank's ``apply_gguf_weights`` then tiles its own slices.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 
 from tailserve.config import ModelConfig, check_tensor_parallel
 from tailserve.errors import ConfigError
-from tailserve.model.quant.formats import format_of, is_packed
+from tailserve.model.quant.formats import format_of, is_packed, untile_blocks
 from tailserve.model.transforms.report import TransformReport
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -62,6 +64,8 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
         suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else ""
+        if suffix in _Q_ROWS + _KV_ROWS + _MLP_ROWS + _COLUMNS:
+            tensor = untile_blocks(tensor)  # cut by rows and blocks of the stored form
         if suffix in _Q_ROWS:
             out[name] = tensor.narrow(0, rank * q_rows, q_rows)
         elif suffix in _KV_ROWS:

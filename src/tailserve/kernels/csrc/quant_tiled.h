@@ -1,0 +1,22 @@
+// GGUF blocks of the 32-value formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in row tiles: the
+// layout quant_linear reads for every row count (quant_tiled.cpp; the layout is defined and
+// built at load by model/quant/formats.py, tile_blocks).
+
+#pragma once
+
+#include <cstdint>
+
+namespace tailserve_cpu {
+
+// y [M, N] (rows N apart) = x W^T (+ bias) on tiled blocks w [N / 16, K / 32, 16, type_size].
+// x arrives quantized as quant_linear quantizes it: xq [M, K] int8, dx [M, K / 32] the block
+// scales, xs32 [M, K / 32] = dx * (sum of xq over the block), xi32 the same sums as integers.
+// isa: set_quant_isa's numbering (0 scalar, 1 AVX2, 2 AVX512 -> the AVX2 path, 3 VNNI).
+void tiled_linear(int isa, int64_t type_size, const uint8_t* w, int64_t N, int64_t K, int64_t M,
+                  const int8_t* xq, const float* dx, const float* xs32, const int32_t* xi32,
+                  float* y, const float* bias);
+
+// Row n of a tiled table, dequantized into out [K] (the values gguf's dequantizer gives).
+void tiled_row(int64_t type_size, const uint8_t* w, int64_t K, int64_t n, float* out);
+
+}  // namespace tailserve_cpu
