@@ -56,6 +56,9 @@ class EngineCore:
                 config.model, config.runner, config.scheduler.max_model_len, loaded.weights
             )
         self.runner = runner
+        # What the Ready message reports, fixed once the weights are loaded (and transformed).
+        self.model_source = loaded.source
+        self.weight_bytes: dict[str, int] = dict(runner.weight_bytes)
         self.runner.allocate_kv_cache(config.cache)
         # CUDA: persistent step inputs and the decode graphs (nothing on CPU).
         self.runner.prepare_steps(config.scheduler)
@@ -198,7 +201,7 @@ class EngineCore:
             sched = self.scheduler.schedule()
         if self.kv_events is not None:
             # Before the forward: a router may route the next request here while it runs.
-            self.kv_events.publish(self.scheduler.kv.take_events())
+            self.kv_events.publish(sched.kv_events)
         if not sched.scheduled:
             return [], None
         runner_out = self.runner.execute(sched)

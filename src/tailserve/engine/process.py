@@ -17,7 +17,6 @@ from typing import Any
 import zmq
 
 from tailserve.config import EngineArgs
-from tailserve.engine.driver import drive
 from tailserve.engine.messages import (
     EngineInput,
     EngineMessage,
@@ -65,7 +64,7 @@ def engine_main(
 
 def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int) -> int:
     from tailserve.engine.core import EngineCore
-    from tailserve.engine.loop import EngineLoop
+    from tailserve.engine.loop import EngineLoop, drive
 
     try:
         core = EngineCore.from_args(EngineArgs(**engine_args))

@@ -405,6 +405,7 @@ class Scheduler:
             num_decode_context_tokens=shape.decode_context_tokens,
             prefill_attention_pairs=shape.prefill_attention_pairs,
             predicted_s=self.step_model.predict(shape) if scheduled else None,
+            kv_events=self.kv.take_events(),
         )
 
     def _allocate_running(self, req: Request, n: int, num_new: dict[str, int],
