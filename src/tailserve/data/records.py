@@ -25,12 +25,15 @@ class KVCacheSnapshot:
 
 @dataclass(frozen=True)
 class SchedulerSnapshot:
-    """Queue lengths and preemption total of one ``Scheduler``, with its block manager's."""
+    """Queue lengths and preemption total of one ``Scheduler``, with its block manager's, the
+    ITL target in force and its step-time model's coefficients (``StepTimeModel.describe``)."""
 
     num_running: int
     num_waiting: int
     num_preemptions_total: int
     kv: KVCacheSnapshot
+    itl_target_s: float | None = None
+    step_model: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -241,8 +241,8 @@ class EngineCore:
             predicted_s=sched.predicted_s,
             num_decode_context_tokens=sched.num_decode_context_tokens,
             prefill_attention_pairs=sched.prefill_attention_pairs,
-            itl_target_s=self.scheduler.itl_target_s,
-            step_model=self.scheduler.step_model.describe(),
+            itl_target_s=snap.itl_target_s,
+            step_model=snap.step_model,
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         return stats

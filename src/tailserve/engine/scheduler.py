@@ -196,12 +196,15 @@ class Scheduler:
         return bool(self.requests)
 
     def snapshot(self) -> SchedulerSnapshot:
-        """Queue lengths, preemptions and the block manager's counters, as a frozen value."""
+        """Queue lengths, preemptions, the block manager's counters and the step-time model
+        (its ``describe``: well under a microsecond), as a frozen value."""
         return SchedulerSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions_total=self.num_preemptions_total,
             kv=self.kv.snapshot(),
+            itl_target_s=self.itl_target_s,
+            step_model=self.step_model.describe(),
         )
 
     # ---------------------------------------------------------------- schedule
