@@ -16,7 +16,7 @@ two callables::
         if busy: step (model failure: return 1)   else: heartbeat if HEARTBEAT_S passed
 
 It imports the core (and so torch): the API process's ``engine/client.py`` imports it only
-inside the in-process client's engine thread.
+in ``InprocEngineClient.start``, so the multi-process client never loads it.
 """
 
 from __future__ import annotations
