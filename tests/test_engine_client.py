@@ -15,7 +15,7 @@ from tailserve.config import EngineArgs
 from tailserve.data.records import EngineState
 from tailserve.data.step import EngineOutput
 from tailserve.engine.client import EngineDeadError, InprocEngineClient, StreamItem
-from tailserve.engine.driver import HEARTBEAT_S
+from tailserve.engine.loop import HEARTBEAT_S
 from tailserve.engine.messages import AddRequest, Ready, Shutdown
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.request import FinishReason, RequestStatus

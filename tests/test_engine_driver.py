@@ -1,11 +1,11 @@
-"""The one engine-loop driver (engine/driver.py) against a scripted fake loop: what it waits
-for, when it steps, when it heartbeats and what it returns."""
+"""The one engine-loop driver (``drive`` in engine/loop.py) against a scripted fake loop: what
+it waits for, when it steps, when it heartbeats and what it returns."""
 
 from __future__ import annotations
 
 from collections import deque
 
-from tailserve.engine.driver import HEARTBEAT_S, EngineFatalError, drive
+from tailserve.engine.loop import HEARTBEAT_S, EngineFatalError, drive
 from tailserve.engine.messages import EngineInput, FinishRequests, Shutdown
 from tailserve.request import RequestStatus
 

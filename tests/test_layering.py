@@ -72,7 +72,6 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.scheduler",
     "tailserve.engine.latency",
     "tailserve.engine.waiting_queue",
-    "tailserve.engine.driver",
     "tailserve.engine.messages",
     "tailserve.engine.client",
     "tailserve.engine.input_processor",

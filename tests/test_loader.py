@@ -24,11 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tailserve.config import ModelConfig
+from tailserve.engine.output_processor import IncrementalDetokenizer
 from tailserve.errors import ModelLoadError
 from tailserve.model import loader
 from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf, unpermute_rows
 from tailserve.model.loader import LoadedModel, default_model_path, load_model
-from tailserve.model.tokenizer import IncrementalDetokenizer
 from tiny_models import build_tiny_llama, build_tiny_qwen2
 
 

@@ -1,8 +1,9 @@
 """What the prefix cache gained and lost, as the block manager reports it (plain values).
 
 The block pool records one of these whenever a block hash enters or leaves its prefix-cache
-map; the engine drains them after each schedule and the edge (``obs/kv_events.py``) publishes
-them in vLLM's KV-events wire format, so a router can mirror which prefixes this engine holds.
+map; the scheduler drains them into each step's ``SchedulerOutput.kv_events`` and the edge
+(``obs/kv_events.py``) publishes them in vLLM's KV-events wire format, so a router can mirror
+which prefixes this engine holds.
 Hashes are the pool's chained 64-bit block hashes (``kv.block_pool.hash_block``).
 """
 

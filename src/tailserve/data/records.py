@@ -25,12 +25,15 @@ class KVCacheSnapshot:
 
 @dataclass(frozen=True)
 class SchedulerSnapshot:
-    """Queue lengths and preemption total of one ``Scheduler``, with its block manager's."""
+    """Queue lengths and preemption total of one ``Scheduler``, with its block manager's, the
+    ITL target in force and its step-time model's coefficients (``StepTimeModel.describe``)."""
 
     num_running: int
     num_waiting: int
     num_preemptions_total: int
     kv: KVCacheSnapshot
+    itl_target_s: float | None = None
+    step_model: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,7 +71,8 @@ ABORT_REASONS = ("client_disconnect", "stop_string", "drain", "engine_error", "s
 
 @dataclass
 class RequestRecord:
-    """One finished (or failed / rejected-after-admission) request, as the timeline stores it.
+    """One finished (or failed / rejected-after-admission) request, as every sink receives it
+    (metrics, timeline, traces, dashboard; each keeps what it needs: ``obs/timeline.py``'s row).
 
     ``finish_reason`` is OpenAI's word (stop, length, abort, error). ``error_type`` is set when
     the request failed (e.g. ``engine_error``). ``timing`` is the ``tailserve_timing`` dict of
@@ -91,8 +95,3 @@ class RequestRecord:
     model: str | None = None
     # One of ABORT_REASONS when the API ended the engine request early, else None.
     abort_reason: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d.pop("itl_s")
-        return d

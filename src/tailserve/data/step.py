@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tailserve.data.kv_events import KVCacheEvent
 from tailserve.request import FinishReason, RequestTimestamps
 from tailserve.sampling_params import SamplingParams
 
@@ -55,6 +56,10 @@ class SchedulerOutput:
     num_decode_context_tokens: int = 0
     prefill_attention_pairs: int = 0
     predicted_s: float | None = None
+    # Prefix-cache events (stored / removed block hashes) since the previous step, oldest
+    # first; empty unless ``enable_kv_cache_events``. The engine publishes them before the
+    # forward, so a router may route the next request here while this step runs.
+    kv_events: list[KVCacheEvent] = field(default_factory=list)
 
 
 @dataclass

@@ -4,8 +4,8 @@ Two implementations behind one interface:
 
 - ``MPEngineClient``: the engine runs in its own process (``engine/process.py``) and talks over
   ZMQ IPC sockets with msgpack messages; HTTP work can never stall the step loop.
-- ``InprocEngineClient``: the same ``EngineLoop``, run by the same driver (``engine/driver.py``)
-  on a thread of this process, messages passed as objects; for tests and embedding.
+- ``InprocEngineClient``: the same ``EngineLoop``, run by the same driver (``engine/loop.py``'s
+  ``drive``) on a thread of this process, messages passed as objects; for tests and embedding.
 
 The client owns one ``asyncio.Queue`` per engine request id. The engine's messages are
 dispatched on the event loop: outputs go to their queue, stats to the listeners (metrics,
@@ -34,7 +34,6 @@ import zmq.asyncio
 from tailserve.config import EngineArgs
 from tailserve.data.records import EngineState
 from tailserve.data.step import EngineOutput, StepStats
-from tailserve.engine.driver import drive
 from tailserve.engine.messages import (
     AddRequest,
     EngineDead,
@@ -85,7 +84,8 @@ class EngineClient:
         self.watchdog_timeout_s = watchdog_timeout_s
         self.last_seen = time.monotonic()
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
-        self.step_listeners: list[Callable[[StepStats], None]] = []
+        # A listener's return value is ignored (Timeline.add_step returns its row).
+        self.step_listeners: list[Callable[[StepStats], object]] = []
         self.state_listeners: list[Callable[[EngineState], None]] = []
         self.death_listeners: list[Callable[[str], None]] = []
         self._profile: asyncio.Future[ProfileDone] | None = None
@@ -381,7 +381,7 @@ class InprocEngineClient(EngineClient):
 
     async def start(self) -> Ready:
         from tailserve.engine.core import EngineCore
-        from tailserve.engine.loop import EngineLoop
+        from tailserve.engine.loop import EngineLoop, drive
 
         self._aloop = asyncio.get_running_loop()
         core = await asyncio.to_thread(EngineCore.from_args, self.engine_args, self._loaded)

@@ -57,6 +57,9 @@ class EngineCore:
                 config.model, config.runner, config.scheduler.max_model_len, loaded.weights
             )
         self.runner = runner
+        # What the Ready message reports, fixed once the weights are loaded (and transformed).
+        self.model_source = loaded.source
+        self.weight_bytes: dict[str, int] = dict(runner.weight_bytes)
         self.runner.allocate_kv_cache(config.cache)
         # CUDA: persistent step inputs and the decode graphs (nothing on CPU).
         self.runner.prepare_steps(config.scheduler)
@@ -217,7 +220,7 @@ class EngineCore:
             sched = self.scheduler.schedule()
         if self.kv_events is not None:
             # Before the forward: a router may route the next request here while it runs.
-            self.kv_events.publish(self.scheduler.kv.take_events())
+            self.kv_events.publish(sched.kv_events)
         if not sched.scheduled:
             return [], None
         runner_out = self.runner.execute(sched)
@@ -257,8 +260,8 @@ class EngineCore:
             predicted_s=sched.predicted_s,
             num_decode_context_tokens=sched.num_decode_context_tokens,
             prefill_attention_pairs=sched.prefill_attention_pairs,
-            itl_target_s=self.scheduler.itl_target_s,
-            step_model=self.scheduler.step_model.describe(),
+            itl_target_s=snap.itl_target_s,
+            step_model=snap.step_model,
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         return stats

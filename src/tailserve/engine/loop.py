@@ -1,7 +1,22 @@
-"""EngineLoop: what the engine does between steps, shared by the engine process and the
-in-process client. Inputs in (add / finish / shutdown / profile), messages out (step results,
-heartbeats, rejections, death notices). ``engine.driver.drive`` runs it; its host decides
-where messages go and how inputs arrive.
+"""EngineLoop and its driver: what the engine does between steps, and the loop that runs it.
+
+``EngineLoop`` is shared by the engine process and the in-process client. Inputs in (add /
+finish / shutdown / profile), messages out (step results, heartbeats, rejections, death
+notices); its host decides where messages go and how inputs arrive.
+
+``drive`` is the one loop both hosts run it with: the engine process (inputs from a ZMQ
+socket, stops when its parent dies) and ``InprocEngineClient`` (inputs from a thread-safe
+queue). Only how inputs arrive and how the host notices it is orphaned differ; they come in as
+two callables::
+
+    while True:
+        inputs = wait_for_inputs(0 if busy else HEARTBEAT_S)
+        if Shutdown in inputs: return 0
+        if parent_gone(): return 0
+        if busy: step (model failure: return 1)   else: heartbeat if HEARTBEAT_S passed
+
+It imports the core (and so torch): the API process's ``engine/client.py`` imports it only
+in ``InprocEngineClient.start``, so the multi-process client never loads it.
 """
 
 from __future__ import annotations
@@ -10,12 +25,11 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tailserve import envs
 from tailserve.data.records import EngineState
 from tailserve.engine.core import EngineCore
-from tailserve.engine.driver import EngineFatalError
 from tailserve.engine.messages import (
     AddRequest,
     EngineDead,
@@ -37,6 +51,13 @@ from tailserve.request import Request
 
 logger = logging.getLogger(__name__)
 
+# How often an idle engine tells the API process it is alive (with fresh gauges). The
+# client's watchdog allows many of these to go missing before it calls the engine dead.
+HEARTBEAT_S = 0.25
+
+
+class EngineFatalError(RuntimeError):
+    """The engine loop cannot go on; an ``EngineDead`` message has already been emitted."""
 
 
 class EngineLoop:
@@ -72,8 +93,8 @@ class EngineLoop:
 
     def ready_message(self) -> Ready:
         core = self.core
-        return Ready(config=core.config, model=core.loaded.source, pid=os.getpid(),
-                     weight_bytes=dict(core.runner.weight_bytes))
+        return Ready(config=core.config, model=core.model_source, pid=os.getpid(),
+                     weight_bytes=dict(core.weight_bytes))
 
     def state(self) -> EngineState:
         snap = self.core.snapshot()
@@ -184,3 +205,46 @@ class EngineLoop:
             logger.exception("could not write the profile")
             self._send(ProfileDone(capture.path, f"could not write the trace "
                                                  f"({type(exc).__name__}: {exc})"))
+
+
+# ---------------------------------------------------------------------- the driver
+class DrivenLoop(Protocol):
+    """What ``drive`` needs of an ``EngineLoop`` (a protocol, so tests can fake it)."""
+
+    def handle(self, inputs: list[EngineInput]) -> bool: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> None:
+        """One engine step; raises ``EngineFatalError`` when the model failed."""
+
+    def heartbeat_if_due(self, interval_s: float) -> None: ...
+
+
+def drive(
+    loop: DrivenLoop,
+    wait_for_inputs: Callable[[float], list[EngineInput]],
+    parent_gone: Callable[[], bool] = lambda: False,
+) -> int:
+    """Run ``loop`` until told to stop; returns the host's exit status.
+
+    ``wait_for_inputs(timeout_s)`` returns every input that has arrived, waiting up to
+    ``timeout_s`` for the first one (0: do not wait). Returns 0 after a ``Shutdown`` or once
+    ``parent_gone()``, and 1 when a step raised ``EngineFatalError`` (``EngineDead`` has been
+    emitted by then).
+    """
+    while True:
+        batch = wait_for_inputs(0.0 if loop.has_work() else HEARTBEAT_S)
+        if batch and not loop.handle(batch):
+            logger.info("engine shutting down")
+            return 0
+        # Checked every iteration, busy or not, so an orphan does not linger.
+        if parent_gone():
+            return 0
+        if loop.has_work():
+            try:
+                loop.step()
+            except EngineFatalError:
+                return 1
+        else:
+            loop.heartbeat_if_due(HEARTBEAT_S)

@@ -1,19 +1,30 @@
 """OutputProcessor: token ids from the engine -> text, stop strings, RequestOutputs.
 
-Runs above the engine (in the API process when there is one): it detokenizes incrementally,
-ends a request on a stop string (the engine is then told to stop it) and groups the ``n``
-completions of one prompt back into one ``RequestOutput``.
+Runs above the engine (in the API process when there is one): it detokenizes incrementally
+(``IncrementalDetokenizer``, one per completion), ends a request on a stop string (the engine
+is then told to stop it) and groups the ``n`` completions of one prompt back into one
+``RequestOutput``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tokenizers.decoders import DecodeStream
 
 from tailserve.data.step import EngineOutput
-from tailserve.model.tokenizer import IncrementalDetokenizer
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded ahead of the output so the first output token is spelled as it is after
+# the prompt (a sentencepiece "▁Hello" mid-text is " Hello", not "Hello"). A handful covers any
+# merge or byte sequence that can straddle the boundary.
+_CONTEXT_TOKENS = 6
 
 
 @dataclass
@@ -145,3 +156,83 @@ class OutputProcessor:
         for child_id in parent.children:
             self._child_to_parent.pop(child_id, None)
         return list(parent.children)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, one at a time, into the text each one adds.
+
+    Built on ``tokenizers.decoders.DecodeStream``, which decodes only a short window of recent ids
+    per step (O(1) per token) and holds back ids that end inside a multi-byte UTF-8 character
+    until a later id completes it. Invariant, for the byte-level BPE tokenizers of Llama 3,
+    Qwen2 and SmolLM2::
+
+        "".join(add(t) for t in ids) + flush() == tokenizer.decode(ids, skip_special_tokens=...)
+
+    (``clean_up_tokenization_spaces`` is not applied.) For sentencepiece tokenizers the first
+    delta keeps the leading space the prompt context gives it, which ``decode(ids)`` strips.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(
+                f"IncrementalDetokenizer needs a fast tokenizer, got {type(tokenizer).__name__}"
+            )
+        self._backend = backend
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._settled = context  # last ids already turned into text; context for flush()
+        self._pending: list[int] = []  # ids the stream holds back (an incomplete character)
+        self._chunks: list[str] = []
+        self.token_ids: list[int] = []
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id; returns the text it completes ("" while a character is open)."""
+        self.token_ids.append(token_id)
+        delta = self._stream.step(self._backend, token_id)
+        if delta is None:
+            self._pending.append(token_id)
+            return ""
+        if self._pending:
+            self._settled = [*self._settled, *self._pending, token_id][-_CONTEXT_TOKENS:]
+            self._pending = []
+        else:
+            self._settled = [*self._settled[1 - _CONTEXT_TOKENS :], token_id]
+        if delta:
+            self._chunks.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """The text of held-back ids, rendered as ``decode`` renders them (U+FFFD for a character
+        the model never finished). Call it once the request ends; ids added after a flush are
+        decoded afresh, as the start of a new text."""
+        if not self._pending:
+            return ""
+        prefix = self._decode(self._settled)
+        full = self._decode([*self._settled, *self._pending])
+        delta = full[len(prefix) :] if full.startswith(prefix) else self._decode(self._pending)
+        # The stream cannot take back the replacement characters just emitted, so it restarts
+        # without context instead of letting later bytes complete the flushed character.
+        self._settled = []
+        self._pending = []
+        self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        if delta:
+            self._chunks.append(delta)
+        return delta
+
+    @property
+    def text(self) -> str:
+        """All text produced so far (held-back ids excluded until they complete or flush)."""
+        if len(self._chunks) > 1:  # join lazily, once per read, and keep the result
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        text: str = self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return text

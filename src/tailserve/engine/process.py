@@ -19,7 +19,6 @@ from typing import Any
 import zmq
 
 from tailserve.config import EngineArgs
-from tailserve.engine.driver import drive
 from tailserve.engine.messages import (
     EngineInput,
     EngineMessage,
@@ -67,7 +66,7 @@ def engine_main(
 
 def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int) -> int:
     from tailserve.engine.core import EngineCore
-    from tailserve.engine.loop import EngineLoop
+    from tailserve.engine.loop import EngineLoop, drive
 
     try:
         # No tokenizer here: the API process tokenizes and detokenizes.

@@ -196,12 +196,15 @@ class Scheduler:
         return bool(self.requests)
 
     def snapshot(self) -> SchedulerSnapshot:
-        """Queue lengths, preemptions and the block manager's counters, as a frozen value."""
+        """Queue lengths, preemptions, the block manager's counters and the step-time model
+        (its ``describe``: well under a microsecond), as a frozen value."""
         return SchedulerSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions_total=self.num_preemptions_total,
             kv=self.kv.snapshot(),
+            itl_target_s=self.itl_target_s,
+            step_model=self.step_model.describe(),
         )
 
     # ---------------------------------------------------------------- schedule
@@ -405,6 +408,7 @@ class Scheduler:
             num_decode_context_tokens=shape.decode_context_tokens,
             prefill_attention_pairs=shape.prefill_attention_pairs,
             predicted_s=self.step_model.predict(shape) if scheduled else None,
+            kv_events=self.kv.take_events(),
         )
 
     def _allocate_running(self, req: Request, n: int, num_new: dict[str, int],

@@ -57,7 +57,11 @@ class Timeline:
         return self._add({"kind": "step", **stats.as_dict()})
 
     def add_request(self, rec: RequestRecord) -> Record:
-        return self._add({"kind": "request", **rec.as_dict()})
+        row = {"kind": "request", **vars(rec)}
+        # Not the gaps (one per streamed batch: a long stream's row would be mostly these);
+        # metrics and the dashboard take them from the record itself.
+        del row["itl_s"]
+        return self._add(row)
 
     def since(self, t: float | None, limit: int | None = None) -> list[Record]:
         """Records with ``record["t"] > t`` (all when ``t`` is None), oldest first.

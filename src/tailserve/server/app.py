@@ -41,9 +41,12 @@ from tailserve.server.errors import (
     error_body,
     error_response,
 )
-from tailserve.server.header_timeout import header_timeout_protocol
 from tailserve.server.heap import TrimAfterLargeRequests
-from tailserve.server.middleware import EdgeMiddleware, SheddingMiddleware
+from tailserve.server.middleware import (
+    EdgeMiddleware,
+    SheddingMiddleware,
+    header_timeout_protocol,
+)
 from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

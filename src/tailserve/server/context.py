@@ -114,9 +114,9 @@ class ServerContext:
         self.started = time.time()
         # Set by the runner: asks the HTTP server to stop (after a drain or an engine death).
         self.request_exit: Callable[[], None] = lambda: None
-        client.step_listeners.append(self._on_step)
+        # The step's stats go from the client straight to each sink (no hop through here).
         self.dashboard = DashboardFeed(metrics, lambda: client.state)
-        client.step_listeners.append(self.dashboard.on_step)
+        client.step_listeners += [metrics.on_step, timeline.add_step, self.dashboard.on_step]
         client.state_listeners.append(metrics.on_engine_state)
         cache = self.config.cache
         metrics.on_cache_config(
@@ -246,10 +246,6 @@ class ServerContext:
         return unavailable(f"the engine is not running: {why}", "engine_dead")
 
     # ---------------------------------------------------------------- sinks
-    def _on_step(self, stats: Any) -> None:
-        self.metrics.on_step(stats)
-        self.timeline.add_step(stats)
-
     def on_choice_finished(
         self, http: Request, params: SamplingParams
     ) -> Callable[[RequestRecord], None]:
