@@ -337,15 +337,14 @@ class ModelRunner:
     def _forward(self, batch: _Batch) -> torch.Tensor:
         """The step's hidden states: a CUDA graph, the CPU one-call graph (decodes and
         prefill chunks alike), or the modules."""
+        if self.decode_graph is not None and self.decode_graph.supports(batch.meta):
+            # The one call attends by itself: the backend's per-step plan (begin_step) is
+            # for the attention modules only, so it is not made here.
+            return self.decode_graph(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        self.backend.begin_step(batch.meta)
         if batch.graph_batch_size is not None and self.cuda_graphs is not None:
-            hidden = self.cuda_graphs.replay(batch.graph_batch_size, batch.meta.num_seqs)
-        elif self.decode_graph is not None and self.decode_graph.supports(batch.meta):
-            hidden = self.decode_graph(
-                batch.input_ids, batch.positions, self.kv_caches, batch.meta
-            )
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        return hidden
+            return self.cuda_graphs.replay(batch.graph_batch_size, batch.meta.num_seqs)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     def _generator_for(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.sampling_params.seed
@@ -367,7 +366,6 @@ class ModelRunner:
             self.tp.send_step(sched.scheduled)
         with profiling.span("prepare_inputs"):
             batch = self._prepare(sched)
-            self.backend.begin_step(batch.meta)
         with profiling.span("forward"):
             hidden = self._forward(batch)
             if batch.sampling:
@@ -402,7 +400,6 @@ class ModelRunner:
         """A tensor-parallel worker's step (rank > 0): the forward on this rank's shards,
         flattened as rank 0 flattened it; rank 0 alone computes logits and samples."""
         batch = self._prepare(sched)
-        self.backend.begin_step(batch.meta)
         self._forward(batch)
         if self.step_buffers is not None:
             self.step_buffers.mark_consumed()
