@@ -144,3 +144,26 @@ def test_reserve_allocates_the_whole_budget_up_front() -> None:
     a = req("a", list(range(5)), max_tokens=10)
     assert kv.allocate_slots(a, 5, reserve_up_to=15)
     assert kv.block_ids("a") == [0, 1, 2, 3]
+
+
+def test_decodes_inside_held_blocks_cache_each_block_as_it_fills() -> None:
+    # The steady decode (one token that fits the blocks held) skips the pool: it succeeds
+    # with no block free, and the block it completes is cached at the token that fills it.
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = req("a", [5, 6, 7, 8, 9, 10])
+    assert kv.allocate_slots(a, 6)
+    assert kv.block_ids("a") == [0, 1]
+    other = req("x", [1, 2, 3, 4])
+    assert kv.allocate_slots(other, 4)  # the last free block
+    assert kv.pool.num_free_blocks == 0
+    a.num_computed_tokens = 6
+    for token, cached in ((11, False), (12, True)):
+        a.append_output_token(token)
+        assert kv.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+        assert kv.block_ids("a") == [0, 1]
+        probe = req("p", [5, 6, 7, 8, 9, 10, 11, 12, 0])
+        hits, n = kv.get_computed_blocks(probe)
+        assert [h.block_id for h in hits] == ([0, 1] if cached else [0]) and n == len(hits) * 4
+    assert not kv.allocate_slots(a, 1)  # the next token needs a block the pool lacks
+    kv.check_invariants()

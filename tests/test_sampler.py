@@ -16,6 +16,7 @@ from tailserve.model.sampler import (
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
+    argmax_rows,
 )
 from tailserve.sampling_params import SamplingParams
 
@@ -65,6 +66,33 @@ def test_greedy_equals_argmax(dtype: torch.dtype) -> None:
     out = Sampler(300)(logits, rows)
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 7
+
+
+NAN, INF = math.nan, math.inf
+# Rows where an argmax can go wrong: ties (first index wins), NaN (ranked above everything,
+# first NaN wins), infinities, all -inf, signed zeros (equal: first wins).
+TRICKY_ROWS = [
+    [1.0, 3.0, 3.0, 2.0], [NAN, 5.0, NAN, 1.0], [1.0, NAN, 9.0, NAN], [-INF] * 4,
+    [INF, 1.0, INF, 0.0], [-0.0, 0.0, -0.0, 0.0], [0.0, -0.0, 0.0, 0.0], [-INF, NAN, INF, 2.0],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
+def test_argmax_rows_equals_torch_argmax_on_ties_nan_and_infinities(dtype: torch.dtype) -> None:
+    # The CPU argmax runs in numpy (bfloat16 stays on torch): the same index in every case.
+    tricky = torch.tensor(TRICKY_ROWS, dtype=dtype)
+    assert argmax_rows(tricky).tolist() == [1, 0, 1, 0, 0, 0, 0, 1]
+    assert argmax_rows(tricky).tolist() == tricky.argmax(dim=-1).tolist()
+    # Many exact ties (values rounded to 0.1), read through a column slice as the sampler does.
+    wide = seeded_randn(16, 1000 + 24, seed=3).round(decimals=1).to(dtype)[:, :1000]
+    assert torch.equal(argmax_rows(wide), wide.argmax(dim=-1))
+    assert argmax_rows(wide).dtype == torch.int64
+
+
+def test_greedy_on_ties_and_nan_matches_torch_argmax() -> None:
+    logits = torch.tensor(TRICKY_ROWS)
+    out = Sampler(4)(logits, [make_row(SamplingParams(temperature=0.0)) for _ in TRICKY_ROWS])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_greedy_rows_mixed_with_random_rows() -> None:

@@ -261,16 +261,21 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         num_new: dict[str, int] = {}
         preempted: list[str] = []
-        shape = StepShape()
 
-        decodes = [r for r in self.running if is_decode(r)]
+        decodes: list[Request] = []
+        partials: list[Request] = []
+        for r in self.running:
+            (decodes if is_decode(r) else partials).append(r)
+        decode_seqs = decode_context = 0  # the decodes' part of the step's shape
         for req in decodes:
             if budget <= 0 or req.status != RequestStatus.RUNNING:
                 continue
             if self._allocate_running(req, 1, num_new, preempted, now):
                 num_new[req.request_id] = 1
                 budget -= 1
-                shape = shape.plus_decode(req.num_computed_tokens + 1)
+                decode_seqs += 1
+                decode_context += req.num_computed_tokens + 1
+        shape = StepShape(0, decode_seqs, decode_context, 0)
         # The step's time is budgeted only while decodes wait on it, and only when prompts
         # may be split (without chunking a prompt is prefilled whole or not at all); the
         # target is sized against the decodes just scheduled (shape holds only them yet).
@@ -278,8 +283,10 @@ class Scheduler:
         if target is not None:
             self.itl_target_s = target
 
-        # Running partial prefills and waiting requests compete for the prefill budget.
-        partials = [r for r in self.running if not is_decode(r)]
+        # Running partial prefills and waiting requests compete for the prefill budget (a
+        # preemption above may have sent some back to the queue).
+        if preempted:
+            partials = [r for r in partials if r.status == RequestStatus.RUNNING]
         cands = [(self._prefill_key(r, i), r) for i, r in enumerate(partials)]
         base = len(cands)
         cands += [(self._prefill_key(r, base + i), r) for i, r in enumerate(self.waiting)]

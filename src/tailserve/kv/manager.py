@@ -13,12 +13,15 @@ step can already share them: K/V are written before attention reads them in ever
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from tailserve.data.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from tailserve.data.records import KVCacheSnapshot
 from tailserve.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
 from tailserve.request import Request
+
+_BLOCK_ID = operator.attrgetter("block_id")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,7 +63,8 @@ class KVCacheManager:
         )
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        # map over attrgetter: ~2x a list comprehension, once per scheduled request per step.
+        return list(map(_BLOCK_ID, self.req_to_blocks.get(request_id, ())))
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """The request's chained hashes for its first ``num_full_blocks`` blocks (memoized)."""
@@ -110,7 +114,16 @@ class KVCacheManager:
         ``reserve_up_to`` allocates for that many tokens in total at once (reserve admission).
         Returns False, changing nothing, when the pool (less the watermark) cannot serve it.
         """
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and not new_computed_blocks and reserve_up_to is None and not apply_watermark:
+            # The steady decode: the new tokens fit in the blocks it holds, so the pool is
+            # not asked (what the general path below does when it needs no block).
+            after = request.num_computed_tokens + num_new_tokens
+            if after <= len(blocks) * self.block_size:
+                self._cache_full_blocks(request, min(after, request.num_tokens))
+                return True
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id] = []
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_tokens_after = num_computed + num_new_tokens
         target = max(num_tokens_after, reserve_up_to or 0)

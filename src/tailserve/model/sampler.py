@@ -14,6 +14,12 @@ loops over rows only build those small vectors (numpy on the host), draw a seede
 with its own generator, and build the (at most MAX_LOGPROBS + 1 entry) logprob dicts. A batch
 that is all plain greedy (no penalties, min_tokens or logprobs) is a single argmax.
 
+On CPU every argmax runs in numpy (``argmax_rows``): torch's CPU argmax over a 49k-152k
+vocabulary is an unvectorized loop (~30 us a row on this host, ~5x numpy's) and enters an
+OpenMP region from 8 rows on, which wakes OpenMP's sleeping threads against the kernels'
+own pool every step (``OMP_WAIT_POLICY=PASSIVE``). Both return the first index of the
+maximum and rank NaN above everything, so the tokens are the same.
+
 Every tensor made from host values goes through ``_row_tensor``: into the runner's persistent
 ``SamplingBuffers`` when it gave some (CUDA: pinned twins, ``non_blocking`` copies, nothing
 allocated per step), else a new tensor (CPU).
@@ -188,6 +194,26 @@ def apply_penalties(
     return penalized_logits
 
 
+# The dtypes whose CPU argmax runs in numpy (numpy has no bfloat16: those stay on torch).
+_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _numpy_argmax(x: torch.Tensor) -> np.ndarray | None:
+    """Per-row argmax [num_rows] int64 of ``x`` [num_rows, vocab] in numpy (single-threaded,
+    vectorized), or None where numpy cannot read it (a device tensor, bfloat16)."""
+    if x.device.type != "cpu" or x.dtype not in _NUMPY_ARGMAX_DTYPES or x.requires_grad:
+        return None
+    return x.numpy().argmax(axis=-1)
+
+
+def argmax_rows(x: torch.Tensor, buffers: SamplingBuffers | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``x`` [num_rows, vocab], without an OpenMP region on CPU.
+    With ``buffers`` (the CUDA step path, also run on CPU tensors by tests) it stays on torch:
+    that path makes no tensor from host values."""
+    found = _numpy_argmax(x) if buffers is None else None
+    return x.argmax(dim=-1) if found is None else torch.from_numpy(found)
+
+
 # top-k / top-p first look at this many highest logits (one topk, far cheaper than sorting a
 # 49k-152k vocabulary on CPU); rows whose nucleus reaches past them retry with GROWTH times
 # more, up to the whole vocabulary (a full sort).
@@ -313,7 +339,9 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         if all(_is_plain_greedy(row) for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+            found = _numpy_argmax(logits) if self.buffers is None else None
+            ids = logits.argmax(dim=-1) if found is None else found
+            return SamplerOutput(ids.tolist(), [None] * num_rows)
 
         logits = logits.float()  # raw, kept for logprobs; the steps below never modify it
         processed = apply_penalties(apply_min_tokens(logits, rows, self.buffers), rows,
@@ -322,7 +350,7 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random:
-            token_ids = processed.argmax(dim=-1)
+            token_ids = argmax_rows(processed, self.buffers)
         elif not greedy:
             token_ids = self._sample(processed, rows)
         else:
@@ -330,7 +358,7 @@ class Sampler:
             greedy_index = _row_tensor("greedy_index", greedy, device, self.buffers)
             random_index = _row_tensor("random_index", random, device, self.buffers)
             token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-            token_ids[greedy_index] = processed[greedy_index].argmax(dim=-1)
+            token_ids[greedy_index] = argmax_rows(processed[greedy_index], self.buffers)
             token_ids[random_index] = self._sample(
                 processed[random_index], [rows[i] for i in random]
             )
@@ -382,7 +410,7 @@ class Sampler:
         # masked token's 0/0 into NaN, which argmax ranks highest.
         eps = torch.finfo(noise.dtype).eps
         noise.clamp_(torch.finfo(noise.dtype).tiny, 1.0 - eps / 2).log_().neg_()
-        return probs.div_(noise).argmax(dim=-1)
+        return argmax_rows(probs.div_(noise), self.buffers)
 
 
 def _gather_logprobs(
