@@ -50,6 +50,12 @@ struct VecScalar {
   }
   static VecScalar mul(VecScalar a, VecScalar b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
   // exp(x - m) for lanes < valid, 0 for the rest; returns the sum of the kept lanes.
+  // The largest of lanes < valid (valid >= 1).
+  float max_of(int64_t valid) const {
+    float mx = v[0];
+    for (int64_t i = 1; i < valid; ++i) mx = std::max(mx, v[i]);
+    return mx;
+  }
   float exp_sub(float m, int64_t valid, float* out) const {
     float s = 0.f;
     for (int i = 0; i < 16; ++i) {
@@ -70,6 +76,21 @@ struct VecAvx2 {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
   }
   static VecAvx2 mul(VecAvx2 a, VecAvx2 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  // The largest of lanes < valid (valid >= 1): the others set to -inf, then a tree.
+  float max_of(int64_t valid) const {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i n = _mm256_set1_epi32(static_cast<int>(valid));
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m256 keep_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, lane));
+    const __m256 keep_hi = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(n, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+    const __m256 m8 = _mm256_max_ps(_mm256_blendv_ps(ninf, lo, keep_lo),
+                                    _mm256_blendv_ps(ninf, hi, keep_hi));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+  }
   float exp_sub(float m, int64_t valid, float* out) const {
     const __m256 mv = _mm256_set1_ps(m);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -119,6 +140,10 @@ struct Vec512 {
   void store(float* p) const { _mm512_storeu_ps(p, a); }
   static Vec512 fma(Vec512 x, Vec512 y, Vec512 z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
   static Vec512 mul(Vec512 x, Vec512 y) { return {_mm512_mul_ps(x.a, y.a)}; }
+  // The largest of lanes < valid (valid >= 1).
+  float max_of(int64_t valid) const {
+    return _mm512_mask_reduce_max_ps(static_cast<__mmask16>((1u << valid) - 1), a);
+  }
   float exp_sub(float m, int64_t valid, float* out) const {
     const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 e = _mm512_maskz_mov_ps(keep, exp_neg512(_mm512_sub_ps(a, _mm512_set1_ps(m))));
@@ -161,7 +186,6 @@ void prefill_item(const Item& it, const float* qp, int64_t q_s0, int64_t q_s1, f
     }
   }
   const int64_t head_off = it.kv_head * D;
-  alignas(64) float s[kKeys];
   alignas(64) float p[kRows][kKeys];
   for (int64_t t0 = 0; t0 < keys; t0 += kKeys) {
     const int64_t c = std::min(kKeys, keys - t0);
@@ -212,9 +236,9 @@ void prefill_item(const Item& it, const float* qp, int64_t q_s0, int64_t q_s1, f
           continue;
         }
         const int64_t r = r0 + i;
-        sc[i].store(s);
-        float mx = s[0];
-        for (int64_t j = 1; j < valid[i]; ++j) mx = std::max(mx, s[j]);
+        // In registers: a scalar pass over the stored lanes was a chain of dependent maxes
+        // per row and chunk, as long as the chunk's FMAs.
+        const float mx = sc[i].max_of(valid[i]);
         const float m_old = b.m[r];
         const float m_new = std::max(m_old, mx);
         const float sum = sc[i].exp_sub(m_new, valid[i], p[i]);
