@@ -464,16 +464,6 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-// 32 bits -> 32 bytes, 0xFF where the bit is set (byte j from bit j).
-inline __m256i bits_to_bytes(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i mask = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
-}
-
 // One block of a 32-value format: its 32 integers (u8, or s8 for Q8_0), scale and offset.
 template <Fmt F>
 inline __m256i load_block32(const uint8_t* blk, float* d, float* off) {

@@ -109,17 +109,6 @@ void tile_scalar(const uint8_t* tile, int64_t nb, int64_t K, int64_t M, const in
 // ----------------------------------------------------------------- AVX2: two halves of 8 rows
 
 #ifdef TS_AVX2
-// 32 bits -> 32 bytes, 0x10 where the bit is set (byte j from bit j).
-inline __m256i bits_to_0x10(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i mask = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask),
-                          _mm256_set1_epi8(0x10));
-}
-
 // Rows 8h..8h+7 of one tile against MR rows of x. maddubs' 16-bit pair sums hold 31 x 127 x 2;
 // Q8_0 multiplies |w| by x with w's sign (w + 128 would overflow them).
 template <int TS, int MR>
@@ -161,8 +150,9 @@ void tile_avx2(const uint8_t* tile, int h, int64_t nb, int64_t K, const int8_t* 
           uint32_t m0, m1;
           std::memcpy(&m0, blk + L::kH + 8 * j + 4 * h, 4);
           std::memcpy(&m1, blk + L::kH + 8 * (j + 4) + 4 * h, 4);
-          lo = _mm256_or_si256(lo, bits_to_0x10(m0));
-          hi = _mm256_or_si256(hi, bits_to_0x10(m1));
+          const __m256i fifth = _mm256_set1_epi8(0x10);  // the fifth bit, as value 16
+          lo = _mm256_or_si256(lo, _mm256_and_si256(bits_to_bytes(m0), fifth));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(bits_to_bytes(m1), fifth));
         }
         for (int m = 0; m < MR; ++m) {
           const __m256i xl = _mm256_set1_epi32(load4(xg + m * K + 4 * j));

@@ -19,6 +19,19 @@ inline float to_f(T v) {
   return static_cast<float>(v);
 }
 
+#ifdef TS_AVX2
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte j from bit j): the Q5 formats' fifth
+// bits, in stored blocks (quant_linear.cpp) and in tiles (quant_tiled.cpp).
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i mask = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+}
+#endif
+
 inline float dot_f32(const float* a, const float* b, int64_t n) {
 #ifdef TS_AVX2
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
