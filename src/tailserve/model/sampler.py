@@ -339,9 +339,7 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         if all(_is_plain_greedy(row) for row in rows):
-            found = _numpy_argmax(logits) if self.buffers is None else None
-            ids = logits.argmax(dim=-1) if found is None else found
-            return SamplerOutput(ids.tolist(), [None] * num_rows)
+            return SamplerOutput(argmax_rows(logits, self.buffers).tolist(), [None] * num_rows)
 
         logits = logits.float()  # raw, kept for logprobs; the steps below never modify it
         processed = apply_penalties(apply_min_tokens(logits, rows, self.buffers), rows,
