@@ -11,7 +11,8 @@ import pytest
 from fake_runner import EOS, FakeRunner
 from tailserve.config import AUTO_ITL_MIN_MS, CacheConfig, EngineArgs, SchedulerConfig
 from tailserve.engine.calibrate import PLAN
-from tailserve.engine.scheduler import PREFILL_ALIGN, Scheduler
+from tailserve.engine.latency import chunk_under_load, time_limited_chunk
+from tailserve.engine.scheduler import MIN_PREFILL_CHUNK, PREFILL_ALIGN, Scheduler
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.request import Request
 from tailserve.sampling_params import SamplingParams
@@ -177,6 +178,43 @@ def test_prefill_progresses_when_decodes_alone_fill_the_target() -> None:
     assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [
         ("a", 1), ("long", PREFILL_ALIGN)]
     assert out.admission_blocked_by is None
+
+
+@pytest.mark.parametrize(("target_ms", "chunk"), [
+    # One decode: 12 ms alone (COEF: 10 + 2), then 1 ms a prompt token. 30 ms leaves 18 ->
+    # no multiple of 32, but 16; 21 ms leaves 9 -> 8; 12.5 leaves 0.5: nothing fits, and
+    # the decodes alone are within the target, so the smallest chunk (the step nearest it).
+    (30.0, 16), (21.0, 8), (12.5, MIN_PREFILL_CHUNK), (50.0, 32), (80.0, 64),
+])
+def test_below_the_aligned_sizes_the_chunk_is_16_or_8_tokens(target_ms: float,
+                                                              chunk: int) -> None:
+    clock = Clock()
+    s = make(clock, itl_target_s=target_ms / 1e3)
+    runner = FakeRunner()
+    s.add_request(req("a", 8, 0.0, max_tokens=50))
+    step(s, runner, clock)
+    s.add_request(req("long", 100, clock.t))
+    assert step(s, runner, clock) == [("a", 1), ("long", chunk)]
+    # The TTFT prediction sizes a new prompt's chunks the same way.
+    assert chunk_under_load(s.step_model, 512, target_ms / 1e3, StepShape(0, 1, 9, 0)) == chunk
+
+
+def test_a_late_chunk_of_a_long_prompt_shrinks_with_its_attention() -> None:
+    # Attention pairs cost (1 ms per 1k): the same target leaves fewer tokens the further
+    # into the prompt a chunk starts, down to 16 and then 8 tokens.
+    coef = (0.010, 1.0, 0.020, 0.0, 1.0)
+    sizes = []
+    for start in (0, 300, 900):
+        model = StepTimeModel(coef)
+        base = StepShape(0, 1, 100, 0)
+        sizes.append(time_limited_chunk(model, base, start, 500, 0.040, first_chunk=True))
+    assert sizes == [16, 16, 8]
+    model = StepTimeModel(coef)
+    assert model.predict(StepShape(0, 1, 100, 0).plus_chunk(900, 16)) > 0.040
+    assert model.predict(StepShape(0, 1, 100, 0).plus_chunk(900, 8)) <= 0.040
+    # Not the step's first chunk: nothing rather than over the target.
+    assert time_limited_chunk(StepTimeModel(coef), StepShape(0, 1, 100, 0).plus_chunk(0, 16),
+                              2000, 500, 0.040, first_chunk=False) == 0
 
 
 def test_srpt_serves_the_shortest_remaining_prefill_first() -> None:

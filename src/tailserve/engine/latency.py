@@ -18,9 +18,16 @@ from tailserve.errors import SLORefusedError, SLOUnattainableError
 from tailserve.request import Request
 from tailserve.stepcost import StepShape, StepTimeModel
 
-# Time-limited prefill chunks are multiples of this many tokens (the GEMM kernels' row
-# panels), unless a chunk is the rest of its prompt.
+# Time-limited prefill chunks are multiples of PREFILL_ALIGN tokens, unless a chunk is the
+# rest of its prompt; when not even PREFILL_ALIGN fits beside the decodes (a chunk late in a
+# long prompt, whose attention reads its whole context), the largest of SMALL_CHUNKS that
+# does. A 32-token chunk late in a 900-token prompt took 30 ms beside one decode (of 4 ms)
+# where 8 tokens took 12 (benchmarks/RESULTS.md): with 32 as the only small size, the steps of
+# a long prompt's last chunks were 3-7x a decode-only step whatever the target said. Below 8
+# tokens a step's fixed cost outweighs its prefill and a prompt would take hundreds of steps.
 PREFILL_ALIGN = 32
+SMALL_CHUNKS = (16, 8)
+MIN_PREFILL_CHUNK = SMALL_CHUNKS[-1]
 
 
 def step_target_s(model: StepTimeModel, decode: StepShape, fixed_s: float | None,
@@ -54,15 +61,35 @@ def decode_shape(running: Sequence[Request]) -> StepShape:
     return shape
 
 
+def time_limited_chunk(model: StepTimeModel, shape: StepShape, start: int, n: int,
+                       target_s: float, first_chunk: bool) -> int:
+    """The most of ``n`` prompt tokens (after ``start``) a step already holding ``shape`` may
+    add within ``target_s``: a multiple of PREFILL_ALIGN, else one of SMALL_CHUNKS, else (0)
+    nothing. The step's first chunk always gets something, so prefill progresses: the
+    smallest chunk when the decodes alone fit the target (the step stays nearest to it), and
+    PREFILL_ALIGN when they alone exceed it (a fixed target filled by many decodes: no chunk
+    size can meet it, so the prompt at least moves at a useful pace)."""
+    fit = model.max_chunk(shape, start, n, target_s, PREFILL_ALIGN)
+    if fit:
+        return fit
+    for size in SMALL_CHUNKS:
+        if size < n and model.predict(shape.plus_chunk(start, size)) <= target_s:
+            return size
+    if not first_chunk:
+        return 0
+    floor = MIN_PREFILL_CHUNK if model.predict(shape) < target_s else PREFILL_ALIGN
+    return min(n, floor)
+
+
 def chunk_under_load(model: StepTimeModel, budget: int, itl_target_s: float | None,
                      decode: StepShape) -> int:
-    """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them),
-    ``itl_target_s`` the step's target (``step_target_s`` of ``decode``)."""
+    """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them, for
+    a chunk at the start of a prompt), ``itl_target_s`` the step's target (``step_target_s``
+    of ``decode``)."""
     left = max(budget - decode.decode_seqs, 1)
     if itl_target_s is None or not decode.decode_seqs:
         return left
-    fit = model.max_chunk(decode, 0, left, itl_target_s, PREFILL_ALIGN)
-    return max(fit, PREFILL_ALIGN)
+    return time_limited_chunk(model, decode, 0, left, itl_target_s, first_chunk=True)
 
 
 def predict_ttft(model: StepTimeModel, budget: int, itl_target_s: float | None,

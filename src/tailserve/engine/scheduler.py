@@ -10,13 +10,15 @@ The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens
    (``srpt``: shortest remaining prefill first, and no request that arrives after a prompt's
    place ever passes it), or arrival order (``fcfs``); priority first under ``priority``.
    While decodes run (and prompts may be chunked), each chunk is the largest multiple of
-   ``PREFILL_ALIGN`` that keeps the step's predicted time (``stepcost.StepTimeModel``)
-   within the step's ITL target: ``--itl-target-ms`` when given, else
-   ``itl_target_factor`` (2) x the predicted decode-only step of the decodes this step
-   carries (``latency.step_target_s``), so prefill gets about half of every step whatever
-   the concurrency and a step is at most ~2x a decode-only one. The step's first chunk
-   always gets ``PREFILL_ALIGN`` tokens, so prefill progresses even when the decodes alone
-   fill a fixed target. With no decode running a prefill takes the whole token budget. At
+   ``PREFILL_ALIGN`` (32), else 16 or 8 tokens, that keeps the step's predicted time
+   (``stepcost.StepTimeModel``) within the step's ITL target: ``--itl-target-ms`` when
+   given, else ``itl_target_factor`` (2) x the predicted decode-only step of the decodes this
+   step carries (``latency.step_target_s``), so prefill gets about half of every step
+   whatever the concurrency and a step is at most ~2x a decode-only one. The step's first
+   chunk always gets tokens, so prefill progresses: ``MIN_PREFILL_CHUNK`` (8) when even that
+   is over the target, ``PREFILL_ALIGN`` when the decodes alone fill a fixed target
+   (``latency.time_limited_chunk``). With no decode running a prefill takes the whole token
+   budget. At
    most ``max_num_partial_prefills`` requests are left part-way through their prompt; a
    short prompt that finishes in the step still goes.
 3. When a running request cannot get a block, the newest admission not yet scheduled this
@@ -45,12 +47,14 @@ from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits, max_
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.engine.latency import (
+    MIN_PREFILL_CHUNK,
     PREFILL_ALIGN,
     check_slo,
     decode_shape,
     is_decode,
     predict_ttft,
     step_target_s,
+    time_limited_chunk,
 )
 from tailserve.engine.waiting_queue import WaitingQueue
 from tailserve.errors import InvalidRequestError, QueueFullError
@@ -58,7 +62,7 @@ from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus, SequenceLimits, check_request_lengths
 from tailserve.stepcost import StepShape, StepTimeModel
 
-__all__ = ["PREFILL_ALIGN", "Scheduler", "WaitingQueue"]
+__all__ = ["MIN_PREFILL_CHUNK", "PREFILL_ALIGN", "Scheduler", "WaitingQueue"]
 
 
 class Scheduler:
@@ -247,13 +251,9 @@ class Scheduler:
 
     def _time_limited(self, n: int, shape: StepShape, start: int, first_chunk: bool,
                       target: float) -> int:
-        """``n`` cut so the step's predicted time stays within ``target``; a first prefill
-        chunk of a step always gets PREFILL_ALIGN tokens (or its rest), so prefill
-        progresses even when the decodes alone fill the target."""
-        fit = self.step_model.max_chunk(shape, start, n, target, PREFILL_ALIGN)
-        if fit == 0 and first_chunk:
-            return min(n, PREFILL_ALIGN)
-        return fit
+        """``n`` cut so the step's predicted time stays within ``target``
+        (``latency.time_limited_chunk``: the step's first chunk always gets some tokens)."""
+        return time_limited_chunk(self.step_model, shape, start, n, target, first_chunk)
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
