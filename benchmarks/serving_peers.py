@@ -5,7 +5,8 @@ llama-server read the Q4_1 GGUF, vLLM the Hugging Face folder converted from it)
 same workloads from one client, so the client's own costs cancel out:
 
   single     one request at a time (--max-concurrency 1): the latency floor
-  saturated  every request sent at once: throughput
+  saturated  64 requests, 32 in flight (--max-concurrency 32, issue 15's shape): throughput
+             with a full batch, each finished request replaced at once by the next
   mixed      open-loop Poisson arrivals at a fixed rate below every server's capacity,
              prompts from ~50 to ~970 tokens and short outputs: the tail a user sees
   long-mix   open-loop, 10% of prompts ~4,000 tokens and the rest ~100, short outputs: do
@@ -76,7 +77,7 @@ class Workload:
 
 WORKLOADS = {
     "single": Workload("single", 16, 256, 64, max_concurrency=1),
-    "saturated": Workload("saturated", 64, 256, 64),
+    "saturated": Workload("saturated", 64, 256, 64, max_concurrency=32),
     "mixed": Workload("mixed", 100, 512, 32, range_ratio=0.9, request_rate=0.5),
     "long-mix": Workload("long-mix", 40, 100, 16, range_ratio=0.2, request_rate=0.5,
                          long_len=4000, long_share=0.1),
