@@ -217,6 +217,47 @@ def test_a_late_chunk_of_a_long_prompt_shrinks_with_its_attention() -> None:
                               2000, 500, 0.040, first_chunk=False) == 0
 
 
+def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None:
+    # 10 ms a step + 1 ms a prompt token + 3 us an attention pair; budget 64: the first
+    # chunk (64 tokens, 2,080 pairs) is predicted at 80.24 ms, the cap. Later chunks read
+    # more context and are cut (multiples of 32, then 16 / 8) so no step passes it.
+    coef = (0.010, 1.0, 0.020, 0.0, 3.0)
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64, max_num_seqs=16)
+    s.step_model = StepTimeModel(coef)
+    runner = FakeRunner()
+    s.add_request(req("long", 1000, 0.0))
+    cap = s.prefill_step_cap()
+    assert cap == pytest.approx(0.010 + 0.064 + 3 * 0.002080)
+    chunks = []
+    while sum(chunks) < 1000:
+        chunks += [n for rid, n in step(s, runner, clock) if rid == "long"]
+    assert chunks[:3] == [64, 32, 32]
+    assert chunks[-1] == 1000 - sum(chunks[:-1])
+    assert all(b <= a for a, b in zip(chunks[:-1], chunks[1:-1], strict=False))
+    assert {8, 16} & set(chunks)  # deep into the prompt, 32 tokens no longer fit
+    assert all(s.step_model.predict(s.shape_of(o)) <= cap + 1e-12 for o in runner.steps)
+    # A short prompt arriving meanwhile goes first in the next step (its place is earlier
+    # than the long one's: arrival + 1,000 x 2 ms of aging), and the long one takes the rest.
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64, max_num_seqs=16)
+    s.step_model = StepTimeModel(coef)
+    s.add_request(req("long", 1000, 0.0))
+    for _ in range(3):
+        step(s, runner, clock)
+    s.add_request(req("short", 20, clock.t))
+    sizes = dict(step(s, runner, clock))
+    assert sizes["short"] == 20 and sizes["long"] == 32  # within the time the short left
+    assert s.step_model.predict(s.shape_of(runner.steps[-1])) <= cap + 1e-12
+    # Steps not sized by time: every chunk is the token budget.
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64, enable_itl_target=False)
+    s.step_model = StepTimeModel(coef)
+    assert s.prefill_step_cap() is None
+    s.add_request(req("long", 1000, 0.0))
+    assert [step(s, runner, clock) for _ in range(3)] == [[("long", 64)]] * 3
+
+
 def test_srpt_serves_the_shortest_remaining_prefill_first() -> None:
     clock = Clock()
     s = make(clock, max_num_batched_tokens=64)

@@ -224,7 +224,7 @@ class EngineArgs:
                   "fewest prompt tokens left, with aging; fcfs: in arrival order"},
     )
     prefill_aging_s_per_1k_tokens: float = field(
-        default=0.5,
+        default=2.0,
         metadata={"help": "SRPT aging: a prompt's place is its arrival + this x its remaining "
                   "tokens / 1000; no request that arrives later than that passes it"},
     )
@@ -541,7 +541,7 @@ class SchedulerConfig:
     itl_target_factor: float = AUTO_ITL_FACTOR
     ttft_slo_s: float | None = None
     prefill_scheduling: Literal["srpt", "fcfs"] = "srpt"
-    prefill_aging_s_per_token: float = 0.5e-3
+    prefill_aging_s_per_token: float = 2e-3
     max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:

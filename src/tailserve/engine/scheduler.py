@@ -18,7 +18,9 @@ The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens
    chunk always gets tokens, so prefill progresses: ``MIN_PREFILL_CHUNK`` (8) when even that
    is over the target, ``PREFILL_ALIGN`` when the decodes alone fill a fixed target
    (``latency.time_limited_chunk``). With no decode running a prefill takes the whole token
-   budget. At
+   budget, in steps no longer than a budget-sized chunk at a prompt's start takes
+   (``prefill_step_cap``: later chunks of a long prompt, whose attention reads its whole
+   context, are cut so the step stays within that). At
    most ``max_num_partial_prefills`` requests are left part-way through their prompt; a
    short prompt that finishes in the step still goes.
 3. When a running request cannot get a block, the newest admission not yet scheduled this
@@ -170,6 +172,20 @@ class Scheduler:
             return None
         return step_target_s(self.step_model, decode, cfg.itl_target_s, cfg.itl_target_factor)
 
+    def prefill_step_cap(self) -> float | None:
+        """The time a step with no decode may take: what a chunk of the whole token budget at
+        the start of a prompt is predicted to take. Late chunks of a long prompt read its
+        whole context in attention: a 512-token chunk 3,500 tokens in took ~1 s here against
+        ~0.2 s for the first one, and a short prompt arriving meanwhile waited for all of it
+        (the long-mix workload's short requests: P99 TTFT 100x their median). Capped, such
+        a chunk is cut to fewer tokens (the same attention pairs per token, so the prompt's
+        own prefill costs only the extra steps' fixed time), and a step is never longer than
+        the token budget says. None when steps are not sized by time."""
+        cfg = self.config
+        if not (cfg.enable_itl_target and cfg.enable_chunked_prefill):
+            return None
+        return self.step_model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
+
     def _check_slo(self, req: Request, slo_s: float) -> None:
         predicted, idle = self.predict_ttft(req)
         check_slo(req, slo_s, predicted, idle, len(self.waiting), len(self.running))
@@ -276,12 +292,16 @@ class Scheduler:
                 decode_seqs += 1
                 decode_context += req.num_computed_tokens + 1
         shape = StepShape(0, decode_seqs, decode_context, 0)
-        # The step's time is budgeted only while decodes wait on it, and only when prompts
-        # may be split (without chunking a prompt is prefilled whole or not at all); the
-        # target is sized against the decodes just scheduled (shape holds only them yet).
-        target = self.step_target(shape) if shape.decode_seqs else None
-        if target is not None:
-            self.itl_target_s = target
+        # The step's time is budgeted only when prompts may be split (without chunking a
+        # prompt is prefilled whole or not at all). While decodes wait on it, by the ITL
+        # target, sized against the decodes just scheduled (shape holds only them yet);
+        # without, by what a budget-sized chunk at a prompt's start takes (prefill_step_cap).
+        if shape.decode_seqs:
+            target = self.step_target(shape)
+            if target is not None:
+                self.itl_target_s = target
+        else:
+            target = self.prefill_step_cap()
 
         # Running partial prefills and waiting requests compete for the prefill budget (a
         # preemption above may have sent some back to the queue).
