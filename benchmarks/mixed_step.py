@@ -25,6 +25,7 @@ way, and prints its prediction for every shape against the measured time, for
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 import typing
@@ -48,11 +49,13 @@ EXTRA = ((16, 256, 0, 0), (32, 512, 0, 0), (4, 64, 0, 0), (1, 64, 16, 0), (16, 2
 MODES = ("module", "decode-only", "one-call")
 
 
-def build(gguf_weights: str) -> tuple[ModelRunner, int]:
+def build(gguf_weights: str, kv_cache_dtype: str | None = None) -> tuple[ModelRunner, int]:
     path = EngineArgs().model
     loaded = load_model(path, gguf_weights=gguf_weights)
-    config = EngineArgs(model=path, device="cpu", num_kv_blocks=2048, max_model_len=2048
-                        ).resolve(loaded.config, detect_platform())
+    args = EngineArgs(model=path, device="cpu", num_kv_blocks=2048, max_model_len=2048)
+    if kv_cache_dtype is not None:  # else EngineArgs' own default
+        args = dataclasses.replace(args, kv_cache_dtype=kv_cache_dtype)
+    config = args.resolve(loaded.config, detect_platform())
     runner = ModelRunner(config.model, config.runner, config.scheduler.max_model_len,
                          loaded.weights)
     runner.allocate_kv_cache(config.cache)
@@ -102,6 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--gguf-weights", default="packed")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="the KV pool (default: EngineArgs', the compute dtype)")
     ap.add_argument("--stat", choices=("min", "median"), default="min")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU time, less disturbed by other processes")
@@ -109,7 +114,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="decodes,ctx,chunk,start each (default: the five of RESULTS.md)")
     args = ap.parse_args()
-    runner, block_size = build(args.gguf_weights)
+    runner, block_size = build(args.gguf_weights, args.kv_cache_dtype)
     graph = runner.decode_graph
     limit = ("off" if graph is None else "on, any token count" if graph.max_tokens is None
              else f"on, up to {graph.max_tokens} tokens")

@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "decode_heads512.h"
+#include "paged_rows.h"
 #include "simd.h"
 #include "simd16.h"
 #include "work_pool.h"
@@ -53,16 +55,6 @@ inline void axpy<float>(float* acc, float w, const float* v, int64_t n) {
 
 // ------------------------------------------------------------------ paged decode attention
 
-// Pointer to token t's row for KV head g: blocks are [block_size, H_kv, D].
-struct PagedRows {
-  const int64_t* table;
-  int64_t block_size, blk_stride, tok_stride, head_off;
-  template <typename T>
-  inline const T* row(const T* base, int64_t t) const {
-    return base + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
-  }
-};
-
 // Generic path (any dtype, any head_dim): scores, softmax, weighted sum of V. TQ: q and out;
 // TKV: the pool (a 16-bit pool is widened as it is read).
 template <typename TQ, typename T>
@@ -100,42 +92,7 @@ void decode_one_generic(const TQ* qp, int64_t q_s1, TQ* op, int64_t o_s1, const 
 // are num_g * group consecutive heads of q). One pass over the context with an online softmax,
 // eight tokens of one block at a time: the chunk's K rows give the scores of every query head
 // of their group, the running max and sum are updated, then its V rows are added in while
-// they are still in L1.
-//
-// Why one pass and spread-out prefetches: reading K/V from DRAM, one thread reached only
-// ~4 GB/s with a K pass then a V pass, where a plain walk of the same blocks reads ~10 GB/s.
-// A DRAM line takes ~100 ns and a core has few misses in flight, so the loads of a chunk
-// must already be on their way while the previous chunk computes. Each chunk therefore
-// prefetches into L1 the K rows (during its score loop) and V rows (during its V loop) of the
-// chunk kPrefetchTokens ahead, a few lines at a time, and into L2 the rows kFarTokens ahead:
-// +25-40% GB/s on 32-64 sequences x 300-1000 tokens for the near prefetches (bursts of whole
-// chunks gained nothing), +3-14% more for the far ones (96 tokens: no steadier gain).
-constexpr int64_t kMaxItemHeads = 32;
-constexpr int64_t kPrefetchTokens = 16;
-constexpr int64_t kFarTokens = 48;
-
-// K and V row pointers of tokens [t, t + count), one table lookup per block they fall in.
-template <typename TKV>
-inline void chunk_rows(const PagedRows& rows, const TKV* kp, const TKV* vp, int64_t t,
-                       int64_t count, const TKV** pk, const TKV** pv) {
-  for (int64_t j = 0; j < count;) {
-    const int64_t stop = std::min(count, j + rows.block_size - (t + j) % rows.block_size);
-    const TKV* kb = rows.row(kp, t + j);
-    const TKV* vb = rows.row(vp, t + j);
-    for (int64_t i = 0; j < stop; ++j, ++i) {
-      pk[j] = kb + i * rows.tok_stride;
-      pv[j] = vb + i * rows.tok_stride;
-    }
-  }
-}
-
-// Prefetch `bytes` bytes from p: Hint _MM_HINT_T0 into L1, _MM_HINT_T1 into L2.
-template <int Hint>
-inline void prefetch_span(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, static_cast<_mm_hint>(Hint));
-}
-
+// they are still in L1. The prefetches ahead of each chunk, and why: paged_rows.h.
 template <int NV, typename TKV>
 void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const TKV* kp,
                        const TKV* vp, const PagedRows& rows, int64_t len, int64_t num_g,
@@ -260,6 +217,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  // The vector path, chosen at run time (quant_isa(): 0 scalar, 1 AVX2, 2+ AVX512); the
+  // AVX512 and AVX2 ones give the same bits, the generic one the same within rounding.
+  const int isa = quant_isa();
+  (void)isa;
   // Checked here: an exception must not leave a parallel region.
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] > 0 && (lens[s] + block_size - 1) / block_size <= block_tables.size(1),
@@ -279,13 +240,25 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     const PagedRows rows{bt + s * bt_s0, block_size, blk_stride, tok_stride, g * head_dim};
     const TQ* qs = qp + s * q_s0 + g * group * q_s1;
     TQ* os = op + s * o_s0 + g * group * o_s1;
+#if defined(__AVX512F__) && defined(TS_AVX2)
+    if constexpr (std::is_same_v<TQ, float> && has_load8<T>()) {
+      if (isa >= 2 && per_item * group <= kMaxItemHeads && head_dim == 64) {
+        decode_heads_avx512<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        return;
+      }
+      if (isa >= 2 && per_item * group <= kMaxItemHeads && head_dim == 128) {
+        decode_heads_avx512<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        return;
+      }
+    }
+#endif
 #ifdef TS_AVX2
     if constexpr (std::is_same_v<TQ, float> && has_load8<T>()) {
-      if (per_item * group <= kMaxItemHeads && head_dim == 64) {
+      if (isa >= 1 && per_item * group <= kMaxItemHeads && head_dim == 64) {
         decode_heads_avx2<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
         return;
       }
-      if (per_item * group <= kMaxItemHeads && head_dim == 128) {
+      if (isa >= 1 && per_item * group <= kMaxItemHeads && head_dim == 128) {
         decode_heads_avx2<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
         return;
       }
