@@ -1,43 +1,34 @@
 """ModelRunner: one forward per step over a flattened mix of prefill chunks and decodes.
 
 It owns everything on the device: the weights, the KV pool (allocated once, here, at start-up),
-the rope table and the per-request sampling generators. Input: a ``SchedulerOutput``;
-output: a ``RunnerOutput`` of sampled token ids. Nothing here decides who runs.
+the rope table and the per-request sampling generators. Input: a ``SchedulerOutput``
+(flattened into the forward's inputs by ``step_batch.py``); output: a ``RunnerOutput`` of
+sampled token ids. Nothing here decides who runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
 
-import numpy as np
 import torch
-from torch import nn
 
 from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, shard_config
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.errors import ConfigError
 from tailserve.kernels import cpu_ops_available
-from tailserve.model.attention import AttentionMetadata, get_attention_backend
+from tailserve.model.attention import get_attention_backend
 from tailserve.model.cpu_decode import CpuDecodeGraph
-from tailserve.model.cuda_graphs import (
-    CudaDecodeGraphs,
-    graph_batch_for,
-    graph_batch_sizes,
-    wants_cuda_graphs,
-)
+from tailserve.model.cuda_graphs import CudaDecodeGraphs, graph_batch_sizes, wants_cuda_graphs
 from tailserve.model.device import torch_dtype
-from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
-from tailserve.model.meta_build import skip_init
+from tailserve.model.meta_build import default_dtype, materialize_model, skip_init
 from tailserve.model.parallel import TensorParallelGroup
 from tailserve.model.resident_weights import resident_weight_bytes
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.sampling_buffers import SamplingBuffers, sampling_buffer_bytes
+from tailserve.model.step_batch import StepBatch, prepare_batch
 from tailserve.model.step_buffers import StepInputBuffers, step_buffer_bytes
 from tailserve.model.transforms import apply_cpu_kernels
 from tailserve.model.transforms.gguf_linear import apply_gguf_weights, has_packed
@@ -48,38 +39,6 @@ from tailserve.model.triton_kernels import triton_available
 from tailserve.obs import profiling
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Batch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    # The hidden rows that sample; None when every token's row does, in order (a decode-only
-    # step), so the LM head reads the hidden states without a gather.
-    logits_indices: torch.Tensor | None
-    sampling: list[ScheduledRequest]
-    graph_batch_size: int | None = None  # replay this CUDA graph instead of the forward
-
-
-def materialize_model(model: LlamaForCausalLM, device: torch.device, max_model_len: int) -> None:
-    """Give a meta-built model real (uninitialized) tensors wherever it still has meta ones:
-    the parameters ``load_weights`` fills, and a rope table computed again on ``device``."""
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                if id(param) not in made:  # a tied parameter stays one parameter
-                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                                   requires_grad=param.requires_grad)
-                module._parameters[name] = made[id(param)]
-    cfg = model.config
-    with torch.device(device):
-        model.rope = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta,
-                                     cfg.rope_scaling)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"tensors left on the meta device: {left[:4]}")
 
 
 class ModelRunner:
@@ -124,7 +83,7 @@ class ModelRunner:
         # Built in the weights' dtype and cast by role before the checkpoint is copied in, so
         # a 16-bit checkpoint is never widened into a float32 model on the way; the rope
         # table (materialize_model) stays float32.
-        with torch.device("meta"), _default_dtype(self.weight_dtype), skip_init():
+        with torch.device("meta"), default_dtype(self.weight_dtype), skip_init():
             model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
         cast_for_storage(model, self.weight_dtype, self.dtype)
         apply_gguf_weights(model, weights)  # packed matrices (GGUF, --quantization): blocks
@@ -249,111 +208,15 @@ class ModelRunner:
         return self.memory_profile.kv_cache_bytes
 
     # ------------------------------------------------------------------ one step
-    def _prepare(self, sched: SchedulerOutput) -> _Batch:
-        # Decodes first, longest context first, so the backend can attend over them in a few
-        # batched calls each padded only to a similar length.
-        order = sorted(
-            sched.scheduled,
-            key=lambda s: (s.is_prefill, -(s.num_computed_tokens + len(s.token_ids))),
-        )
-        num_decodes = sum(1 for s in order if not s.is_prefill)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampling: list[ScheduledRequest] = []
-        num_tokens = 0
-        for s in order:
-            n = len(s.token_ids)
-            start = s.num_computed_tokens
-            table = s.block_ids
-            if n == 1:  # a decode (the steady state: no range, no generator per token)
-                input_ids.append(s.token_ids[0])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(s.token_ids)
-                pos = range(start, start + n)
-                positions.extend(pos)
-                slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            num_tokens += n
-            qsl.append(num_tokens)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            if s.sample:
-                logits_indices.append(num_tokens - 1)
-                sampling.append(s)
-        if self.step_buffers is not None:
-            return self._stage(order, num_decodes, input_ids, positions, slots, qsl, seq_lens,
-                               logits_indices, sampling)
-        max_blocks = max(len(s.block_ids) for s in order)
-        tables: list[int] = []
-        for s in order:
-            tables.extend(s.block_ids)
-            if len(s.block_ids) < max_blocks:
-                tables.extend([0] * (max_blocks - len(s.block_ids)))
-        dev = self.device
-        meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            slot_mapping=_long_tensor(slots, dev),
-            query_start_loc=qsl,
-            query_lens=query_lens,
-            seq_lens_list=seq_lens,
-            seq_lens=_long_tensor(seq_lens, dev),
-            block_tables=_long_tensor(tables, dev).view(len(order), max_blocks),
-            block_size=bs,
-            scale=self.scale,
-        )
-        return _Batch(
-            input_ids=_long_tensor(input_ids, dev),
-            positions=_long_tensor(positions, dev),
-            meta=meta,
-            logits_indices=(
-                None if len(logits_indices) == num_tokens  # increasing: every row, in order
-                else _long_tensor(logits_indices, dev)
-            ),
-            sampling=sampling,
+    def _prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """The step's inputs (``step_batch.py``); a method so the step profilers
+        (benchmarks/step_profile.py, pyspy_summary.py) find the phase by its name."""
+        return prepare_batch(
+            sched, self.block_size, self.scale, self.device, self.step_buffers,
+            self.cuda_graphs.sizes if self.cuda_graphs is not None else None,
         )
 
-    def _stage(
-        self, order: list[ScheduledRequest], num_decodes: int, input_ids: list[int],
-        positions: list[int], slots: list[int], qsl: list[int], seq_lens: list[int],
-        logits_indices: list[int], sampling: list[ScheduledRequest],
-    ) -> _Batch:
-        """The CUDA form of ``_prepare``'s end: the persistent buffers, padded to a graph's
-        batch size when a captured graph will run this step."""
-        buffers = self.step_buffers
-        assert buffers is not None
-        buffers.fill(input_ids, positions, slots, qsl, seq_lens, [s.block_ids for s in order],
-                     logits_indices)
-        sizes = self.cuda_graphs.sizes if self.cuda_graphs is not None else None
-        graph_size = graph_batch_for(num_decodes, len(order), sizes)
-        if graph_size is not None:
-            buffers.pad_decodes(graph_size)
-        inputs = buffers.copy_to_device()
-        n = len(order)
-        meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            slot_mapping=inputs.slot_mapping,
-            query_start_loc=qsl,
-            query_lens=[len(s.token_ids) for s in order],
-            seq_lens_list=seq_lens,
-            seq_lens=inputs.seq_lens[:n],
-            block_tables=inputs.block_tables[:n],
-            block_size=self.block_size,
-            scale=self.scale,
-            query_start_loc_tensor=inputs.query_start_loc[: n + 1],
-        )
-        return _Batch(
-            input_ids=inputs.input_ids, positions=inputs.positions, meta=meta,
-            logits_indices=inputs.logits_indices, sampling=sampling, graph_batch_size=graph_size,
-        )
-
-    def _forward(self, batch: _Batch) -> torch.Tensor:
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
         """The step's hidden states: a CUDA graph, the CPU one-call graph (decodes and
         prefill chunks alike), or the modules."""
         if self.decode_graph is not None and self.decode_graph.supports(batch.meta):
@@ -366,7 +229,7 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     @staticmethod
-    def _sampled_rows(hidden: torch.Tensor, batch: _Batch) -> torch.Tensor:
+    def _sampled_rows(hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """[num_sampling, hidden]: the rows the LM head reads. ``index_select``, not
         ``hidden[index]``: advanced indexing enters an OpenMP region from 8 rows on (waking
         OpenMP's sleeping threads against the kernels' pool), index_select up to ~64."""
@@ -434,22 +297,3 @@ class ModelRunner:
         self._forward(batch)
         if self.step_buffers is not None:
             self.step_buffers.mark_consumed()
-
-
-def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of a step's host values. On CPU through numpy: ``torch.tensor`` reads
-    a list element by element (~55 us for a 32-sequence block table), numpy ~3x faster."""
-    if device.type == "cpu":
-        return torch.from_numpy(np.array(values, dtype=np.int64))
-    return torch.tensor(values, dtype=torch.long, device=device)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Modules built inside create their parameters in ``dtype``."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

@@ -15,8 +15,10 @@
 //                                            prefill chunks)
 //   set_kernel_spin_us      work_pool.cpp    how long idle workers spin before they sleep
 //   quant_linear, quant_embedding, quant_dequantize, set_quant_isa
-//                           quant_linear.cpp products and lookups on GGUF blocks as stored,
-//                                            or tiled (quant_tiled.cpp)
+//                           quant_linear.cpp products and lookups on GGUF blocks as stored
+//                                            (with quant_blocks.h, quant_activations.cpp,
+//                                            quant_decode_rows.cpp, quant_panels.cpp,
+//                                            quant_unpacked.cpp), or tiled (quant_tiled.cpp)
 //
 // Parallel work runs on the kernels' own work pool (work_pool.h), handed out dynamically
 // through an atomic counter because decode contexts differ in length by 10x within one step.

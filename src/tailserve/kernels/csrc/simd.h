@@ -21,7 +21,7 @@ inline float to_f(T v) {
 
 #ifdef TS_AVX2
 // 32 bits -> 32 bytes, 0xFF where the bit is set (byte j from bit j): the Q5 formats' fifth
-// bits, in stored blocks (quant_linear.cpp) and in tiles (quant_tiled.cpp).
+// bits, in stored blocks (quant_decode_rows.cpp) and in tiles (quant_tiled.cpp).
 inline __m256i bits_to_bytes(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(static_cast<int>(bits)),

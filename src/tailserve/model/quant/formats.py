@@ -3,7 +3,7 @@
 A packed weight is a uint8 tensor ``[rows, blocks_per_row, type_size]``: each row is a run of
 whole ggml blocks, byte for byte as in the GGUF file. ``type_size`` differs between every
 supported format, so the tensor's shape alone names its format (``kernels/csrc/
-quant_linear.cpp`` reads it the same way) and nothing else has to travel with it.
+quant_blocks.h`` reads it the same way) and nothing else has to travel with it.
 
 The 32-value formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are served *tiled* (``tile_blocks``, at
 load): the same bytes regrouped per 16 output rows so the kernels' integer dot products read
