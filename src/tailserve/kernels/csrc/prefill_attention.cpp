@@ -188,6 +188,47 @@ struct Vec512 {
   float hmax() const { return _mm512_reduce_max_ps(a); }
   float hsum() const { return _mm512_reduce_add_ps(a); }
 };
+
+// Sixteen consecutive elements of a row as float32.
+inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_f32(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16_f32(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// dst[col * stride + i] = rows[i][col] for a 16 x 16 block (rows[i] null: zeros), in registers:
+// the scalar transpose was 16 loads and 16 strided stores per key and 16 dims.
+template <typename T>
+inline void transpose16_store(const T* const* rows, float* dst, int64_t stride) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = rows[i] != nullptr ? load16_f32(rows[i]) : _mm512_setzero_ps();
+  // Pairs, then quads of rows interleaved within each 128-bit lane: t[4g + c] lane L holds
+  // rows 4g .. 4g + 3 at column 4L + c.
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    r[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    r[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    r[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    r[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  // Then a 4 x 4 transpose of 128-bit lanes among r[c], r[4 + c], r[8 + c], r[12 + c].
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44);
+    const __m512 x1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 x2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512 x3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_ps(dst + (0 + c) * stride, _mm512_shuffle_f32x4(x0, x2, 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * stride, _mm512_shuffle_f32x4(x0, x2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + c) * stride, _mm512_shuffle_f32x4(x1, x3, 0x88));
+    _mm512_storeu_ps(dst + (12 + c) * stride, _mm512_shuffle_f32x4(x1, x3, 0xDD));
+  }
+}
 #endif
 
 // One piece's buffers, per thread, grown to the largest piece seen.
@@ -289,22 +330,48 @@ void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1,
     // Stage the chunk; K lanes past its end are zero. A float32 pool's V rows are read where
     // they are (only K needs its transpose).
     const float* vrows[kChunk];
+    const T* krows[kChunk];
     for (int64_t j = 0; j < kChunk; ++j) {
-      float* vrow = b.vf.data() + j * D;
-      vrows[j] = vrow;
+      vrows[j] = b.vf.data() + j * D;
+      krows[j] = nullptr;
       if (j < c) {
         const int64_t t = t0 + j;
         const int64_t off = table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
-        const T* kr = kp + off;
-        const T* vr = vp + off;
-        for (int64_t d = 0; d < D; ++d) b.kt[d * kChunk + j] = to_f(kr[d]);
-        if constexpr (std::is_same_v<T, float>) {
-          vrows[j] = vr;
-        } else {
-          for (int64_t d = 0; d < D; ++d) vrow[d] = to_f(vr[d]);
+        krows[j] = kp + off;
+        if constexpr (std::is_same_v<T, float>) vrows[j] = vp + off;
+      }
+    }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<V, Vec512>) {
+      for (int64_t db = 0; db < nv; ++db) {
+        for (int64_t kg = 0; kg < kChunkVecs; ++kg) {
+          const T* rows16[16];
+          for (int64_t i = 0; i < 16; ++i) {
+            rows16[i] = krows[16 * kg + i] != nullptr ? krows[16 * kg + i] + 16 * db : nullptr;
+          }
+          transpose16_store(rows16, b.kt.data() + 16 * db * kChunk + 16 * kg, kChunk);
         }
-      } else {
-        for (int64_t d = 0; d < D; ++d) b.kt[d * kChunk + j] = 0.f;
+      }
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t j = 0; j < c; ++j) {
+          const T* vr = vp + (krows[j] - kp);
+          for (int64_t db = 0; db < nv; ++db) _mm512_storeu_ps(b.vf.data() + j * D + 16 * db, load16_f32(vr + 16 * db));
+        }
+      }
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < kChunk; ++j) {
+        if (j < c) {
+          const T* kr = krows[j];
+          for (int64_t d = 0; d < D; ++d) b.kt[d * kChunk + j] = to_f(kr[d]);
+          if constexpr (!std::is_same_v<T, float>) {
+            const T* vr = vp + (kr - kp);
+            for (int64_t d = 0; d < D; ++d) b.vf[j * D + d] = to_f(vr[d]);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) b.kt[d * kChunk + j] = 0.f;
+        }
       }
     }
     // Query token jq sees keys 0 .. pos0 + jq: none of this chunk before jq = t0 - pos0.
