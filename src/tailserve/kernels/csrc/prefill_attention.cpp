@@ -10,27 +10,31 @@
 //
 // Work split: an item is (sequence, KV head, 32 query tokens); the query heads of the GQA
 // group share every K/V chunk the item stages. A step with few items (a short chunk after a
-// long prompt start: 3 items for SmolLM2's 3 KV heads, 2 threads) cuts each item's key range
-// into parts of >= 128 keys, about 24 pieces in all, so both threads stay busy; each part
-// keeps its rows' unnormalized output, max and sum, and a merge pass rescales the parts to
-// their common max (log-sum-exp). The split depends on the shapes only, so results do not
-// depend on which thread ran what. Pieces run costliest first, handed out dynamically.
+// long prompt start: 3 items for SmolLM2's 3 KV heads, on 2 threads) cuts each item's key
+// range into parts of >= 128 keys, about 24 pieces in all, so both threads stay busy. Each
+// part keeps its rows' unnormalized output, max and sum; the thread that finishes an item's
+// last part rescales the parts to their common max and merges them (log-sum-exp). The split
+// depends on the shapes only, never on which thread ran what, so results are the same run to
+// run and thread count to thread count. Pieces run costliest first, handed out dynamically.
 //
-// Inner loops: a chunk of 64 keys is staged as float32 (K transposed to [D][64], V as
-// [64][D]; a 16-bit pool is widened here). Scores are a register tile of 6 query rows x
-// 64 keys (AVX512: 24 accumulators; per d, 4 K loads and 6 broadcasts feed 24 FMAs, chains
-// independent enough to keep both FMA pipes busy); the online softmax (max, exp, rescale)
-// runs once per 64 keys per row; the output is a tile of 6 rows x 64 dims over the chunk's
-// keys, loaded and stored once per chunk. AVX2 and scalar use narrower tiles (16 ymm).
+// Inner loops: a chunk of 64 keys is staged as float32 (K transposed to [D][64], by 16 x 16
+// in-register transposes on AVX512; V as [64][D]; a 16-bit pool is widened here). Scores are
+// a register tile of 6 query rows x 64 keys (AVX512: 24 accumulators; per d, 4 K loads and 6
+// broadcasts feed 24 independent FMAs, enough to keep both FMA pipes busy); the online
+// softmax (max, exp, rescale) runs once per 64 keys per row; the output is a tile of 6 rows x
+// 64 dims over the chunk's keys, loaded and stored once per chunk. AVX2 and scalar take 16
+// keys / 16 dims per tile (AVX2: 12 ymm accumulators of its 16 registers).
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -237,9 +241,10 @@ struct PieceBuffers {
 };
 
 // Query tokens [j0, j1) of a sequence's chunk, keys [t0, t1) of its context. part >= 0: one
-// of several parts of the item's keys, its results kept for the merge at partial offset part.
+// of several parts of the item's keys (the item's split: split), its results kept for the
+// merge at partial offset part.
 struct Piece {
-  int64_t seq, kv_head, j0, j1, t0, t1, part;
+  int64_t seq, kv_head, j0, j1, t0, t1, part, split;
 };
 
 // Where a piece writes: the output rows (part < 0), or a partial [rows, D] + max + sum.
@@ -478,12 +483,13 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
       const int64_t step = (per + kChunk - 1) / kChunk * kChunk;
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         if (parts == 1) {
-          pieces.push_back({s, g, j0, j1, 0, keys, -1});
+          pieces.push_back({s, g, j0, j1, 0, keys, -1, -1});
           continue;
         }
         const int64_t first = static_cast<int64_t>(pieces.size());
+        const int64_t split = static_cast<int64_t>(splits.size());
         for (int64_t t = 0; t < keys; t += step) {
-          pieces.push_back({s, g, j0, j1, t, std::min(keys, t + step), num_parts++});
+          pieces.push_back({s, g, j0, j1, t, std::min(keys, t + step), num_parts++, split});
         }
         splits.push_back({first, static_cast<int64_t>(pieces.size()) - first});
       }
@@ -507,19 +513,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
     float* base = part_base + part * part_floats;
     return PartialSlot{base, base + part_rows * D, base + part_rows * (D + 1)};
   };
-  parallel_dynamic(static_cast<int64_t>(order.size()), [&](int64_t i) {
-    thread_local PieceBuffers buffers;
-    const Piece& pc = pieces[order[i]];
-    PartialSlot slot{};
-    if (pc.part >= 0) slot = slot_of(pc.part);
-    prefill_piece<V, T>(pc, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp,
-                        vp, bt + pc.seq * bt_s0, block_size, tok_stride, blk_stride,
-                        qsl[pc.seq], lens[pc.seq], qsl[pc.seq + 1] - qsl[pc.seq], group, D,
-                        scale, pc.part >= 0 ? &slot : nullptr, buffers);
-  });
-  // Merge each split item's parts, in part order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
-  parallel_dynamic(static_cast<int64_t>(splits.size()), [&](int64_t i) {
-    const Split& sp = splits[i];
+  // Merges a split item's parts, in part order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+  const auto merge = [&](const Split& sp) {
     const Piece& first = pieces[sp.piece0];
     const int64_t n = first.j1 - first.j0;
     const int64_t q_begin = qsl[first.seq];
@@ -541,6 +536,24 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
         for (int64_t p = 0; p < sp.parts; ++p) a += w[p] * slot_of(pieces[sp.piece0 + p].part).acc[r * D + d];
         dst[d] = a * inv;
       }
+    }
+  };
+  // Parts done per split item: whichever thread finishes an item's last part merges it, in the
+  // same pass (a second parallel region per call cost a wake-up of the pool per layer).
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[splits.size()]);
+  for (size_t i = 0; i < splits.size(); ++i) done[i].store(0, std::memory_order_relaxed);
+  parallel_dynamic(static_cast<int64_t>(order.size()), [&](int64_t i) {
+    thread_local PieceBuffers buffers;
+    const Piece& pc = pieces[order[i]];
+    PartialSlot slot{};
+    if (pc.part >= 0) slot = slot_of(pc.part);
+    prefill_piece<V, T>(pc, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp,
+                        vp, bt + pc.seq * bt_s0, block_size, tok_stride, blk_stride,
+                        qsl[pc.seq], lens[pc.seq], qsl[pc.seq + 1] - qsl[pc.seq], group, D,
+                        scale, pc.part >= 0 ? &slot : nullptr, buffers);
+    // acq_rel: the last part's thread sees every other part's partial.
+    if (pc.split >= 0 && done[pc.split].fetch_add(1, std::memory_order_acq_rel) + 1 == splits[pc.split].parts) {
+      merge(splits[pc.split]);
     }
   });
 }
