@@ -254,11 +254,13 @@ struct PartialSlot {
   float* l;
 };
 
-// Scores of rows qr[0..kRows) against the staged chunk kt [D][kChunk], into s [kRows][kChunk].
+// Scores of rows qr[0..kRows) against the staged chunk kt [D][kChunk], into s [kRows][kChunk],
+// for the first `needed` vectors of 16 keys (rounded up to the tile; the rest are masked).
 template <typename V>
-inline void tile_scores(const float* const* qr, const float* kt, int64_t D, float (*s)[kChunk]) {
+inline void tile_scores(const float* const* qr, const float* kt, int64_t D, int64_t needed,
+                        float (*s)[kChunk]) {
   constexpr int64_t G = V::kKeyGroup;
-  for (int64_t k0 = 0; k0 < kChunkVecs; k0 += G) {
+  for (int64_t k0 = 0; k0 < needed; k0 += G) {
     V acc[kRows][G];
     for (int64_t i = 0; i < kRows; ++i) {
       for (int64_t g = 0; g < G; ++g) acc[i][g] = V::set1(0.f);
@@ -393,7 +395,7 @@ void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1,
         qr[i] = b.q.data() + r * D;
         ar[i] = b.acc.data() + r * D;
       }
-      tile_scores<V>(qr, b.kt.data(), D, p);
+      tile_scores<V>(qr, b.kt.data(), D, (most + 15) / 16, p);
       float alpha[kRows];
       for (int64_t i = 0; i < kRows; ++i) {
         alpha[i] = 1.f;
