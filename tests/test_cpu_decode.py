@@ -106,12 +106,15 @@ def assert_graph_matches_module_forward(
 
 
 # (decode contexts, prefill chunks as (start, tokens)): a first chunk, one deep in a prompt
-# with odd lengths, two chunks behind decodes, and a step of chunks alone.
+# with odd lengths, two chunks behind decodes, a step of chunks alone, and a short chunk after
+# a long start.
 MIXED_STEPS = {
     "3dec+first-chunk": ([5, 40, 17], [(0, 23)]),
     "2dec+deep-chunk": ([130, 9], [(201, 37)]),
     "4dec+two-chunks": ([300, 1, 16, 33], [(96, 19), (0, 7)]),
     "chunks-only": ([], [(17, 1), (45, 50)]),
+    # A short chunk deep in a prompt: few work items, so the kernel splits their keys.
+    "1dec+split-chunk": ([40], [(300, 12)]),
 }
 
 

@@ -67,7 +67,11 @@ def make_case(ctx: list[int], new: list[int], heads: int, kv_heads: int, d: int,
     ([17], [17]),  # a whole prompt, one past a block
     ([300, 45, 33], [130, 45, 1]),  # chunks over earlier context, a fresh prompt, a decode-like row
     ([64, 16], [15, 16]),
-], ids=["one", "fresh", "mixed", "blocks"])
+    # Few items over long context: their keys are cut into parts and merged; in the second,
+    # the last part (key 768 alone) is visible to the chunk's last token only.
+    ([700, 5], [24, 5]),
+    ([769], [20]),
+], ids=["one", "fresh", "mixed", "blocks", "split", "split-tail"])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (2, 1, 128), (3, 1, 64)])
 def test_paged_prefill_attention_matches_float64(isa: str, ctx: list[int], new: list[int],
                                                  heads: int, kv_heads: int, d: int) -> None:

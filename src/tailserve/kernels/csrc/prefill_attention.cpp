@@ -8,269 +8,275 @@
 // (benchmarks/RESULTS.md, "Prefill on one pool"). A chunk with earlier context also needed a
 // gather of its K/V into a workspace, a mask tensor, and a copy of the output.
 //
-// One work item is (sequence, KV head, 32 query tokens): the query heads of the GQA group
-// share every K/V chunk the item stages. A chunk of 16 keys is staged as float32 (K
-// transposed to [D][16], V as [16][D]; a 16-bit pool is widened here), so a query row's
-// scores are D broadcast FMAs over 16 lanes and its output D / 16 vectors per key; softmax is
-// online (running max and sum per row). Items run longest first, handed out dynamically.
+// Work split: an item is (sequence, KV head, 32 query tokens); the query heads of the GQA
+// group share every K/V chunk the item stages. A step with few items (a short chunk after a
+// long prompt start: 3 items for SmolLM2's 3 KV heads, on 2 threads) cuts each item's key
+// range into parts of >= 128 keys, about 24 pieces in all, so both threads stay busy. Each
+// part keeps its rows' unnormalized output, max and sum; the thread that finishes an item's
+// last part rescales the parts to their common max and merges them (log-sum-exp). The split
+// depends on the shapes only, never on which thread ran what, so results are the same run to
+// run and thread count to thread count. Pieces run costliest first, handed out dynamically.
+//
+// Inner loops: a chunk of 64 keys is staged as float32 (K transposed to [D][64], by 16 x 16
+// in-register transposes on AVX512; V as [64][D]; a 16-bit pool is widened here). Scores are
+// a register tile of 6 query rows x 64 keys (AVX512: 24 accumulators; per d, 4 K loads and 6
+// broadcasts feed 24 independent FMAs, enough to keep both FMA pipes busy); the online
+// softmax (max, exp, rescale) runs once per 64 keys per row; the output is a tile of 6 rows x
+// 64 dims over the chunk's keys, loaded and stored once per chunk. AVX2 and scalar take 16
+// keys / 16 dims per tile (AVX2: 12 ymm accumulators of its 16 registers).
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_ops.h"
 #include "simd.h"
 #include "simd16.h"
+#include "prefill_vec.h"
 #include "work_pool.h"
 
 namespace tailserve_cpu {
 namespace {
 
 constexpr int64_t kQueryBlock = 32;  // query tokens per item
-constexpr int64_t kKeys = 16;        // keys per staged chunk: one 16-lane vector of scores
-constexpr int64_t kRows = 4;         // query rows (token x head) computed together
+constexpr int64_t kChunk = 64;       // keys per staged chunk and per softmax update
+constexpr int64_t kChunkVecs = kChunk / 16;
+constexpr int64_t kRows = 6;         // query rows (token x head) computed together
+// Fewer items than this: split their key ranges (parts of >= kMinPartKeys, kChunk-aligned)
+// towards kTargetPieces pieces.
+constexpr int64_t kMinItems = 16;
+constexpr int64_t kTargetPieces = 24;
+constexpr int64_t kMinPartKeys = 128;
 
-// 16 float lanes: one AVX512 register, two AVX2 ones, or a plain array. The kernel is written
-// once over this and instantiated per ISA (chosen at run time: quant_isa()).
-struct VecScalar {
-  float v[16];
-  static VecScalar load(const float* p) { VecScalar r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
-  static VecScalar set1(float x) { VecScalar r; for (float& e : r.v) e = x; return r; }
-  void store(float* p) const { for (int i = 0; i < 16; ++i) p[i] = v[i]; }
-  static VecScalar fma(VecScalar a, VecScalar b, VecScalar c) {
-    for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i];
-    return c;
-  }
-  static VecScalar mul(VecScalar a, VecScalar b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
-  // exp(x - m) for lanes < valid, 0 for the rest; returns the sum of the kept lanes.
-  // The largest of lanes < valid (valid >= 1).
-  float max_of(int64_t valid) const {
-    float mx = v[0];
-    for (int64_t i = 1; i < valid; ++i) mx = std::max(mx, v[i]);
-    return mx;
-  }
-  float exp_sub(float m, int64_t valid, float* out) const {
-    float s = 0.f;
-    for (int i = 0; i < 16; ++i) {
-      out[i] = i < valid ? std::exp(v[i] - m) : 0.f;
-      s += out[i];
-    }
-    return s;
-  }
-};
-
+using prefill_vec::VecScalar;
 #ifdef TS_AVX2
-struct VecAvx2 {
-  __m256 lo, hi;
-  static VecAvx2 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static VecAvx2 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
-  static VecAvx2 fma(VecAvx2 a, VecAvx2 b, VecAvx2 c) {
-    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
-  }
-  static VecAvx2 mul(VecAvx2 a, VecAvx2 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-  // The largest of lanes < valid (valid >= 1): the others set to -inf, then a tree.
-  float max_of(int64_t valid) const {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i n = _mm256_set1_epi32(static_cast<int>(valid));
-    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    const __m256 keep_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, lane));
-    const __m256 keep_hi = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(n, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
-    const __m256 m8 = _mm256_max_ps(_mm256_blendv_ps(ninf, lo, keep_lo),
-                                    _mm256_blendv_ps(ninf, hi, keep_hi));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    return _mm_cvtss_f32(m4);
-  }
-  float exp_sub(float m, int64_t valid, float* out) const {
-    const __m256 mv = _mm256_set1_ps(m);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i n = _mm256_set1_epi32(static_cast<int>(valid));
-    const __m256 keep_lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, lane));
-    const __m256 keep_hi = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(n, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
-    const __m256 e_lo = _mm256_and_ps(keep_lo, exp_neg(_mm256_sub_ps(lo, mv)));
-    const __m256 e_hi = _mm256_and_ps(keep_hi, exp_neg(_mm256_sub_ps(hi, mv)));
-    _mm256_storeu_ps(out, e_lo);
-    _mm256_storeu_ps(out + 8, e_hi);
-    return hsum_ps(_mm256_add_ps(e_lo, e_hi));
-  }
-  static float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-};
+using prefill_vec::VecAvx2;
 #endif
-
 #if defined(__AVX512F__)
-// exp(x) for x <= 0, the AVX512 twin of exp_neg (simd.h): same polynomial, same flush.
-inline __m512 exp_neg512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-struct Vec512 {
-  __m512 a;
-  static Vec512 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Vec512 set1(float x) { return {_mm512_set1_ps(x)}; }
-  void store(float* p) const { _mm512_storeu_ps(p, a); }
-  static Vec512 fma(Vec512 x, Vec512 y, Vec512 z) { return {_mm512_fmadd_ps(x.a, y.a, z.a)}; }
-  static Vec512 mul(Vec512 x, Vec512 y) { return {_mm512_mul_ps(x.a, y.a)}; }
-  // The largest of lanes < valid (valid >= 1).
-  float max_of(int64_t valid) const {
-    return _mm512_mask_reduce_max_ps(static_cast<__mmask16>((1u << valid) - 1), a);
-  }
-  float exp_sub(float m, int64_t valid, float* out) const {
-    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp_neg512(_mm512_sub_ps(a, _mm512_set1_ps(m))));
-    _mm512_storeu_ps(out, e);
-    return _mm512_reduce_add_ps(e);
-  }
-};
+using prefill_vec::Vec512;
+using prefill_vec::load16_f32;
+using prefill_vec::transpose16_store;
 #endif
 
-// One item's buffers, per thread, grown to the largest item seen.
-struct ItemBuffers {
+// One piece's buffers, per thread, grown to the largest piece seen.
+struct PieceBuffers {
   std::vector<float> q, acc, m, l, kt, vf;
 };
 
-struct Item {
-  int64_t seq, kv_head, j0, j1;  // query tokens [j0, j1) of the sequence's chunk
+// Query tokens [j0, j1) of a sequence's chunk, keys [t0, t1) of its context. part >= 0: one
+// of several parts of the item's keys (the item's split: split), its results kept for the
+// merge at partial offset part.
+struct Piece {
+  int64_t seq, kv_head, j0, j1, t0, t1, part, split;
 };
 
+// Where a piece writes: the output rows (part < 0), or a partial [rows, D] + max + sum.
+struct PartialSlot {
+  float* acc;
+  float* m;
+  float* l;
+};
+
+// Scores of rows qr[0..kRows) against the staged chunk kt [D][kChunk], into s [kRows][kChunk],
+// for the first `needed` vectors of 16 keys (rounded up to the tile; the rest are masked).
+template <typename V>
+inline void tile_scores(const float* const* qr, const float* kt, int64_t D, int64_t needed,
+                        float (*s)[kChunk]) {
+  constexpr int64_t G = V::kKeyGroup;
+  for (int64_t k0 = 0; k0 < needed; k0 += G) {
+    V acc[kRows][G];
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t g = 0; g < G; ++g) acc[i][g] = V::set1(0.f);
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      V k[G];
+      for (int64_t g = 0; g < G; ++g) {
+        k[g] = V::pinned(V::load(kt + d * kChunk + 16 * (k0 + g)));
+      }
+      for (int64_t i = 0; i < kRows; ++i) {
+        const V qb = V::set1(qr[i][d]);
+        for (int64_t g = 0; g < G; ++g) acc[i][g] = V::fma(qb, k[g], acc[i][g]);
+      }
+    }
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t g = 0; g < G; ++g) acc[i][g].store(s[i] + 16 * (k0 + g));
+    }
+  }
+}
+
+// ar[i][dv0 * 16 ..] = alpha[i] * ar[i] + sum_j p[i][j] * V[j], G vectors of 16 dims per row.
+template <typename V, int64_t G>
+inline void tile_pv(float* const* ar, const float* alpha, const float (*p)[kChunk],
+                    const float* const* vrows, int64_t most, int64_t dv0, int64_t live) {
+  V a[kRows][G];
+  for (int64_t i = 0; i < kRows; ++i) {
+    const V al = V::set1(alpha[i]);
+    for (int64_t g = 0; g < G; ++g) a[i][g] = V::mul(al, V::load(ar[i] + 16 * (dv0 + g)));
+  }
+  for (int64_t j = 0; j < most; ++j) {
+    V vv[G];
+    for (int64_t g = 0; g < G; ++g) {
+      vv[g] = V::pinned(V::load(vrows[j] + 16 * (dv0 + g)));
+    }
+    for (int64_t i = 0; i < kRows; ++i) {
+      const V pb = V::set1(p[i][j]);
+      for (int64_t g = 0; g < G; ++g) a[i][g] = V::fma(pb, vv[g], a[i][g]);
+    }
+  }
+  // Rows past the end (repeats of the last one) are dropped; the last live one is stored last.
+  for (int64_t i = kRows - 1; i >= 0; --i) {
+    if (i < live) {
+      for (int64_t g = 0; g < G; ++g) a[i][g].store(ar[i] + 16 * (dv0 + g));
+    }
+  }
+}
+
 template <typename V, typename T>
-void prefill_item(const Item& it, const float* qp, int64_t q_s0, int64_t q_s1, float* op,
-                  int64_t o_s0, int64_t o_s1, const T* kp, const T* vp, const int64_t* table,
-                  int64_t block_size, int64_t tok_stride, int64_t blk_stride, int64_t q_begin,
-                  int64_t ctx, int64_t chunk_len, int64_t group, int64_t D, float scale,
-                  ItemBuffers& b) {
-  const int64_t n = it.j1 - it.j0, rows = n * group, nv = D / 16;
-  const int64_t pos0 = ctx - chunk_len + it.j0;  // position of the item's first query
-  const int64_t keys = pos0 + n;
+void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1, float* op,
+                   int64_t o_s0, int64_t o_s1, const T* kp, const T* vp, const int64_t* table,
+                   int64_t block_size, int64_t tok_stride, int64_t blk_stride, int64_t q_begin,
+                   int64_t ctx, int64_t chunk_len, int64_t group, int64_t D, float scale,
+                   const PartialSlot* slot, PieceBuffers& b) {
+  const int64_t n = pc.j1 - pc.j0, rows = n * group, nv = D / 16;
+  const int64_t pos0 = ctx - chunk_len + pc.j0;  // position of the piece's first query
   b.q.resize(rows * D);
   b.acc.assign(rows * D, 0.f);
   b.m.assign(rows, -std::numeric_limits<float>::infinity());
   b.l.assign(rows, 0.f);
-  b.kt.resize(D * kKeys);
-  b.vf.resize(kKeys * D);
+  b.kt.resize(D * kChunk);
+  b.vf.resize(kChunk * D);
   // Row r = token jq * group + hg: query head kv_head * group + hg of token j0 + jq.
   for (int64_t jq = 0; jq < n; ++jq) {
     for (int64_t hg = 0; hg < group; ++hg) {
-      const float* src = qp + (q_begin + it.j0 + jq) * q_s0 + (it.kv_head * group + hg) * q_s1;
+      const float* src = qp + (q_begin + pc.j0 + jq) * q_s0 + (pc.kv_head * group + hg) * q_s1;
       float* dst = b.q.data() + (jq * group + hg) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
     }
   }
-  const int64_t head_off = it.kv_head * D;
-  alignas(64) float p[kRows][kKeys];
-  for (int64_t t0 = 0; t0 < keys; t0 += kKeys) {
-    const int64_t c = std::min(kKeys, keys - t0);
-    // Stage the chunk; lanes past its end are zero. A float32 pool's V rows are read where
+  const int64_t head_off = pc.kv_head * D;
+  alignas(64) float p[kRows][kChunk];
+  for (int64_t t0 = pc.t0; t0 < pc.t1; t0 += kChunk) {
+    const int64_t c = std::min(kChunk, pc.t1 - t0);
+    // Stage the chunk; K lanes past its end are zero. A float32 pool's V rows are read where
     // they are (only K needs its transpose).
-    const float* vrows[kKeys];
-    for (int64_t j = 0; j < kKeys; ++j) {
-      float* vrow = b.vf.data() + j * D;
-      vrows[j] = vrow;
+    const float* vrows[kChunk];
+    const T* krows[kChunk];
+    for (int64_t j = 0; j < kChunk; ++j) {
+      vrows[j] = b.vf.data() + j * D;
+      krows[j] = nullptr;
       if (j < c) {
         const int64_t t = t0 + j;
         const int64_t off = table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
-        const T* kr = kp + off;
-        const T* vr = vp + off;
-        for (int64_t d = 0; d < D; ++d) b.kt[d * kKeys + j] = to_f(kr[d]);
-        if constexpr (std::is_same_v<T, float>) {
-          vrows[j] = vr;
-        } else {
-          for (int64_t d = 0; d < D; ++d) vrow[d] = to_f(vr[d]);
+        krows[j] = kp + off;
+        if constexpr (std::is_same_v<T, float>) vrows[j] = vp + off;
+      }
+    }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<V, Vec512>) {
+      for (int64_t db = 0; db < nv; ++db) {
+        for (int64_t kg = 0; kg < kChunkVecs; ++kg) {
+          const T* rows16[16];
+          for (int64_t i = 0; i < 16; ++i) {
+            rows16[i] = krows[16 * kg + i] != nullptr ? krows[16 * kg + i] + 16 * db : nullptr;
+          }
+          transpose16_store(rows16, b.kt.data() + 16 * db * kChunk + 16 * kg, kChunk);
         }
-      } else {
-        for (int64_t d = 0; d < D; ++d) b.kt[d * kKeys + j] = 0.f;
+      }
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t j = 0; j < c; ++j) {
+          const T* vr = vp + (krows[j] - kp);
+          for (int64_t db = 0; db < nv; ++db) _mm512_storeu_ps(b.vf.data() + j * D + 16 * db, load16_f32(vr + 16 * db));
+        }
+      }
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < kChunk; ++j) {
+        if (j < c) {
+          const T* kr = krows[j];
+          for (int64_t d = 0; d < D; ++d) b.kt[d * kChunk + j] = to_f(kr[d]);
+          if constexpr (!std::is_same_v<T, float>) {
+            const T* vr = vp + (kr - kp);
+            for (int64_t d = 0; d < D; ++d) b.vf[j * D + d] = to_f(vr[d]);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) b.kt[d * kChunk + j] = 0.f;
+        }
       }
     }
     // Query token jq sees keys 0 .. pos0 + jq: none of this chunk before jq = t0 - pos0.
-    // Rows go four at a time, so each staged K column and V row feeds four FMAs.
     for (int64_t r0 = std::max<int64_t>(0, t0 - pos0) * group; r0 < rows; r0 += kRows) {
+      const int64_t live = std::min(kRows, rows - r0);
       int64_t valid[kRows];
       int64_t most = 0;
       const float* qr[kRows];
+      float* ar[kRows];
       for (int64_t i = 0; i < kRows; ++i) {
-        const int64_t r = std::min(r0 + i, rows - 1);  // past the end: repeat, then dropped
-        valid[i] = r0 + i < rows ? std::max<int64_t>(0, std::min(c, pos0 + r / group - t0 + 1)) : 0;
+        const int64_t r = r0 + std::min(i, live - 1);  // past the end: repeat, then dropped
+        valid[i] = i < live ? std::max<int64_t>(0, std::min(c, pos0 + r / group - t0 + 1)) : 0;
         most = std::max(most, valid[i]);
         qr[i] = b.q.data() + r * D;
+        ar[i] = b.acc.data() + r * D;
       }
-      V sc[kRows];
-      for (int64_t i = 0; i < kRows; ++i) sc[i] = V::set1(0.f);
-      for (int64_t d = 0; d < D; ++d) {
-        const V kt = V::load(b.kt.data() + d * kKeys);
-        for (int64_t i = 0; i < kRows; ++i) sc[i] = V::fma(V::set1(qr[i][d]), kt, sc[i]);
-      }
-      V alpha[kRows];
+      tile_scores<V>(qr, b.kt.data(), D, (most + 15) / 16, p);
+      float alpha[kRows];
       for (int64_t i = 0; i < kRows; ++i) {
-        alpha[i] = V::set1(1.f);
-        if (valid[i] == 0) {  // nothing of this chunk is visible to the row (or no row)
-          std::fill(p[i], p[i] + kKeys, 0.f);
+        alpha[i] = 1.f;
+        const int64_t vi = valid[i];
+        if (vi == 0) {  // nothing of this chunk is visible to the row (or no row)
+          std::fill(p[i], p[i] + kChunk, 0.f);
           continue;
         }
         const int64_t r = r0 + i;
-        // In registers: a scalar pass over the stored lanes was a chain of dependent maxes
-        // per row and chunk, as long as the chunk's FMAs.
-        const float mx = sc[i].max_of(valid[i]);
+        V x[kChunkVecs];
+        V mx = V::set1(-std::numeric_limits<float>::infinity());
+        for (int64_t k = 0; k < kChunkVecs; ++k) {
+          x[k] = V::load(p[i] + 16 * k);
+          if (16 * k + 16 > vi) x[k] = x[k].neg_inf_past(vi - 16 * k);
+          mx = V::max(mx, x[k]);
+        }
         const float m_old = b.m[r];
-        const float m_new = std::max(m_old, mx);
-        const float sum = sc[i].exp_sub(m_new, valid[i], p[i]);
+        const float m_new = std::max(m_old, mx.hmax());
+        V sum = V::set1(0.f);
+        for (int64_t k = 0; k < kChunkVecs; ++k) {
+          V e = x[k].exp_sub(m_new);
+          if (16 * k + 16 > vi) e = e.zero_past(vi - 16 * k);
+          e.store(p[i] + 16 * k);
+          sum = V::add(sum, e);
+        }
         if (m_new > m_old) {  // rescale what was summed against the old max (exp(-inf) = 0)
-          const float a = std::exp(m_old - m_new);
-          b.l[r] *= a;
-          alpha[i] = V::set1(a);
+          alpha[i] = std::exp(m_old - m_new);
+          b.l[r] *= alpha[i];
           b.m[r] = m_new;
         }
-        b.l[r] += sum;
+        b.l[r] += sum.hsum();
       }
-      float* ar[kRows];
-      for (int64_t i = 0; i < kRows; ++i) ar[i] = b.acc.data() + std::min(r0 + i, rows - 1) * D;
-      for (int64_t v = 0; v < nv; ++v) {
-        V a[kRows];
-        for (int64_t i = 0; i < kRows; ++i) a[i] = V::mul(alpha[i], V::load(ar[i] + 16 * v));
-        for (int64_t j = 0; j < most; ++j) {
-          const V vv = V::load(vrows[j] + 16 * v);
-          for (int64_t i = 0; i < kRows; ++i) a[i] = V::fma(V::set1(p[i][j]), vv, a[i]);
-        }
-        // Rows past the end (repeats of the last one) are dropped.
-        for (int64_t i = kRows - 1; i >= 0; --i) {
-          if (r0 + i < rows) a[i].store(ar[i] + 16 * v);
-        }
-      }
+      constexpr int64_t G = V::kDimGroup;
+      int64_t dv0 = 0;
+      for (; dv0 + G <= nv; dv0 += G) tile_pv<V, G>(ar, alpha, p, vrows, most, dv0, live);
+      for (; dv0 < nv; ++dv0) tile_pv<V, 1>(ar, alpha, p, vrows, most, dv0, live);
     }
+  }
+  if (slot != nullptr) {  // one part of the item's keys: kept for the merge
+    std::copy(b.acc.begin(), b.acc.end(), slot->acc);
+    std::copy(b.m.begin(), b.m.end(), slot->m);
+    std::copy(b.l.begin(), b.l.end(), slot->l);
+    return;
   }
   for (int64_t jq = 0; jq < n; ++jq) {
     for (int64_t hg = 0; hg < group; ++hg) {
       const int64_t r = jq * group + hg;
       const float inv = 1.f / b.l[r];
-      float* dst = op + (q_begin + it.j0 + jq) * o_s0 + (it.kv_head * group + hg) * o_s1;
+      float* dst = op + (q_begin + pc.j0 + jq) * o_s0 + (pc.kv_head * group + hg) * o_s1;
       const float* ar = b.acc.data() + r * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = ar[d] * inv;
     }
@@ -289,28 +295,100 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
   const T* vp = kp + kv_cache.size(1) * blk_stride;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t bt_s0 = block_tables.stride(0);
-  std::vector<Item> items;
+  // An item's keys: [0, position of its last query + 1).
+  const auto keys_of = [&](int64_t s, int64_t j1) { return lens[s] - (qsl[s + 1] - qsl[s]) + j1; };
+  int64_t num_items = 0;
+  for (int64_t s = first_seq; s < num_seqs; ++s) {
+    num_items += (qsl[s + 1] - qsl[s] + kQueryBlock - 1) / kQueryBlock * num_kv_heads;
+  }
+  const int64_t want_parts = num_items < kMinItems ? (kTargetPieces + num_items - 1) / std::max<int64_t>(num_items, 1) : 1;
+  std::vector<Piece> pieces;
+  struct Split {
+    int64_t piece0, parts;  // the item's pieces [piece0, piece0 + parts)
+  };
+  std::vector<Split> splits;
+  int64_t num_parts = 0;
   for (int64_t s = first_seq; s < num_seqs; ++s) {
     const int64_t len = qsl[s + 1] - qsl[s];
-    // Last query blocks first: they attend to the most keys (longest items first).
-    for (int64_t j0 = (len - 1) / kQueryBlock * kQueryBlock; j0 >= 0 && len > 0; j0 -= kQueryBlock) {
+    for (int64_t j0 = 0; j0 < len; j0 += kQueryBlock) {
+      const int64_t j1 = std::min(len, j0 + kQueryBlock), keys = keys_of(s, j1);
+      const int64_t parts = std::max<int64_t>(1, std::min(want_parts, keys / kMinPartKeys));
+      const int64_t per = (keys + parts - 1) / parts;
+      const int64_t step = (per + kChunk - 1) / kChunk * kChunk;
       for (int64_t g = 0; g < num_kv_heads; ++g) {
-        items.push_back({s, g, j0, std::min(len, j0 + kQueryBlock)});
+        if (parts == 1) {
+          pieces.push_back({s, g, j0, j1, 0, keys, -1, -1});
+          continue;
+        }
+        const int64_t first = static_cast<int64_t>(pieces.size());
+        const int64_t split = static_cast<int64_t>(splits.size());
+        for (int64_t t = 0; t < keys; t += step) {
+          pieces.push_back({s, g, j0, j1, t, std::min(keys, t + step), num_parts++, split});
+        }
+        splits.push_back({first, static_cast<int64_t>(pieces.size()) - first});
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return lens[a.seq] - (qsl[a.seq + 1] - qsl[a.seq]) + a.j1 >
-           lens[b.seq] - (qsl[b.seq + 1] - qsl[b.seq]) + b.j1;
+  // Partials: acc [rows, D], max [rows], sum [rows] per part (rows = query tokens x group).
+  const int64_t part_rows = kQueryBlock * group, part_floats = part_rows * (D + 2);
+  thread_local std::vector<float> partials;
+  partials.resize(num_parts * part_floats);
+  std::vector<int64_t> order(pieces.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const Piece& x = pieces[a];
+    const Piece& y = pieces[b];
+    return (x.j1 - x.j0) * (x.t1 - x.t0) > (y.j1 - y.j0) * (y.t1 - y.t0);
   });
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  parallel_dynamic(static_cast<int64_t>(items.size()), [&](int64_t i) {
-    thread_local ItemBuffers buffers;
-    const Item& it = items[i];
-    prefill_item<V, T>(it, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp,
-                       vp, bt + it.seq * bt_s0, block_size, tok_stride, blk_stride, qsl[it.seq],
-                       lens[it.seq], qsl[it.seq + 1] - qsl[it.seq], group, D, scale, buffers);
+  float* part_base = partials.data();
+  const auto slot_of = [&](int64_t part) {
+    float* base = part_base + part * part_floats;
+    return PartialSlot{base, base + part_rows * D, base + part_rows * (D + 1)};
+  };
+  // Merges a split item's parts, in part order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+  const auto merge = [&](const Split& sp) {
+    const Piece& first = pieces[sp.piece0];
+    const int64_t n = first.j1 - first.j0;
+    const int64_t q_begin = qsl[first.seq];
+    for (int64_t r = 0; r < n * group; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < sp.parts; ++p) mx = std::max(mx, slot_of(pieces[sp.piece0 + p].part).m[r]);
+      float l = 0.f;
+      float w[kTargetPieces];
+      for (int64_t p = 0; p < sp.parts; ++p) {
+        const PartialSlot s = slot_of(pieces[sp.piece0 + p].part);
+        w[p] = s.m[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s.m[r] - mx);
+        l += w[p] * s.l[r];
+      }
+      const float inv = 1.f / l;
+      const int64_t jq = r / group, hg = r % group;
+      float* dst = op + (q_begin + first.j0 + jq) * out.stride(0) + (first.kv_head * group + hg) * out.stride(1);
+      for (int64_t d = 0; d < D; ++d) {
+        float a = 0.f;
+        for (int64_t p = 0; p < sp.parts; ++p) a += w[p] * slot_of(pieces[sp.piece0 + p].part).acc[r * D + d];
+        dst[d] = a * inv;
+      }
+    }
+  };
+  // Parts done per split item: whichever thread finishes an item's last part merges it, in the
+  // same pass (a second parallel region per call cost a wake-up of the pool per layer).
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[splits.size()]);
+  for (size_t i = 0; i < splits.size(); ++i) done[i].store(0, std::memory_order_relaxed);
+  parallel_dynamic(static_cast<int64_t>(order.size()), [&](int64_t i) {
+    thread_local PieceBuffers buffers;
+    const Piece& pc = pieces[order[i]];
+    PartialSlot slot{};
+    if (pc.part >= 0) slot = slot_of(pc.part);
+    prefill_piece<V, T>(pc, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp,
+                        vp, bt + pc.seq * bt_s0, block_size, tok_stride, blk_stride,
+                        qsl[pc.seq], lens[pc.seq], qsl[pc.seq + 1] - qsl[pc.seq], group, D,
+                        scale, pc.part >= 0 ? &slot : nullptr, buffers);
+    // acq_rel: the last part's thread sees every other part's partial.
+    if (pc.split >= 0 && done[pc.split].fetch_add(1, std::memory_order_acq_rel) + 1 == splits[pc.split].parts) {
+      merge(splits[pc.split]);
+    }
   });
 }
 
