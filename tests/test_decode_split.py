@@ -16,20 +16,23 @@ from test_decode_attention_isa import POOLS, attend, isa, levels
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 __all__ = ["isa"]  # the per-level fixture, shared with test_decode_attention_isa
 
-# (threads, lens): the split as decode_split.h plans it for 3 KV heads. Two threads, one
-# sequence: 4 parts per head (256: 4 x 64 tokens, a multiple of the part; 257: 3 x 80 + 17;
-# 1000: 4 x 256 - 24); two sequences: 2 parts each, or one split and one too short to split;
-# four threads: 321 tokens end in a part of one token.
+# (threads, lens): the split as decode_split.h plans it for 3 KV heads (parts of >= 256 tokens,
+# 16-aligned). Two threads, one sequence: 2 parts per head (512: 2 x 256, a multiple of the
+# part; 513: 272 + 241; 1000: 512 + 488); two sequences: 2 parts each, or one split and one
+# too short to split; four threads: 1025 tokens in 3 x 272 + 209.
 CASES = [
-    (2, [256]),
-    (2, [257]),
+    (2, [512]),
+    (2, [513]),
     (2, [1000]),
     (2, [512, 512]),
-    (2, [129, 700]),
-    (2, [131, 2]),
-    (4, [321]),
-    (4, [257, 257]),
+    (2, [520, 2]),
+    (4, [1025]),
+    (4, [700, 900]),
 ]
+# The same with the shortest part set to 1 token (set_decode_split_tokens): parts of a few
+# tokens. 33 on two threads: 32 + 1; 49 on four: 3 x 16 + 1; 3: one part of 3 (a merge of
+# one); 17 and 40 on four: 16 + 1 and 32 + 8.
+TINY = [(2, [33]), (4, [49]), (2, [3]), (4, [17, 40])]
 # (heads, kv_heads, head_dim): SmolLM2's GQA, MHA, head_dim 128, and the generic path (d32).
 SHAPES = [(9, 3, 64), (8, 8, 64), (4, 1, 128), (4, 2, 32)]
 
@@ -39,6 +42,7 @@ def threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+    torch.ops.tailserve.set_decode_split_tokens(0)
 
 
 def split_inputs(lens: list[int], shape: tuple[int, int, int], dtype: torch.dtype, bs: int
@@ -53,7 +57,14 @@ def split_inputs(lens: list[int], shape: tuple[int, int, int], dtype: torch.dtyp
 @pytest.mark.parametrize("shape", SHAPES, ids=["gqa3-d64", "mha-d64", "mqa-d128", "generic-d32"])
 def test_split_matches_the_reference(isa: str, shape: tuple[int, int, int],
                                      dtype: torch.dtype) -> None:
-    for n_threads, lens in CASES:
+    for tokens, cases in ((0, CASES), (1, TINY)):
+        torch.ops.tailserve.set_decode_split_tokens(tokens)
+        check_cases(cases, shape, dtype)
+
+
+def check_cases(cases: list[tuple[int, list[int]]], shape: tuple[int, int, int],
+                dtype: torch.dtype) -> None:
+    for n_threads, lens in cases:
         torch.set_num_threads(n_threads)
         for bs in (16, 5):  # block size 5: parts start and end inside blocks
             q, kv, tables = split_inputs(lens, shape, dtype, bs)
@@ -74,6 +85,11 @@ def test_split_is_taken_and_deterministic(isa: str) -> None:
     assert not torch.equal(whole, split)
     for _ in range(5):
         assert torch.equal(attend(q, kv, tables, [1000]), split)
+    # On four threads 1000 tokens make 3 parts of >= 256, or 4 with the shortest part at 1.
+    torch.set_num_threads(4)
+    three = attend(q, kv, tables, [1000])
+    torch.ops.tailserve.set_decode_split_tokens(1)
+    assert not torch.equal(attend(q, kv, tables, [1000]), three)
 
 
 @pytest.mark.usefixtures("threads")
@@ -81,7 +97,7 @@ def test_split_with_rising_scores(isa: str) -> None:
     """Keys growing along the context: each later part has a larger max, so the merge rescales
     every earlier part by a tiny factor."""
     torch.set_num_threads(2)
-    lens = [700, 257]
+    lens = [700, 513]
     q, kv, tables = split_inputs(lens, (9, 3, 64), torch.float32, 16)
     for i, n in enumerate(lens):
         blocks = tables[i, : -(-n // 16)]
@@ -96,10 +112,10 @@ def test_split_in_16_bits(isa: str) -> None:
     """q and out in the pool's 16-bit dtype (the generic path at every level)."""
     torch.set_num_threads(2)
     for dtype in (torch.bfloat16, torch.float16):
-        q, kv, tables = make_pool([257], 9, 3, 64, dtype, seed=3)
-        ref = reference_decode(q.float(), kv.float(), tables, [257], 0.125)
+        q, kv, tables = make_pool([513], 9, 3, 64, dtype, seed=3)
+        ref = reference_decode(q.float(), kv.float(), tables, [513], 0.125)
         out = torch.full(q.shape, float("nan"), dtype=dtype)
-        torch.ops.tailserve.paged_decode_attention(out, q, kv, tables, torch.tensor([257]), 0.125)
+        torch.ops.tailserve.paged_decode_attention(out, q, kv, tables, torch.tensor([513]), 0.125)
         assert (out.double() - ref).abs().max().item() < 2e-2
 
 
@@ -110,7 +126,8 @@ def test_split_avx512_gives_the_avx2_bits(dtype: torch.dtype) -> None:
         pytest.skip(f"this CPU has no AVX512 (best: {set_quant_isa('auto')})")
     try:
         for shape in SHAPES[:3]:
-            for n_threads, lens in CASES:
+            for n_threads, lens in CASES + TINY:
+                torch.ops.tailserve.set_decode_split_tokens(1 if (n_threads, lens) in TINY else 0)
                 torch.set_num_threads(n_threads)
                 q, kv, tables = split_inputs(lens, shape, dtype, 16)
                 outs = []
@@ -120,3 +137,12 @@ def test_split_avx512_gives_the_avx2_bits(dtype: torch.dtype) -> None:
                 assert torch.equal(outs[0], outs[1]), (shape, n_threads, lens)
     finally:
         set_quant_isa("auto")
+        torch.ops.tailserve.set_decode_split_tokens(0)
+
+
+def test_split_tokens_knob_checks_its_input() -> None:
+    ops = torch.ops.tailserve
+    assert ops.set_decode_split_tokens(0) == 256  # the default, restored
+    with pytest.raises(RuntimeError, match="must be >= 0"):
+        ops.set_decode_split_tokens(-1)
+    assert ops.set_decode_split_tokens(0) == 256

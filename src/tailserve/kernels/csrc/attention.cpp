@@ -215,6 +215,15 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
 }
 #endif
 
+// plan_decode_split's shortest part: kMinPartTokens, or what a test set.
+static std::atomic<int64_t> g_split_tokens{kMinPartTokens};
+
+int64_t set_decode_split_tokens(int64_t tokens) {
+  TORCH_CHECK(tokens >= 0, "set_decode_split_tokens: tokens must be >= 0 (0: the default), got ",
+              tokens);
+  return g_split_tokens.exchange(tokens > 0 ? tokens : kMinPartTokens);
+}
+
 template <typename TQ, typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -300,7 +309,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     }
   };
   const DecodePlan plan =
-      whole ? DecodePlan{} : plan_decode_split(lens, num_seqs, items_per_seq, threads);
+      whole ? DecodePlan{} : plan_decode_split(lens, num_seqs, items_per_seq, threads, g_split_tokens.load());
   if (plan.pieces.empty()) {
     parallel_dynamic(num_seqs * items_per_seq,
                      [&](int64_t item) { run(item, 0, lens[item / items_per_seq], nullptr); });

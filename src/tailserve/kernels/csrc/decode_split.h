@@ -32,13 +32,15 @@ inline void store_partial(const DecodePartial& p, const float* acc, const float*
   std::copy(l, l + heads, p.l);
 }
 
-// Split only below this many items per thread, into about this many pieces per thread, and
-// never into parts under kMinPartTokens tokens (a shorter part's merge and per-part set-up
-// cost more than the balance gains). Parts are kPartAlign-token aligned, so the last one
+// Split only below this many items per thread, into at least 2 and about this many pieces per
+// thread, and never into parts under min_part tokens (kMinPartTokens unless tests set it with
+// set_decode_split_tokens): on 1 sequence x 128-256 tokens, parts of 64-128 made the call
+// slower (each call is ~10 us there: the pieces' set-up and the merge cost more than the
+// balance gained; benchmarks/RESULTS.md). Parts are kPartAlign-token aligned, so the last one
 // may be short.
 constexpr int64_t kSplitBelowItemsPerThread = 4;
-constexpr int64_t kPiecesPerThread = 4;
-constexpr int64_t kMinPartTokens = 64;
+constexpr int64_t kPiecesPerThread = 2;
+constexpr int64_t kMinPartTokens = 256;
 constexpr int64_t kPartAlign = 16;
 constexpr int64_t kMaxParts = 64;  // merge_parts' weights
 
@@ -58,13 +60,13 @@ struct DecodePlan {
 
 // The pieces of num_seqs x items_per_seq items over `threads` threads.
 inline DecodePlan plan_decode_split(const int64_t* lens, int64_t num_seqs, int64_t items_per_seq,
-                                    int64_t threads) {
+                                    int64_t threads, int64_t min_part) {
   DecodePlan plan;
   const int64_t items = num_seqs * items_per_seq;
   if (threads <= 1 || items >= kSplitBelowItemsPerThread * threads) return plan;
   // Parts per item, rounded up so the pieces divide evenly over the threads where the
   // contexts allow it.
-  int64_t want = (kPiecesPerThread * threads + items - 1) / items;
+  int64_t want = std::max<int64_t>(2, (kPiecesPerThread * threads + items - 1) / items);
   for (int64_t p = want; p < want + threads; ++p) {
     if ((items * p) % threads == 0) {
       want = p;
@@ -73,11 +75,11 @@ inline DecodePlan plan_decode_split(const int64_t* lens, int64_t num_seqs, int64
   }
   want = std::min(want, kMaxParts);
   bool any = false;
-  for (int64_t s = 0; s < num_seqs && !any; ++s) any = lens[s] / kMinPartTokens >= 2;
+  for (int64_t s = 0; s < num_seqs && !any; ++s) any = lens[s] / min_part >= 2;
   if (!any) return plan;
   for (int64_t item = 0; item < items; ++item) {
     const int64_t len = lens[item / items_per_seq];
-    const int64_t parts = std::min(want, len / kMinPartTokens);
+    const int64_t parts = std::min(want, len / min_part);
     if (parts < 2) {
       plan.pieces.push_back({item, 0, len, -1, -1});
       continue;
