@@ -7,14 +7,17 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_ops.h"
 #include "decode_heads512.h"
+#include "decode_split.h"
 #include "paged_rows.h"
 #include "simd.h"
 #include "simd16.h"
@@ -55,12 +58,15 @@ inline void axpy<float>(float* acc, float w, const float* v, int64_t n) {
 
 // ------------------------------------------------------------------ paged decode attention
 
-// Generic path (any dtype, any head_dim): scores, softmax, weighted sum of V. TQ: q and out;
-// TKV: the pool (a 16-bit pool is widened as it is read).
+// Generic path (any dtype, any head_dim): scores, softmax, weighted sum of V over tokens
+// [t_begin, t_end). TQ: q and out; TKV: the pool (a 16-bit pool is widened as it is read).
+// partial: write the unnormalized sums, max and sum there instead of out (decode_split.h).
 template <typename TQ, typename T>
 void decode_one_generic(const TQ* qp, int64_t q_s1, TQ* op, int64_t o_s1, const T* kp,
-                        const T* vp, const PagedRows& rows, int64_t len, int64_t group,
-                        int64_t head_dim, float scale) {
+                        const T* vp, const PagedRows& rows, int64_t t_begin, int64_t t_end,
+                        int64_t group, int64_t head_dim, float scale,
+                        const DecodePartial* partial) {
+  const int64_t len = t_end - t_begin;
   std::vector<float> buf(group * (len + 2 * head_dim));
   float* scores = buf.data();
   float* qf = scores + group * len;
@@ -69,7 +75,7 @@ void decode_one_generic(const TQ* qp, int64_t q_s1, TQ* op, int64_t o_s1, const 
     for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_f(qp[h * q_s1 + d]) * scale;
   }
   for (int64_t t = 0; t < len; ++t) {
-    const T* krow = rows.row(kp, t);
+    const T* krow = rows.row(kp, t_begin + t);
     for (int64_t h = 0; h < group; ++h) scores[h * len + t] = dot_q<T>(qf + h * head_dim, krow, head_dim);
   }
   std::fill(acc, acc + group * head_dim, 0.f);
@@ -81,8 +87,16 @@ void decode_one_generic(const TQ* qp, int64_t q_s1, TQ* op, int64_t o_s1, const 
       row[t] = std::exp(row[t] - mx);
       sum += row[t];
     }
-    for (int64_t t = 0; t < len; ++t) axpy<T>(acc + h * head_dim, row[t] / sum, rows.row(vp, t), head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) op[h * o_s1 + d] = static_cast<TQ>(acc[h * head_dim + d]);
+    float* a = acc + h * head_dim;
+    if (partial != nullptr) {
+      for (int64_t t = 0; t < len; ++t) axpy<T>(a, row[t], rows.row(vp, t_begin + t), head_dim);
+      std::copy(a, a + head_dim, partial->acc + h * head_dim);
+      partial->m[h] = mx;
+      partial->l[h] = sum;
+      continue;
+    }
+    for (int64_t t = 0; t < len; ++t) axpy<T>(a, row[t] / sum, rows.row(vp, t_begin + t), head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) op[h * o_s1 + d] = static_cast<TQ>(a[d]);
   }
 }
 
@@ -95,8 +109,8 @@ void decode_one_generic(const TQ* qp, int64_t q_s1, TQ* op, int64_t o_s1, const 
 // they are still in L1. The prefetches ahead of each chunk, and why: paged_rows.h.
 template <int NV, typename TKV>
 void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const TKV* kp,
-                       const TKV* vp, const PagedRows& rows, int64_t len, int64_t num_g,
-                       int64_t group, float scale) {
+                       const TKV* vp, const PagedRows& rows, int64_t t_begin, int64_t t_end,
+                       int64_t num_g, int64_t group, float scale, const DecodePartial* partial) {
   constexpr int64_t D = 8 * NV;
   const int64_t heads = num_g * group;
   const int64_t span = num_g * D * int64_t(sizeof(TKV));  // bytes of one token this item reads, K or V
@@ -120,13 +134,13 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
   const TKV* pv[8];
   const TKV* fk[8];  // rows kFarTokens ahead
   const TKV* fv[8];
-  for (int64_t t0 = 0; t0 < len;) {
+  for (int64_t t0 = t_begin; t0 < t_end;) {
     // A chunk never crosses a block: its rows are tok_stride apart.
-    const int64_t n = std::min<int64_t>({8, rows.block_size - t0 % rows.block_size, len - t0});
+    const int64_t n = std::min<int64_t>({8, rows.block_size - t0 % rows.block_size, t_end - t0});
     const TKV* k0 = rows.row(kp, t0);
     const TKV* v0 = rows.row(vp, t0);
-    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kPrefetchTokens));
-    const int64_t far = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kFarTokens));
+    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(8, t_end - t0 - kPrefetchTokens));
+    const int64_t far = std::max<int64_t>(0, std::min<int64_t>(8, t_end - t0 - kFarTokens));
     chunk_rows(rows, kp, vp, t0 + kPrefetchTokens, ahead, pk, pv);
     chunk_rows(rows, kp, vp, t0 + kFarTokens, far, fk, fv);
     // Scores, token by token so the chunk's rows are read in address order.
@@ -188,6 +202,10 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
     }
     t0 += n;
   }
+  if (partial != nullptr) {  // one part of the context: kept unnormalized for merge_parts
+    store_partial(*partial, acc, m, l, heads, D);
+    return;
+  }
   for (int64_t h = 0; h < heads; ++h) {
     const __m256 inv = _mm256_set1_ps(1.f / l[h]);
     for (int v = 0; v < NV; ++v) {
@@ -196,6 +214,15 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
   }
 }
 #endif
+
+// plan_decode_split's shortest part: kMinPartTokens, or what a test set.
+static std::atomic<int64_t> g_split_tokens{kMinPartTokens};
+
+int64_t set_decode_split_tokens(int64_t tokens) {
+  TORCH_CHECK(tokens >= 0, "set_decode_split_tokens: tokens must be >= 0 (0: the default), got ",
+              tokens);
+  return g_split_tokens.exchange(tokens > 0 ? tokens : kMinPartTokens);
+}
 
 template <typename TQ, typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -230,24 +257,28 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
   // Work items: whole sequences when there are enough of them for every thread (reads of a
   // block are then sequential), else (sequence, KV head) pairs so one long sequence still
-  // spreads over the threads.
-  const bool whole = num_seqs >= 2 * at::get_num_threads() && num_heads <= kMaxItemHeads;
+  // spreads over the threads; too few of those, and their contexts are split (decode_split.h).
+  const int64_t threads = at::get_num_threads();
+  const bool whole = num_seqs >= 2 * threads && num_heads <= kMaxItemHeads;
   const int64_t per_item = whole ? num_kv_heads : 1;
-  parallel_dynamic(num_seqs * (num_kv_heads / per_item), [&](int64_t item) {
-    const int64_t s = item / (num_kv_heads / per_item);
-    const int64_t g = (item % (num_kv_heads / per_item)) * per_item;
-    const int64_t len = lens[s];
+  const int64_t items_per_seq = num_kv_heads / per_item;
+  // Tokens [t0, t1) of an item, normalized into out, or kept in *partial.
+  const auto run = [&](int64_t item, int64_t t0, int64_t t1, const DecodePartial* partial) {
+    const int64_t s = item / items_per_seq;
+    const int64_t g = (item % items_per_seq) * per_item;
     const PagedRows rows{bt + s * bt_s0, block_size, blk_stride, tok_stride, g * head_dim};
     const TQ* qs = qp + s * q_s0 + g * group * q_s1;
     TQ* os = op + s * o_s0 + g * group * o_s1;
 #if defined(__AVX512F__) && defined(TS_AVX2)
     if constexpr (std::is_same_v<TQ, float> && has_load8<T>()) {
       if (isa >= 2 && per_item * group <= kMaxItemHeads && head_dim == 64) {
-        decode_heads_avx512<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        decode_heads_avx512<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group,
+                                  fscale, partial);
         return;
       }
       if (isa >= 2 && per_item * group <= kMaxItemHeads && head_dim == 128) {
-        decode_heads_avx512<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        decode_heads_avx512<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group,
+                                   fscale, partial);
         return;
       }
     }
@@ -255,20 +286,63 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 #ifdef TS_AVX2
     if constexpr (std::is_same_v<TQ, float> && has_load8<T>()) {
       if (isa >= 1 && per_item * group <= kMaxItemHeads && head_dim == 64) {
-        decode_heads_avx2<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        decode_heads_avx2<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group, fscale,
+                                partial);
         return;
       }
       if (isa >= 1 && per_item * group <= kMaxItemHeads && head_dim == 128) {
-        decode_heads_avx2<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, len, per_item, group, fscale);
+        decode_heads_avx2<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group,
+                                 fscale, partial);
         return;
       }
     }
 #endif
     for (int64_t gi = 0; gi < per_item; ++gi) {
       const PagedRows rg{rows.table, block_size, blk_stride, tok_stride, (g + gi) * head_dim};
+      DecodePartial pg{};
+      if (partial != nullptr) {
+        pg = {partial->acc + gi * group * head_dim, partial->m + gi * group, partial->l + gi * group};
+      }
       decode_one_generic<TQ, T>(qs + gi * group * q_s1, q_s1, os + gi * group * o_s1, o_s1, kp, vp,
-                            rg, len, group, head_dim, fscale);
+                                rg, t0, t1, group, head_dim, fscale,
+                                partial != nullptr ? &pg : nullptr);
     }
+  };
+  const DecodePlan plan =
+      whole ? DecodePlan{} : plan_decode_split(lens, num_seqs, items_per_seq, threads, g_split_tokens.load());
+  if (plan.pieces.empty()) {
+    parallel_dynamic(num_seqs * items_per_seq,
+                     [&](int64_t item) { run(item, 0, lens[item / items_per_seq], nullptr); });
+    return;
+  }
+  // Partial slots: acc [heads, D], m [heads], l [heads] per part (heads: one KV head's group).
+  const int64_t heads = per_item * group, part_floats = heads * (head_dim + 2);
+  thread_local std::vector<float> partials;
+  partials.resize(plan.num_parts * part_floats);
+  // A worker naming `partials` would get its own thread_local: pass the caller's by pointer.
+  float* const part_base = partials.data();
+  const auto slot = [&](int64_t part) {
+    float* base = part_base + part * part_floats;
+    return DecodePartial{base, base + heads * head_dim, base + heads * (head_dim + 1)};
+  };
+  // Parts done per split item: whichever thread finishes the last one merges them; acq_rel so
+  // it sees every other part's partial.
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[plan.splits.size()]);
+  for (size_t i = 0; i < plan.splits.size(); ++i) done[i].store(0, std::memory_order_relaxed);
+  parallel_dynamic(static_cast<int64_t>(plan.pieces.size()), [&](int64_t i) {
+    const DecodePiece& pc = plan.pieces[i];
+    if (pc.split < 0) {
+      run(pc.item, pc.t0, pc.t1, nullptr);
+      return;
+    }
+    const DecodePartial mine = slot(pc.part);
+    run(pc.item, pc.t0, pc.t1, &mine);
+    const DecodeSplitItem& sp = plan.splits[pc.split];
+    if (done[pc.split].fetch_add(1, std::memory_order_acq_rel) + 1 < sp.parts) return;
+    DecodePartial parts[kMaxParts];
+    for (int64_t p = 0; p < sp.parts; ++p) parts[p] = slot(plan.pieces[sp.piece0 + p].part);
+    const int64_t s = sp.item / items_per_seq, g = (sp.item % items_per_seq) * per_item;
+    merge_parts<TQ>(parts, sp.parts, heads, head_dim, op + s * o_s0 + g * group * o_s1, o_s1);
   });
 }
 

@@ -29,6 +29,7 @@ TORCH_LIBRARY(tailserve, m) {
   m.def("quant_embedding(Tensor ids, Tensor w) -> Tensor");
   m.def("quant_dequantize(Tensor w) -> Tensor");
   m.def("set_quant_isa(int isa) -> int");
+  m.def("set_decode_split_tokens(int tokens) -> int");
 }
 
 // No tensor arguments: registered for every backend.
@@ -36,6 +37,7 @@ TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
   m.impl("set_kernel_spin_us", &tailserve_cpu::set_kernel_spin_us);
   m.impl("set_bf16_dot", &tailserve_cpu::set_bf16_dot);
   m.impl("set_quant_isa", &tailserve_cpu::set_quant_isa);
+  m.impl("set_decode_split_tokens", &tailserve_cpu::set_decode_split_tokens);
 }
 
 TORCH_LIBRARY_IMPL(tailserve, CPU, m) {

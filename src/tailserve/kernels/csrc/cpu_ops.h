@@ -3,6 +3,7 @@
 //
 //   paged_decode_attention  attention.cpp    one query token per sequence against its paged
 //                                            K/V blocks, read in place
+//   set_decode_split_tokens attention.cpp    its shortest context part (decode_split.h; tests)
 //   write_kv_cache, paged_prefill_attention
 //                           prefill_attention.cpp  a step's K/V into their slots; causal
 //                                            attention of prefill chunks over paged K/V
@@ -34,6 +35,9 @@ namespace tailserve_cpu {
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale);
+// paged_decode_attention's shortest context part when it splits (0: the default); returns the
+// previous one. For tests, which make parts of a few tokens.
+int64_t set_decode_split_tokens(int64_t tokens);
 void write_kv_cache(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& slot_mapping);
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "decode_split.h"
 #include "paged_rows.h"
 #include "simd.h"
 
@@ -78,8 +79,9 @@ inline __m256 hsum8x2(const __m512* P) {
 
 template <int NV, typename TKV>
 void decode_heads_avx512(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const TKV* kp,
-                         const TKV* vp, const PagedRows& rows, int64_t len, int64_t num_g,
-                         int64_t group, float scale) {
+                         const TKV* vp, const PagedRows& rows, int64_t t_begin, int64_t t_end,
+                         int64_t num_g, int64_t group, float scale,
+                         const DecodePartial* partial) {
   static_assert(NV % 2 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t D = 8 * NV;
   constexpr int NW = NV / 2;  // zmm per row
@@ -107,12 +109,12 @@ void decode_heads_avx512(const float* qp, int64_t q_s1, float* op, int64_t o_s1,
   const TKV* pv[8];
   const TKV* fk[8];
   const TKV* fv[8];
-  for (int64_t t0 = 0; t0 < len;) {
-    const int64_t n = std::min<int64_t>({8, rows.block_size - t0 % rows.block_size, len - t0});
+  for (int64_t t0 = t_begin; t0 < t_end;) {
+    const int64_t n = std::min<int64_t>({8, rows.block_size - t0 % rows.block_size, t_end - t0});
     const TKV* k0 = rows.row(kp, t0);
     const TKV* v0 = rows.row(vp, t0);
-    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kPrefetchTokens));
-    const int64_t far = std::max<int64_t>(0, std::min<int64_t>(8, len - t0 - kFarTokens));
+    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(8, t_end - t0 - kPrefetchTokens));
+    const int64_t far = std::max<int64_t>(0, std::min<int64_t>(8, t_end - t0 - kFarTokens));
     chunk_rows(rows, kp, vp, t0 + kPrefetchTokens, ahead, pk, pv);
     chunk_rows(rows, kp, vp, t0 + kFarTokens, far, fk, fv);
     for (int64_t jp = 0; jp < 4; ++jp) {
@@ -175,6 +177,10 @@ void decode_heads_avx512(const float* qp, int64_t q_s1, float* op, int64_t o_s1,
       for (int u = 0; u < NW; ++u) _mm512_store_ps(a + 16 * u, av[u]);
     }
     t0 += n;
+  }
+  if (partial != nullptr) {  // as decode_heads_avx2
+    store_partial(*partial, acc, m, l, heads, D);
+    return;
   }
   for (int64_t h = 0; h < heads; ++h) {
     const __m512 inv = _mm512_set1_ps(1.f / l[h]);
