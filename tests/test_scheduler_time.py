@@ -259,6 +259,29 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     assert [step(s, runner, clock) for _ in range(3)] == [[("long", 64)]] * 3
 
 
+def test_the_target_yields_once_a_request_has_waited_too_long() -> None:
+    # Two decodes (14 ms alone, CHEAP_PREFILL): the relative target gives a 600-token prompt
+    # 128 tokens a step. Once a request has waited itl_target_max_wait_s unscheduled, the
+    # step takes the whole token budget; after it is admitted, the target holds again.
+    clock = Clock()
+    s, runner = _running(clock, 2, itl_target_max_wait_s=0.5)
+    s.add_request(req("long", 600, clock.t))
+    s.add_request(req("late", 600, clock.t))
+    assert step(s, runner, clock)[-1] == ("long", 128)
+    clock.t += 0.5  # "late" has now waited over 0.5 s (max_num_partial_prefills = 1)
+    sizes = dict(step(s, runner, clock))
+    # The whole token budget the decodes leave (510): the rest of "long", then "late".
+    assert (sizes["long"], sizes["late"]) == (600 - 128, 510 - 472)
+    assert s.step_model.predict(s.shape_of(runner.steps[-1])) > 2 * 0.014
+    # Requests that were scheduled once (preempted ones) do not count.
+    again = req("again", 600, 0.0)
+    again.timestamps.first_scheduled = 0.0
+    s.waiting.push(again)
+    assert not s._queue_overdue(clock.t)
+    s.add_request(req("new", 600, clock.t))
+    assert not s._queue_overdue(clock.t + 0.5) and s._queue_overdue(clock.t + 0.51)
+
+
 def test_srpt_serves_the_shortest_remaining_prefill_first() -> None:
     clock = Clock()
     s = make(clock, max_num_batched_tokens=64)
@@ -353,6 +376,7 @@ def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> Non
     ("ttft_slo_ms", 1e12), ("max_num_partial_prefills", 0),
     ("prefill_aging_s_per_1k_tokens", 0.0), ("itl_target_factor", 0.5),
     ("itl_target_factor", 1e6), ("itl_target_factor", float("nan")),
+    ("itl_target_max_wait_ms", 0.0), ("itl_target_max_wait_ms", float("nan")),
 ])
 def test_bad_flag_values_fail_at_start_up_with_the_numbers(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=rf"{field} must be .*got {value}"):

@@ -34,6 +34,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # (below it no prefill chunk fits next to a very fast decode step, e.g. on a GPU).
 AUTO_ITL_FACTOR = 2.0
 AUTO_ITL_MIN_MS = 10.0
+# ... unless a request has waited AUTO_ITL_MAX_WAIT_MS unscheduled: the queue then goes first.
+AUTO_ITL_MAX_WAIT_MS = 2000.0
 MAX_ITL_TARGET_FACTOR = 100.0
 # What a target may be: beyond these the flag is a typo (a second, not a millisecond, value).
 MAX_ITL_TARGET_MS = 60_000.0
@@ -213,6 +215,13 @@ class EngineArgs:
                   "many times their predicted decode-only step (2: prefill gets about half "
                   "of every step's time)"},
     )
+    itl_target_max_wait_ms: float = field(
+        default=AUTO_ITL_MAX_WAIT_MS,
+        metadata={"help": "while a request has waited this long without being scheduled, "
+                  "steps are not sized by the ITL target and prefill takes the whole token "
+                  "budget: an overloaded engine serves its queue (the target would keep the "
+                  "batch small, and the queue would only grow); 2 s, the goodput TTFT bound"},
+    )
     ttft_slo_ms: float | None = field(
         default=None,
         metadata={"help": "refuse (429) a request whose predicted time to first token exceeds "
@@ -321,6 +330,8 @@ class EngineArgs:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         KVEventsConfig.parse(self.kv_events_config)
         for name, value, top in (("itl_target_ms", self.itl_target_ms, MAX_ITL_TARGET_MS),
+                                 ("itl_target_max_wait_ms", self.itl_target_max_wait_ms,
+                                  MAX_TTFT_SLO_MS),
                                  ("ttft_slo_ms", self.ttft_slo_ms, MAX_TTFT_SLO_MS)):
             # ``not a < v <= b`` also catches NaN.
             if value is not None and not 0.0 < value <= top:
@@ -384,6 +395,7 @@ class EngineArgs:
             enable_itl_target=self.enable_itl_target,
             itl_target_s=None if self.itl_target_ms is None else self.itl_target_ms / 1e3,
             itl_target_factor=self.itl_target_factor,
+            itl_target_max_wait_s=self.itl_target_max_wait_ms / 1e3,
             ttft_slo_s=None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1e3,
             prefill_scheduling=self.prefill_scheduling,
             prefill_aging_s_per_token=self.prefill_aging_s_per_1k_tokens / 1e3,
@@ -539,6 +551,7 @@ class SchedulerConfig:
     enable_itl_target: bool = True
     itl_target_s: float | None = None
     itl_target_factor: float = AUTO_ITL_FACTOR
+    itl_target_max_wait_s: float = AUTO_ITL_MAX_WAIT_MS / 1e3
     ttft_slo_s: float | None = None
     prefill_scheduling: Literal["srpt", "fcfs"] = "srpt"
     prefill_aging_s_per_token: float = 2e-3

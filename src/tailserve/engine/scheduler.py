@@ -17,7 +17,9 @@ The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens
    whatever the concurrency and a step is at most ~2x a decode-only one. The step's first
    chunk always gets tokens, so prefill progresses: ``MIN_PREFILL_CHUNK`` (8) when even that
    is over the target, ``PREFILL_ALIGN`` when the decodes alone fill a fixed target
-   (``latency.time_limited_chunk``). With no decode running a prefill takes the whole token
+   (``latency.time_limited_chunk``). While a request has waited ``itl_target_max_wait_s``
+   (2 s) unscheduled, the target yields and prefill takes the whole token budget: an
+   overloaded engine serves its queue. With no decode running a prefill takes the whole token
    budget, in steps no longer than a budget-sized chunk at a prompt's start takes
    (``prefill_step_cap``: later chunks of a long prompt, whose attention reads its whole
    context, are cut so the step stays within that). At
@@ -172,6 +174,17 @@ class Scheduler:
             return None
         return step_target_s(self.step_model, decode, cfg.itl_target_s, cfg.itl_target_factor)
 
+    def _queue_overdue(self, now: float) -> bool:
+        """A request has waited ``itl_target_max_wait_s`` without ever being scheduled: the
+        ITL target yields for this step. Held to it, a full queue starves: with 32 requests
+        in flight, each prompt got 8-16 tokens a step beside the two or three decodes the
+        target was protecting, so the batch never grew (166 output tok/s, first tokens after
+        11 s; benchmarks/RESULTS.md). Preempted requests do not count: they were admitted
+        once, and taking the whole budget for them would only preempt again."""
+        limit = self.config.itl_target_max_wait_s
+        return any(r.timestamps.first_scheduled is None and now - r.arrival_time > limit
+                   for r in self.waiting)
+
     def prefill_step_cap(self) -> float | None:
         """The time a step with no decode may take: what a chunk of the whole token budget at
         the start of a prompt is predicted to take. Late chunks of a long prompt read its
@@ -297,7 +310,7 @@ class Scheduler:
         # target, sized against the decodes just scheduled (shape holds only them yet);
         # without, by what a budget-sized chunk at a prompt's start takes (prefill_step_cap).
         if shape.decode_seqs:
-            target = self.step_target(shape)
+            target = None if self._queue_overdue(now) else self.step_target(shape)
             if target is not None:
                 self.itl_target_s = target
         else:
