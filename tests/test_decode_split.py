@@ -11,7 +11,7 @@ import torch
 
 from tailserve.kernels import set_quant_isa
 from test_cpu_kernels import make_pool, reference_decode
-from test_decode_attention_isa import POOLS, attend, isa, levels
+from test_decode_attention_isa import POOLS, attend, check_rising_scores, isa, levels
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 __all__ = ["isa"]  # the per-level fixture, shared with test_decode_attention_isa
@@ -98,13 +98,7 @@ def test_split_with_rising_scores(isa: str) -> None:
     every earlier part by a tiny factor."""
     torch.set_num_threads(2)
     lens = [700, 513]
-    q, kv, tables = split_inputs(lens, (9, 3, 64), torch.float32, 16)
-    for i, n in enumerate(lens):
-        blocks = tables[i, : -(-n // 16)]
-        kv[0, blocks] *= torch.linspace(0.1, 3.0, len(blocks) * 16).view(len(blocks), 16, 1, 1)
-    q = q * 8
-    ref = reference_decode(q, kv, tables, lens, 0.125)
-    assert (attend(q, kv, tables, lens).double() - ref).abs().max().item() < 1e-4
+    check_rising_scores(*split_inputs(lens, (9, 3, 64), torch.float32, 16), lens)
 
 
 @pytest.mark.usefixtures("threads")
