@@ -341,6 +341,21 @@ def test_a_too_large_itl_target_is_named() -> None:
     assert "over the ITL target of 5 ms" in adv and "under-predicted" in adv, adv
 
 
+def test_a_first_token_behind_prefill_only_steps_names_their_cap() -> None:
+    # Steps sized by time: a first token that waited on another prompt's prefill names the
+    # cap on steps without decodes, with the steps' figures; the ITL keeps its own advice.
+    d = diagnose(run_from_result(_with_target(result_of("interference"), 0.5)))
+    ttft = d.tails["ttft"].causes[0]
+    assert ttft.cause == "prefill_interference"
+    assert "--prefill-step-target-ms" in ttft.advice, ttft.advice
+    ev = ttft.evidence
+    assert 0 < ev["median_prefill_only_step_ms"] <= ev["max_prefill_only_step_ms"]
+    assert "--prefill-step-target-ms" not in d.tails["itl"].causes[0].advice
+    # Not sized by time: the token budget is the knob, as before.
+    plain = diagnose(run_from_result(result_of("interference"))).tails["ttft"].causes[0]
+    assert "--prefill-step-target-ms" not in plain.advice
+
+
 def test_closed_loop_queueing_advice_is_about_the_client() -> None:
     res = {**result_of("queueing"), "request_rate": "inf"}
     d = diagnose(run_from_result(res))

@@ -161,11 +161,33 @@ def test_target_factor_and_floor() -> None:
     assert s.itl_target_s == pytest.approx(0.010)
 
 
-def test_no_decodes_means_the_whole_token_budget() -> None:
+def test_no_decodes_means_the_whole_token_budget_within_the_prefill_step_target() -> None:
     clock = Clock()
-    s = make(clock, itl_target_s=0.020, max_num_batched_tokens=256)
+    s = make(clock, itl_target_s=0.020, max_num_batched_tokens=256, prefill_step_target_s=1.0)
     s.add_request(req("long", 600, 0.0))
     assert step(s, FakeRunner(), clock) == [("long", 256)]
+
+
+def test_by_default_a_step_without_decodes_takes_eight_one_decode_steps() -> None:
+    # COEF: a one-decode step is 10 + 2 = 12 ms, so a prefill-only step may take 96 ms:
+    # 86 prompt tokens -> 64 (aligned), not the 256 of the budget (266 ms). A short prompt
+    # arriving meanwhile waits for one such step, then goes first; the long one takes what
+    # the short one's step leaves within the same 96 ms.
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=256)
+    runner = FakeRunner()
+    assert s.prefill_step_cap() == pytest.approx(8 * 0.012)
+    s.add_request(req("long", 600, 0.0))
+    assert step(s, runner, clock) == [("long", 64)]
+    arrived = clock.t - 0.050  # mid-step
+    s.add_request(req("short", 40, arrived))
+    assert step(s, runner, clock) == [("long", 32), ("short", 40)]
+    assert "short" not in s.requests and clock.t - arrived <= 0.050 + 0.096  # its first token
+    assert all(s.step_model.predict(s.shape_of(o)) <= 0.096 + 1e-12 for o in runner.steps)
+    # A fixed --prefill-step-target-ms; never more than a budget-sized first chunk (266 ms).
+    assert make(Clock(), prefill_step_target_s=0.050).prefill_step_cap() == 0.050
+    assert make(Clock(), max_num_batched_tokens=256,
+                prefill_step_target_s=5.0).prefill_step_cap() == pytest.approx(0.266)
 
 
 def test_prefill_progresses_when_decodes_alone_fill_the_target() -> None:
@@ -237,7 +259,9 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     assert chunks[-1] == 1000 - sum(chunks[:-1])
     assert all(b <= a for a, b in itertools.pairwise(chunks[:-1]))
     assert {8, 16} & set(chunks)  # deep into the prompt, 32 tokens no longer fit
-    assert all(s.step_model.predict(s.shape_of(o)) <= cap + 1e-12 for o in runner.steps)
+    # The last chunk completes the prompt: it may take the step to twice the cap.
+    assert all(s.step_model.predict(s.shape_of(o)) <= cap + 1e-12 for o in runner.steps[:-1])
+    assert s.step_model.predict(s.shape_of(runner.steps[-1])) <= 2 * cap + 1e-12
     # A short prompt arriving meanwhile goes first in the next step (its place is earlier
     # than the long one's: arrival + 1,000 x 2 ms of aging), and the long one takes the rest.
     clock = Clock()
@@ -257,6 +281,28 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     assert s.prefill_step_cap() is None
     s.add_request(req("long", 1000, 0.0))
     assert [step(s, runner, clock) for _ in range(3)] == [[("long", 64)]] * 3
+
+
+@pytest.mark.parametrize(("short_len", "chunk"), [(30, 30), (50, 50), (70, 8)])
+def test_without_decodes_a_prompt_that_completes_may_take_the_step_to_twice_the_cap(
+        short_len: int, chunk: int) -> None:
+    # A 50 ms cap (10 ms a step + 1 ms a token): the long prompt goes first (fcfs) with 32
+    # tokens (42 ms). A short prompt that completes goes whole while the step stays within
+    # 100 ms (30 or 50 more tokens); one that would not (70) gets what the cap leaves (8).
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=256, prefill_step_target_s=0.050,
+             prefill_scheduling="fcfs")
+    runner = FakeRunner()
+    s.add_request(req("long", 600, 0.0))
+    assert step(s, runner, clock) == [("long", 32)]
+    s.add_request(req("short", short_len, clock.t))
+    assert step(s, runner, clock) == [("long", 32), ("short", chunk)]
+    # With decodes running the ITL target has no such exception.
+    # (Two decodes: 14 ms; 31 ms leaves 17 tokens: 16, and the short prompt does not complete.)
+    clock = Clock()
+    s, runner = _running(clock, 2, coef=COEF, itl_target_s=0.031)
+    s.add_request(req("short", 30, clock.t))
+    assert step(s, runner, clock)[-1] == ("short", 16)
 
 
 def test_the_target_yields_once_a_request_has_waited_too_long() -> None:
@@ -294,6 +340,27 @@ def test_srpt_serves_the_shortest_remaining_prefill_first() -> None:
     for r in (req("long", 300, 0.0), req("mid", 100, 0.001), req("short", 20, 0.002)):
         fcfs.add_request(r)
     assert step(fcfs, FakeRunner(), Clock()) == [("long", 64)]
+
+
+def test_a_prompt_ages_while_it_waits_not_while_it_is_prefilled() -> None:
+    # A 600-token prompt alone, 64 tokens a step (74 ms: 10 + 64 x 1 ms). After 6 steps
+    # (t = 0.444 s) it has 216 tokens left: counted from its arrival alone its place would
+    # be 0 + 216 x 2 ms = 0.432 s, before a 40-token prompt arriving now (0.444 + 0.080),
+    # which would wait for all of it. Its place counts the 0.444 s it was being served too
+    # (0.876 s), so the short prompt goes first; the long one keeps the rest of the budget.
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64, prefill_step_target_s=1.0)
+    runner = FakeRunner()
+    s.add_request(req("long", 600, 0.0))
+    for _ in range(6):
+        assert step(s, runner, clock) == [("long", 64)]
+    assert clock.t == pytest.approx(0.444)
+    s.add_request(req("short", 40, clock.t))
+    assert step(s, runner, clock) == [("long", 24), ("short", 40)]
+    assert "short" not in s.requests
+    # One that was never served keeps its place: arrival + 600 x 2 ms (the aging bound).
+    waiting = req("queued", 600, 0.0)
+    assert s._prefill_key(waiting, 0)[1] == pytest.approx(1.2)
 
 
 @pytest.mark.parametrize(("aging", "max_tokens"), [(0.5e-3, 1), (1.0, 1), (0.5e-3, 3)])
@@ -336,10 +403,10 @@ def test_aging_bounds_the_wait_of_a_long_prompt(aging: float, max_tokens: int) -
 
 
 def test_max_num_partial_prefills_is_enforced() -> None:
-    def first_step(limit: int) -> tuple[list[tuple[str, int]], str | None]:
+    def first_step(limit: int, long_limit: int = 1) -> tuple[list[tuple[str, int]], str | None]:
         clock = Clock()
         s = make(clock, max_num_batched_tokens=96, long_prefill_token_threshold=32,
-                 max_num_partial_prefills=limit)
+                 max_num_partial_prefills=limit, max_long_partial_prefills=long_limit)
         s.add_request(req("a", 200, 0.0))
         s.add_request(req("b", 200, 0.001))
         s.add_request(req("c", 10, 0.002))
@@ -347,17 +414,46 @@ def test_max_num_partial_prefills_is_enforced() -> None:
         return [(x.request_id, len(x.token_ids)) for x in out.scheduled], \
             out.admission_blocked_by
 
-    # c (done in this step) goes first; a is left part-way; b would be a second partial.
+    # c (done in this step) goes first; a is left part-way; b would be a second partial
+    # (and a second long one: 200 tokens are over the 32-token threshold).
     assert first_step(1) == ([("c", 10), ("a", 32)], "partial_prefills")
-    assert first_step(2) == ([("c", 10), ("a", 32), ("b", 32)], None)
+    assert first_step(2) == ([("c", 10), ("a", 32)], "partial_prefills")
+    assert first_step(2, long_limit=2) == ([("c", 10), ("a", 32), ("b", 32)], None)
+
+
+def test_a_short_prompt_starts_beside_a_long_partial_prefill() -> None:
+    # One decode (12 ms) under a fixed 46 ms target leaves 34 tokens: 32-token chunks. The
+    # long prompt (600 > the 512 budget) is part-way when a 100-token one arrives: with one
+    # partial prefill allowed in all it waits for the whole long prompt; with the default
+    # (4 in all, 1 long) it goes first (its SRPT place is earlier) and the long one waits.
+    def steps(**kw: object) -> tuple[list[list[tuple[str, int]]], Scheduler]:
+        clock = Clock()
+        s = make(clock, itl_target_s=0.046, **kw)
+        runner = FakeRunner()
+        s.add_request(req("a", 8, 0.0, max_tokens=100))
+        step(s, runner, clock)
+        s.add_request(req("long", 600, clock.t))
+        step(s, runner, clock)
+        s.add_request(req("short", 100, clock.t))
+        return [step(s, runner, clock) for _ in range(4)], s
+
+    held, s = steps(max_num_partial_prefills=1)
+    assert held == [[("a", 1), ("long", 32)]] * 4
+    assert s.requests["short"].status.name == "WAITING"
+    went, s = steps()
+    assert went == [[("a", 1), ("short", 32)]] * 3 + [[("a", 1), ("long", 16), ("short", 4)]]
+    assert "short" not in s.requests  # its one token came in the fourth step
 
 
 def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> None:
     clock = Clock()
-    s = make(clock, ttft_slo_s=0.100, scheduling_policy="priority")
+    # Steps without decodes capped at 1 s: a prompt goes in one step.
+    s = make(clock, ttft_slo_s=0.100, scheduling_policy="priority", prefill_step_target_s=1.0)
     # On an idle engine 200 tokens take 10 + 200 = 210 ms: never within 100 ms.
     with pytest.raises(SLOUnattainableError, match=r"200 tokens .* 210 ms .* idle engine"):
         s.add_request(req("big", 200, 0.0))
+    # With the default cap (8 x 12 ms) they go in chunks of 64: 3 x 74 + 18 = 240 ms.
+    assert make(Clock()).predict_ttft(req("big", 200, 0.0)) == pytest.approx((0.240, 0.240))
     s.add_request(req("first", 50, 0.0))  # 60 ms: admitted
     with pytest.raises(SLORefusedError, match=r"predicted time to first token 120 ms exceeds "
                        r"the TTFT SLO of 100 ms") as exc:
@@ -373,7 +469,9 @@ def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> Non
 @pytest.mark.parametrize(("field", "value"), [
     ("itl_target_ms", 0.0), ("itl_target_ms", -5.0), ("itl_target_ms", 1e9),
     ("itl_target_ms", float("nan")), ("ttft_slo_ms", 0.0), ("ttft_slo_ms", -1.0),
-    ("ttft_slo_ms", 1e12), ("max_num_partial_prefills", 0),
+    ("ttft_slo_ms", 1e12), ("max_num_partial_prefills", 0), ("max_long_partial_prefills", 0),
+    ("max_long_partial_prefills", 5), ("prefill_step_target_ms", 0.0),
+    ("prefill_step_target_ms", -3.0), ("prefill_step_target_ms", 1e9),
     ("prefill_aging_s_per_1k_tokens", 0.0), ("itl_target_factor", 0.5),
     ("itl_target_factor", 1e6), ("itl_target_factor", float("nan")),
     ("itl_target_max_wait_ms", 0.0), ("itl_target_max_wait_ms", float("nan")),

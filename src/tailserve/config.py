@@ -36,6 +36,13 @@ AUTO_ITL_FACTOR = 2.0
 AUTO_ITL_MIN_MS = 10.0
 # ... unless a request has waited AUTO_ITL_MAX_WAIT_MS unscheduled: the queue then goes first.
 AUTO_ITL_MAX_WAIT_MS = 2000.0
+# A step with no running decode may take AUTO_PREFILL_STEP_DECODES x the predicted one-decode
+# step (at most a budget-sized chunk at a prompt's start): a prompt that arrives while a long
+# one prefills waits for the step in flight, so that step is what its TTFT can lose. 8 x ~4.5
+# ms on this CPU is ~36 ms, about one 128-token chunk, whose prefill costs per token what a
+# 512-token chunk's do (benchmarks/RESULTS.md): a long prompt loses only the extra steps'
+# fixed cost, and a short one arriving meanwhile no longer waits ~0.5-1.5 s.
+AUTO_PREFILL_STEP_DECODES = 8.0
 MAX_ITL_TARGET_FACTOR = 100.0
 # What a target may be: beyond these the flag is a typo (a second, not a millisecond, value).
 MAX_ITL_TARGET_MS = 60_000.0
@@ -222,6 +229,13 @@ class EngineArgs:
                   "budget: an overloaded engine serves its queue (the target would keep the "
                   "batch small, and the queue would only grow); 2 s, the goodput TTFT bound"},
     )
+    prefill_step_target_ms: float | None = field(
+        default=None,
+        metadata={"help": "the most a step with no running decode may take, ms (a prompt "
+                  "arriving meanwhile waits for it); default: "
+                  f"{AUTO_PREFILL_STEP_DECODES:g} x the predicted one-decode step, at most "
+                  "what a budget-sized chunk at a prompt's start takes"},
+    )
     ttft_slo_ms: float | None = field(
         default=None,
         metadata={"help": "refuse (429) a request whose predicted time to first token exceeds "
@@ -238,7 +252,13 @@ class EngineArgs:
                   "tokens / 1000; no request that arrives later than that passes it"},
     )
     max_num_partial_prefills: int = field(
-        default=1, metadata={"help": "requests part-way through a chunked prefill at once"}
+        default=4, metadata={"help": "requests part-way through a chunked prefill at once"}
+    )
+    max_long_partial_prefills: int = field(
+        default=1,
+        metadata={"help": "of those, prompts longer than the token budget (or "
+                  "--long-prefill-token-threshold): fewer than --max-num-partial-prefills "
+                  "lets short prompts start beside a long one instead of queueing behind it"},
     )
     seed: int = 0
     max_queue_len: int | None = field(
@@ -330,6 +350,8 @@ class EngineArgs:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         KVEventsConfig.parse(self.kv_events_config)
         for name, value, top in (("itl_target_ms", self.itl_target_ms, MAX_ITL_TARGET_MS),
+                                 ("prefill_step_target_ms", self.prefill_step_target_ms,
+                                  MAX_ITL_TARGET_MS),
                                  ("itl_target_max_wait_ms", self.itl_target_max_wait_ms,
                                   MAX_TTFT_SLO_MS),
                                  ("ttft_slo_ms", self.ttft_slo_ms, MAX_TTFT_SLO_MS)):
@@ -342,10 +364,16 @@ class EngineArgs:
         if not 0.0 < self.prefill_aging_s_per_1k_tokens <= 3600.0:
             raise ConfigError("prefill_aging_s_per_1k_tokens must be in (0, 3600] s, got "
                               f"{self.prefill_aging_s_per_1k_tokens}")
-        if not 1 <= self.max_num_partial_prefills <= self.max_num_seqs:
+        # Above max_num_seqs it means no limit of its own (the default, 4, with a smaller
+        # max_num_seqs): not a mistake to refuse.
+        if self.max_num_partial_prefills < 1:
             raise ConfigError(
-                f"max_num_partial_prefills must be in [1, max_num_seqs={self.max_num_seqs}], "
-                f"got {self.max_num_partial_prefills}"
+                f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}"
+            )
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ConfigError(
+                "max_long_partial_prefills must be in [1, max_num_partial_prefills="
+                f"{self.max_num_partial_prefills}], got {self.max_long_partial_prefills}"
             )
         if not 0.0 < self.memory_alert <= 1.0:
             raise ConfigError(f"memory_alert must be in (0, 1], got {self.memory_alert}")
@@ -396,10 +424,13 @@ class EngineArgs:
             itl_target_s=None if self.itl_target_ms is None else self.itl_target_ms / 1e3,
             itl_target_factor=self.itl_target_factor,
             itl_target_max_wait_s=self.itl_target_max_wait_ms / 1e3,
+            prefill_step_target_s=None if self.prefill_step_target_ms is None
+            else self.prefill_step_target_ms / 1e3,
             ttft_slo_s=None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1e3,
             prefill_scheduling=self.prefill_scheduling,
             prefill_aging_s_per_token=self.prefill_aging_s_per_1k_tokens / 1e3,
             max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
         )
         observability = ObservabilityConfig(
             memory_alert=self.memory_alert,
@@ -552,10 +583,13 @@ class SchedulerConfig:
     itl_target_s: float | None = None
     itl_target_factor: float = AUTO_ITL_FACTOR
     itl_target_max_wait_s: float = AUTO_ITL_MAX_WAIT_MS / 1e3
+    # None: AUTO_PREFILL_STEP_DECODES x the predicted one-decode step (Scheduler.prefill_step_cap).
+    prefill_step_target_s: float | None = None
     ttft_slo_s: float | None = None
     prefill_scheduling: Literal["srpt", "fcfs"] = "srpt"
     prefill_aging_s_per_token: float = 2e-3
-    max_num_partial_prefills: int = 1
+    max_num_partial_prefills: int = 4
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -42,14 +42,26 @@ def load_rates(run: RunData) -> tuple[float, float]:
     return offered, served
 
 
-def _interference_advice(steps: Steps | None, ev: dict[str, Any]) -> str:
+def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -> str:
     """Name the knob that sized the interfering steps: the ITL target when steps were sized
-    by time (too large a target, or steps that overran it), the token budget otherwise."""
+    by time (too large a target, or steps that overran it), the token budget otherwise; for
+    a first token, the cap on steps without decodes (a prompt that arrives while another
+    prefills waits for the step in flight)."""
     split = ("long prompts stall running decodes: enable chunked prefill "
              "(--enable-chunked-prefill) and/or lower --long-prefill-token-threshold or "
              "--max-num-batched-tokens so a prompt is split across steps")
     if steps is None or not len(steps) or np.all(np.isnan(steps.itl_target)):
         return split + ", or size steps by time (--itl-target-ms)."
+    alone = (steps.prefill > 0) & (steps.decode == 0)
+    if metric == "ttft" and alone.any():
+        med = float(np.median(steps.step_s[alone])) * 1e3
+        top = float(np.max(steps.step_s[alone])) * 1e3
+        ev |= {"median_prefill_only_step_ms": round(med, 3),
+               "max_prefill_only_step_ms": round(top, 3)}
+        return (f"a prompt that arrives while others prefill waits for the step in flight: "
+                f"steps without decodes took {med:.0f} ms at the median and up to {top:.0f} "
+                "ms; a lower --prefill-step-target-ms (default: 8 one-decode steps) makes "
+                "that wait shorter, at a few more steps' fixed cost for long prompts.")
     target = float(np.nanmedian(steps.itl_target))
     mixed = (steps.prefill > 0) & (steps.decode > 0)
     decode_only = (steps.prefill == 0) & (steps.decode > 0)
@@ -137,7 +149,7 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
                    "largest_prefill_tokens": int(steps.prefill[big]),
                    "largest_prefill_step_ms": _ms(steps.step_s[big]),
                    "largest_prefill_at_s": _rel(run, steps.t[big])}
-        c.advice = _interference_advice(steps, ev)
+        c.advice = _interference_advice(steps, ev, mt.metric)
     elif c.cause == "own_prefill":
         lens = np.array([run.requests[int(i)].prompt_len for i in s.req], dtype=float)
         ev |= {"tail_prompt_tokens_median": float(np.median(lens[mt.tail])),

@@ -82,26 +82,31 @@ def time_limited_chunk(model: StepTimeModel, shape: StepShape, start: int, n: in
 
 
 def chunk_under_load(model: StepTimeModel, budget: int, itl_target_s: float | None,
-                     decode: StepShape) -> int:
+                     decode: StepShape, prefill_cap_s: float | None = None) -> int:
     """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them, for
     a chunk at the start of a prompt), ``itl_target_s`` the step's target (``step_target_s``
-    of ``decode``)."""
+    of ``decode``); with no decodes, ``prefill_cap_s`` (``Scheduler.prefill_step_cap``)."""
     left = max(budget - decode.decode_seqs, 1)
-    if itl_target_s is None or not decode.decode_seqs:
+    if not decode.decode_seqs:
+        if prefill_cap_s is None:
+            return left
+        return time_limited_chunk(model, decode, 0, left, prefill_cap_s, first_chunk=True)
+    if itl_target_s is None:
         return left
     return time_limited_chunk(model, decode, 0, left, itl_target_s, first_chunk=True)
 
 
 def predict_ttft(model: StepTimeModel, budget: int, itl_target_s: float | None,
                  running: Sequence[Request], ahead: Sequence[Request],
-                 req: Request) -> tuple[float, float]:
+                 req: Request, prefill_cap_s: float | None = None) -> tuple[float, float]:
     """(predicted TTFT now, predicted TTFT on an idle engine) of ``req``, which waits for
     the rest of every prompt in ``ahead``; ``itl_target_s`` is the target of a step carrying
-    the running decodes."""
+    the running decodes, ``prefill_cap_s`` the most a step without decodes may take."""
     own = req.num_prompt_tokens
-    idle = model.prefill_time(own, 0, StepShape(), budget)
+    idle = model.prefill_time(own, 0, StepShape(),
+                              chunk_under_load(model, budget, None, StepShape(), prefill_cap_s))
     decode = decode_shape(running)
-    chunk = chunk_under_load(model, budget, itl_target_s, decode)
+    chunk = chunk_under_load(model, budget, itl_target_s, decode, prefill_cap_s)
     t = model.prefill_time(own, 0, decode, chunk)
     for r in ahead:
         t += model.prefill_time(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens,

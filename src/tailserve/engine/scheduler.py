@@ -19,12 +19,15 @@ The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens
    is over the target, ``PREFILL_ALIGN`` when the decodes alone fill a fixed target
    (``latency.time_limited_chunk``). While a request has waited ``itl_target_max_wait_s``
    (2 s) unscheduled, the target yields and prefill takes the whole token budget: an
-   overloaded engine serves its queue. With no decode running a prefill takes the whole token
-   budget, in steps no longer than a budget-sized chunk at a prompt's start takes
-   (``prefill_step_cap``: later chunks of a long prompt, whose attention reads its whole
-   context, are cut so the step stays within that). At
-   most ``max_num_partial_prefills`` requests are left part-way through their prompt; a
-   short prompt that finishes in the step still goes.
+   overloaded engine serves its queue. With no decode running prefill takes up to the whole
+   token budget, in steps no longer than ``prefill_step_cap`` (8 one-decode steps, at most
+   a budget-sized chunk at a prompt's start): a prompt arriving meanwhile waits for one
+   such step at most, and a long prompt's late chunks, whose attention reads its whole
+   context, are cut to fit (a prompt that completes in the step may take it to twice the
+   cap). At most ``max_num_partial_prefills`` requests are left part-way through their
+   prompt, and of those at most ``max_long_partial_prefills`` longer than the token
+   budget, so a short prompt starts beside a long one instead of queueing behind it; a
+   prompt that finishes in the step always goes.
 3. When a running request cannot get a block, the newest admission not yet scheduled this
    step (by priority first under ``priority``) is **preempted by recompute**: its blocks are
    freed, it keeps its output tokens and goes back to the queue, and its next prefill
@@ -47,7 +50,13 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 
-from tailserve.config import CacheConfig, SchedulerConfig, check_pool_fits, max_request_tokens
+from tailserve.config import (
+    AUTO_PREFILL_STEP_DECODES,
+    CacheConfig,
+    SchedulerConfig,
+    check_pool_fits,
+    max_request_tokens,
+)
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.engine.latency import (
@@ -165,7 +174,7 @@ class Scheduler:
         decode = decode_shape(self.running)
         target = self.step_target(decode) if decode.decode_seqs else None
         return predict_ttft(self.step_model, self.config.max_num_batched_tokens, target,
-                            self.running, ahead, req)
+                            self.running, ahead, req, self.prefill_step_cap())
 
     def step_target(self, decode: StepShape) -> float | None:
         """The ITL target of a step carrying ``decode`` (None: steps are not sized by time)."""
@@ -186,18 +195,32 @@ class Scheduler:
                    for r in self.waiting)
 
     def prefill_step_cap(self) -> float | None:
-        """The time a step with no decode may take: what a chunk of the whole token budget at
-        the start of a prompt is predicted to take. Late chunks of a long prompt read its
-        whole context in attention: a 512-token chunk 3,500 tokens in took ~1 s here against
-        ~0.2 s for the first one, and a short prompt arriving meanwhile waited for all of it
-        (the long-mix workload's short requests: P99 TTFT 100x their median). Capped, such
-        a chunk is cut to fewer tokens (the same attention pairs per token, so the prompt's
-        own prefill costs only the extra steps' fixed time), and a step is never longer than
-        the token budget says. None when steps are not sized by time."""
+        """The time a step with no decode may take: ``prefill_step_target_s`` when given,
+        else AUTO_PREFILL_STEP_DECODES x the predicted one-decode step; never more than a
+        chunk of the whole token budget at a prompt's start is predicted to take. A prompt
+        that arrives while others prefill waits for the step in flight: late chunks of a
+        long prompt read its whole context in attention, and a 512-token chunk 3,000 tokens
+        in took 0.5-1.5 s here, so a short prompt arriving meanwhile waited for all of it
+        and then shared its own step with the next one (the long-mix workload's short
+        requests: P99 TTFT 20-100x their median). Capped, such a chunk is cut to fewer
+        tokens: the same cost per token (a 128-token chunk's prefill costs per token what a
+        512-token one's does), and the prompt's own prefill loses only the extra steps'
+        fixed time. None when steps are not sized by time."""
         cfg = self.config
         if not (cfg.enable_itl_target and cfg.enable_chunked_prefill):
             return None
-        return self.step_model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
+        whole = self.step_model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
+        target = cfg.prefill_step_target_s
+        if target is None:
+            target = AUTO_PREFILL_STEP_DECODES * self.step_model.predict(
+                StepShape().plus_decode(1))
+        return min(whole, target)
+
+    def _is_long(self, req: Request) -> bool:
+        """A prompt that counts against ``max_long_partial_prefills``: longer than one step
+        may take of it (``long_prefill_token_threshold``, else the token budget)."""
+        cfg = self.config
+        return req.num_tokens > (cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
 
     def _check_slo(self, req: Request, slo_s: float) -> None:
         predicted, idle = self.predict_ttft(req)
@@ -264,25 +287,40 @@ class Scheduler:
         self.waiting.push(req, front=True)
 
     def _prefill_key(self, req: Request, index: int) -> tuple[float, ...]:
-        """Order of the prefill budget. ``srpt``: the earliest *place* ``arrival +
+        """Order of the prefill budget. ``srpt``: the earliest *place* ``arrival + served +
         remaining x aging`` (shortest remaining prefill first among requests that arrived
         together; a request is never passed by one that arrived after its place, whose key
-        is at least its arrival + one token's aging: that bounds its wait). ``fcfs``:
-        running first, then queue order.
+        is at least its arrival + one token's aging: that bounds its wait). ``served`` is
+        the time of the steps that carried its prompt: a request ages while it waits, not
+        while it is being prefilled. Without it a long prompt part-way through its prefill
+        had "waited" its own prefill time, its place came before any new arrival's, and a
+        100-token prompt arriving in the last ~20% of a 4,000-token one waited for all of
+        it (long-mix). A request that gets no tokens keeps its place, so the bound holds.
+        ``fcfs``: running first, then queue order.
         Under ``priority`` the priority value leads either way."""
         cfg = self.config
         lead = float(req.priority) if cfg.scheduling_policy == "priority" else 0.0
         if cfg.prefill_scheduling == "fcfs":
             return (lead, float(index))
         remaining = req.num_tokens - req.num_computed_tokens
-        return (lead, req.arrival_time + remaining * cfg.prefill_aging_s_per_token,
-                float(index))
+        place = (req.arrival_time + req.timestamps.prefill_time
+                 + remaining * cfg.prefill_aging_s_per_token)
+        return (lead, place, float(index))
 
     def _time_limited(self, n: int, shape: StepShape, start: int, first_chunk: bool,
-                      target: float) -> int:
+                      target: float, completes: bool) -> int:
         """``n`` cut so the step's predicted time stays within ``target``
-        (``latency.time_limited_chunk``: the step's first chunk always gets some tokens)."""
-        return time_limited_chunk(self.step_model, shape, start, n, target, first_chunk)
+        (``latency.time_limited_chunk``: the step's first chunk always gets some tokens).
+        One exception, in steps without decodes (nobody's inter-token gap to protect): a
+        prompt whose rest (``completes``) keeps the step within twice ``target`` goes whole.
+        Otherwise a short prompt behind a long one that goes first (an aged place) got what
+        the long chunk left, 8-32 tokens a step, and took 4-8 steps to its first token
+        instead of one; a prompt arriving meanwhile waits at most 2x the cap."""
+        fit = time_limited_chunk(self.step_model, shape, start, n, target, first_chunk)
+        if (fit < n and completes and not shape.decode_seqs
+                and self.step_model.predict(shape.plus_chunk(start, n)) <= 2 * target):
+            return n
+        return fit
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -326,6 +364,7 @@ class Scheduler:
         cands.sort(key=lambda c: c[0])
         # Requests left part-way through their prompt after this step (max_num_partial_prefills).
         partial_ids = {r.request_id for r in partials}
+        long_partial_ids = {r.request_id for r in partials if self._is_long(r)}
         blocked_by: str | None = None
         if preempted and len(self.waiting):
             blocked_by = "preemption"
@@ -337,7 +376,8 @@ class Scheduler:
                 start = req.num_computed_tokens
                 n = self._num_new_tokens(req, budget)
                 if target is not None:
-                    n = self._time_limited(n, shape, start, not shape.prefill_tokens, target)
+                    n = self._time_limited(n, shape, start, not shape.prefill_tokens, target,
+                                           completes=start + n >= req.num_tokens)
                 if n <= 0:
                     blocked_by = blocked_by or ("token_budget" if budget <= 0 else "itl_target")
                     break
@@ -348,6 +388,7 @@ class Scheduler:
                 shape = shape.plus_chunk(start, n)
                 if start + n >= req.num_tokens:
                     partial_ids.discard(req.request_id)
+                    long_partial_ids.discard(req.request_id)
                 continue
             # A waiting (or preempted) request. Once one is held back, no later one is
             # admitted (strict order keeps the aging bound), but running partial prefills
@@ -375,11 +416,13 @@ class Scheduler:
             n = min(n, budget)
             if target is not None:
                 n = self._time_limited(n, shape, num_hit_tokens, not shape.prefill_tokens,
-                                       target)
+                                       target, completes=n >= remaining)
                 if n <= 0:
                     blocked_by, admitting = "itl_target", False
                     continue
-            if n < remaining and len(partial_ids) >= cfg.max_num_partial_prefills:
+            long = self._is_long(req)
+            if n < remaining and (len(partial_ids) >= cfg.max_num_partial_prefills or (
+                    long and len(long_partial_ids) >= cfg.max_long_partial_prefills)):
                 # It would be left part-way: others may still finish theirs in this step.
                 blocked_by = blocked_by or "partial_prefills"
                 continue
@@ -407,6 +450,8 @@ class Scheduler:
             shape = shape.plus_chunk(num_hit_tokens, n)
             if n < remaining:
                 partial_ids.add(req.request_id)
+                if long:
+                    long_partial_ids.add(req.request_id)
         if blocked_by is None and len(self.waiting) and budget <= 0:
             blocked_by = "token_budget"
 
