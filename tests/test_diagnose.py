@@ -332,7 +332,7 @@ def test_a_too_large_itl_target_is_named() -> None:
     itl = d.tails["itl"].causes[0]
     assert itl.cause == "prefill_interference"
     assert "--itl-target-ms 500" in itl.advice and "too large" in itl.advice, itl.advice
-    assert "--itl-target-factor 2" in itl.advice  # the default rule, relative to the batch
+    assert "--itl-target-factor 1.5" in itl.advice  # the default rule, relative to the batch
     base = itl.evidence["median_decode_only_step_ms"]
     assert itl.evidence["itl_target_ms"] == 500 and 0 < base < 500 / 3
     # A target the prefill steps overran: the prediction, not the target, is to blame.

@@ -10,7 +10,13 @@ import zlib
 import pytest
 
 from fake_runner import EOS, FakeRunner
-from tailserve.config import AUTO_ITL_MIN_MS, CacheConfig, EngineArgs, SchedulerConfig
+from tailserve.config import (
+    AUTO_ITL_FACTOR,
+    AUTO_ITL_MIN_MS,
+    CacheConfig,
+    EngineArgs,
+    SchedulerConfig,
+)
 from tailserve.engine.calibrate import PLAN
 from tailserve.engine.latency import chunk_under_load, time_limited_chunk
 from tailserve.engine.scheduler import MIN_PREFILL_CHUNK, PREFILL_ALIGN, Scheduler
@@ -105,14 +111,14 @@ def _running(clock: Clock, decodes: int, coef: tuple[float, ...] = CHEAP_PREFILL
 
 
 @pytest.mark.parametrize(("decodes", "chunks"), [
-    # decode-only step 10 + 2 x decodes ms; 2x that leaves the same again for prefill, at
-    # 0.1 ms a token, in multiples of 32: 2 -> 14 ms -> 140 -> 128; 8 -> 26 ms -> 256;
-    # 16 -> 42 ms -> 416, then the 600-token prompt's rest of 184 (within 42 ms).
-    (2, [128, 128, 128, 128, 88]),
-    (8, [256, 256, 88]),
-    (16, [416, 184]),
+    # decode-only step 10 + 2 x decodes ms; 1.5x that leaves half of it again for prefill,
+    # at 0.1 ms a token, in multiples of 32: 2 -> 7 ms -> 70 -> 64; 8 -> 13 ms -> 128;
+    # 16 -> 21 ms -> 192, then the 600-token prompt's rest (within the target).
+    (2, [64] * 9 + [24]),
+    (8, [128] * 4 + [88]),
+    (16, [192] * 3 + [24]),
 ])
-def test_default_target_is_twice_the_decode_only_step_of_the_running_batch(
+def test_default_target_is_1_5x_the_decode_only_step_of_the_running_batch(
         decodes: int, chunks: list[int]) -> None:
     clock = Clock()
     s, runner = _running(clock, decodes)
@@ -123,18 +129,19 @@ def test_default_target_is_twice_the_decode_only_step_of_the_running_batch(
         assert out[:decodes] == [(f"d{i}", 1) for i in range(decodes)]
         got += [n for rid, n in out if rid == "long"]
     assert got == chunks
-    # Every mixed step within 2x the decode-only step of its decodes (prefill gets half).
+    # Every mixed step within 1.5x the decode-only step of its decodes (prefill gets a third).
+    assert AUTO_ITL_FACTOR == 1.5
     for o in runner.steps[1:]:
         decode_only = s.step_model.predict(StepShape(0, o.num_decode_seqs,
                                                      o.num_decode_context_tokens, 0))
-        assert s.step_model.predict(s.shape_of(o)) <= 2 * decode_only + 1e-12
-        assert s.itl_target_s == pytest.approx(2 * decode_only)
+        assert s.step_model.predict(s.shape_of(o)) <= 1.5 * decode_only + 1e-12
+        assert s.itl_target_s == pytest.approx(1.5 * decode_only)
 
 
 def test_a_fixed_target_is_filled_by_many_decodes_the_relative_one_is_not() -> None:
     # 16 decodes: 42 ms alone (10 + 16 x 2). A fixed 60 ms target leaves prefill 18 ms, and
     # less with every decode more, down to the 32-token minimum (the old default's
-    # starvation at high concurrency); the relative one (2 x 42 ms) leaves 42 ms.
+    # starvation at high concurrency); the relative one (1.5 x 42 ms) leaves 21 ms.
     clock = Clock()
     fixed, runner = _running(clock, 16, itl_target_s=0.060)
     fixed.add_request(req("long", 600, clock.t))
@@ -142,7 +149,7 @@ def test_a_fixed_target_is_filled_by_many_decodes_the_relative_one_is_not() -> N
     clock = Clock()
     rel, runner = _running(clock, 16)
     rel.add_request(req("long", 600, clock.t))
-    assert step(rel, runner, clock)[-1] == ("long", 416)
+    assert step(rel, runner, clock)[-1] == ("long", 192)  # 210 -> 192
 
 
 def test_target_factor_and_floor() -> None:
@@ -151,7 +158,7 @@ def test_target_factor_and_floor() -> None:
     s, runner = _running(clock, 2, itl_target_factor=3.0)
     s.add_request(req("long", 600, clock.t))
     assert step(s, runner, clock)[-1] == ("long", 256)
-    # A decode step of 1.5 ms: 2x is 3 ms, the floor AUTO_ITL_MIN_MS (10 ms) leaves 8.5 ms
+    # A decode step of 1.5 ms: 1.5x is 2.25 ms, the floor AUTO_ITL_MIN_MS (10 ms) leaves 8.5 ms
     # for prefill at 0.1 ms a token -> 85 -> 64.
     clock = Clock()
     s, runner = _running(clock, 1, coef=(0.001, 0.1, 0.005, 0.0, 0.0))
@@ -306,15 +313,15 @@ def test_without_decodes_a_prompt_that_completes_may_take_the_step_to_twice_the_
 
 
 def test_the_target_yields_once_a_request_has_waited_too_long() -> None:
-    # Two decodes (14 ms alone, CHEAP_PREFILL): the relative target gives a 600-token prompt
-    # 128 tokens a step. Once a request has waited itl_target_max_wait_s unscheduled, the
+    # Two decodes (14 ms alone, CHEAP_PREFILL): a relative target of 2x gives a 600-token
+    # prompt 128 tokens a step. Once a request has waited itl_target_max_wait_s unscheduled, the
     # step takes the whole token budget; after it is admitted, the target holds again.
     clock = Clock()
-    s, runner = _running(clock, 2, itl_target_max_wait_s=0.5)
+    s, runner = _running(clock, 2, itl_target_max_wait_s=0.5, itl_target_factor=2.0)
     s.add_request(req("long", 600, clock.t))
     s.add_request(req("late", 600, clock.t))
     assert step(s, runner, clock)[-1] == ("long", 128)
-    clock.t += 0.5  # "late" has now waited over 0.5 s (max_num_partial_prefills = 1)
+    clock.t += 0.5  # "late" has now waited over 0.5 s (max_long_partial_prefills = 1)
     sizes = dict(step(s, runner, clock))
     # The whole token budget the decodes leave (510): the rest of "long", then "late".
     assert (sizes["long"], sizes["late"]) == (600 - 128, 510 - 472)

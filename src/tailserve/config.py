@@ -31,8 +31,12 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # The default ITL target, re-derived every step (engine/latency.py step_target_s): AUTO_ITL_FACTOR
 # x the predicted decode-only step of the decodes that step carries, at least AUTO_ITL_MIN_MS
-# (below it no prefill chunk fits next to a very fast decode step, e.g. on a GPU).
-AUTO_ITL_FACTOR = 2.0
+# (below it no prefill chunk fits next to a very fast decode step, e.g. on a GPU). 1.5, not 2:
+# on 2 cores a decode-only stream's own ITL P99 is already ~1.9x its median (the API process
+# and the client share the cores with the step's threads), and 2x steps on top read 2.6-2.8x
+# on the mixed workload; 1.5 read 2.3x there, at no loss of TTFT or saturated throughput
+# (benchmarks/RESULTS.md, A/B and benchmarks/scheduler_sim.py).
+AUTO_ITL_FACTOR = 1.5
 AUTO_ITL_MIN_MS = 10.0
 # ... unless a request has waited AUTO_ITL_MAX_WAIT_MS unscheduled: the queue then goes first.
 AUTO_ITL_MAX_WAIT_MS = 2000.0
@@ -219,8 +223,8 @@ class EngineArgs:
     itl_target_factor: float = field(
         default=AUTO_ITL_FACTOR,
         metadata={"help": "without --itl-target-ms: a step with running decodes may take this "
-                  "many times their predicted decode-only step (2: prefill gets about half "
-                  "of every step's time)"},
+                  "many times their predicted decode-only step (1.5: prefill gets about a "
+                  "third of every step's time)"},
     )
     itl_target_max_wait_ms: float = field(
         default=AUTO_ITL_MAX_WAIT_MS,

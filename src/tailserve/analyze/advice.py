@@ -16,6 +16,7 @@ from tailserve.analyze.attribution import NONE_FACTOR, CauseShare, MetricTail, t
 from tailserve.analyze.data import BLOCKED_KV, RunData, Steps
 from tailserve.analyze.samples import Samples
 from tailserve.analyze.stepmodel import StepModel
+from tailserve.config import AUTO_ITL_FACTOR
 
 # An ITL target more than this many times the decode-only step is too large to call steady.
 TARGET_TOO_LARGE = 3.0
@@ -80,9 +81,10 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
         return (f"steps with prefill are sized to the ITL target (--itl-target-ms "
                 f"{target * 1e3:.0f}), {target * 1e3 / base_ms:.1f}x the decode-only step of "
                 f"{base_ms:.0f} ms: that target is too large for a steady ITL; lower "
-                f"--itl-target-ms toward {2 * base_ms:.0f} ms, or drop it for the default "
-                "relative target (--itl-target-factor 2: twice each batch's decode-only "
-                "step); prefill then takes more, smaller steps: TTFT rises.")
+                f"--itl-target-ms toward {AUTO_ITL_FACTOR * base_ms:.0f} ms, or drop it for the "
+                f"default relative target (--itl-target-factor {AUTO_ITL_FACTOR:g}: "
+                f"{AUTO_ITL_FACTOR:g}x each batch's decode-only step); prefill then takes "
+                "more, smaller steps: TTFT rises.")
     return (f"prefill steps stay near the ITL target ({target * 1e3:.0f} ms), which the tail "
             "is made of: lower --itl-target-ms to trade TTFT for a steadier ITL.")
 

@@ -12,9 +12,9 @@ The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens
    While decodes run (and prompts may be chunked), each chunk is the largest multiple of
    ``PREFILL_ALIGN`` (32), else 16 or 8 tokens, that keeps the step's predicted time
    (``stepcost.StepTimeModel``) within the step's ITL target: ``--itl-target-ms`` when
-   given, else ``itl_target_factor`` (2) x the predicted decode-only step of the decodes this
-   step carries (``latency.step_target_s``), so prefill gets about half of every step
-   whatever the concurrency and a step is at most ~2x a decode-only one. The step's first
+   given, else ``itl_target_factor`` (1.5) x the predicted decode-only step of the decodes this
+   step carries (``latency.step_target_s``), so prefill gets about a third of every step
+   whatever the concurrency and a step is at most ~1.5x a decode-only one. The step's first
    chunk always gets tokens, so prefill progresses: ``MIN_PREFILL_CHUNK`` (8) when even that
    is over the target, ``PREFILL_ALIGN`` when the decodes alone fill a fixed target
    (``latency.time_limited_chunk``). While a request has waited ``itl_target_max_wait_s``
