@@ -9,10 +9,14 @@ random Llama (4 heads, 2 KV heads, SmolLM2's tokenizer) from ``tests/tiny_models
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import re
+import signal
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -263,3 +267,39 @@ def test_a_dead_worker_fails_the_engine_cleanly(engines: dict[int, LLM]) -> None
         _greedy(llm, _prompts()[:1])
     llm.engine.close()  # the fixture's close after this one is harmless
     assert all(p.poll() is not None for p in workers.processes)
+
+
+def _stopped_peer_rank(rank: int, path: str, out: Any) -> None:
+    from datetime import timedelta as td
+
+    from tailserve.model.parallel import TensorParallelGroup
+    g = TensorParallelGroup.init(rank, 2, "file://" + path, torch.device("cpu"), td(seconds=3))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, connected, and never receiving
+        return
+    t0 = time.monotonic()
+    try:
+        g._broadcast(torch.zeros(8 << 20, dtype=torch.int64))  # 64 MB: more than a socket holds
+        out.put(("returned", time.monotonic() - t0))
+    except TensorParallelError as exc:
+        out.put((str(exc), time.monotonic() - t0))
+
+
+def test_rank_0s_step_send_is_bounded_by_the_tp_timeout(tmp_path: Path) -> None:
+    # The step group waits up to 7 days (workers idle in it); rank 0's sends are bounded by
+    # TAILSERVE_TP_TIMEOUT_S instead: before, a send to a worker that stopped receiving
+    # never returned (test_a_dead_worker_fails_the_engine_cleanly hung there once).
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_stopped_peer_rank, args=(r, str(tmp_path / "rdzv"), out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        msg, waited = out.get(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert "a tensor-parallel rank failed during a step" in msg
+    assert 2.5 < waited < 20

@@ -165,7 +165,16 @@ class TensorParallelGroup:
 
     def _broadcast(self, t: torch.Tensor) -> None:
         try:
-            dist.broadcast(t, src=0, group=self.step_group)
+            if self.rank == 0:
+                # The sender is bounded by ``timeout``: a send to a worker killed between the
+                # liveness check and this step usually fails at once, but now and then the
+                # connection is not yet seen closed and the send waited out the group's
+                # IDLE_TIMEOUT (a test run hung there). Workers wait unbounded: for rank 0.
+                work = dist.broadcast(t, src=0, group=self.step_group, async_op=True)
+                if work is not None:
+                    work.wait(timeout=self.timeout)
+            else:
+                dist.broadcast(t, src=0, group=self.step_group)
         except RuntimeError as exc:
             raise _failed(exc) from exc
 
