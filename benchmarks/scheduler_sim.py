@@ -21,16 +21,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import functools
 import math
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0] + "/src")
+# The project's src and this folder (serving_peers.py's workloads), however this is loaded.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from serving_peers import WORKLOADS, Workload
+from tailserve.analyze.data import Steps, read_timeline
+from tailserve.analyze.plan import load_config
+from tailserve.analyze.stepmodel import fit_step_model
 from tailserve.cli import add_engine_args, engine_args_from
 from tailserve.config import ModelConfig
 from tailserve.data.step import RunnerOutput, SchedulerOutput
@@ -38,7 +45,7 @@ from tailserve.engine.scheduler import Scheduler
 from tailserve.platforms import Platform
 from tailserve.request import Request
 from tailserve.sampling_params import SamplingParams
-from tailserve.stepcost import StepTimeModel, features
+from tailserve.stepcost import StepTimeModel
 
 # Fitted (non-negative least squares) to the 3,693 steps of a live mixed run, 2026-12-02
 # (tailserve serve on the bundled GGUF, 2 cores, quiet), in seconds per scaled feature
@@ -49,30 +56,11 @@ MEASURED_SIGMA = 0.20
 HOST_S = 0.5e-3
 
 
-# SmolLM2-135M's shape: the engine configuration resolves against it as it would in serve.
-SMOLLM2 = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-    rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
-
-
-@dataclass(frozen=True)
-class Workload:
-    num_prompts: int
-    input_len: int
-    output_len: int
-    range_ratio: float
-    rate: float
-    long_len: int = 0
-    long_share: float = 0.0
-
-
-WORKLOADS = {
-    "mixed": Workload(100, 512, 32, 0.9, 0.5),
-    "long-mix": Workload(40, 100, 16, 0.2, 0.5, long_len=4000, long_share=0.1),
-}
+@functools.cache
+def bundled_model() -> ModelConfig:
+    """The bundled SmolLM2-135M's shape (the GGUF's metadata): the engine configuration
+    resolves against it as it would in serve."""
+    return load_config(None)[0]
 
 
 @dataclass
@@ -83,20 +71,13 @@ class Trace:
 
 
 def fit(timeline: str) -> tuple[tuple[float, ...], float]:
-    from scipy.optimize import nnls
-    rows, ys = [], []
-    with open(timeline) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("kind") == "step" and r.get("step_s"):
-                rows.append(features(r["num_prefill_tokens"], r["num_decode_seqs"],
-                                     r.get("num_decode_context_tokens", 0),
-                                     r.get("prefill_attention_pairs", 0)))
-                ys.append(r["step_s"])
-    x, y = np.array(rows), np.array(ys)
-    coef, _ = nnls(x, y)
-    sigma = float(np.std(np.log(y / (x @ coef))))
-    return tuple(float(c) for c in coef), sigma
+    """The step costs of a live timeline, fitted as ``tailserve diagnose`` fits them (stalls
+    left out), and the log-sigma of what the fit leaves."""
+    steps = Steps.from_records([r for r in read_timeline(timeline)
+                                if r.get("kind") == "step" and r.get("step_s")])
+    model = fit_step_model(steps)
+    sigma = float(np.std(np.log(steps.step_s / model.predicted)))
+    return tuple(float(c) for c in model.coef), sigma
 
 
 def simulate(w: Workload, flags: list[str], coef: tuple[float, ...], sigma: float,
@@ -106,12 +87,12 @@ def simulate(w: Workload, flags: list[str], coef: tuple[float, ...], sigma: floa
     add_engine_args(parser)
     args = engine_args_from(parser.parse_args(flags))
     config = dataclasses.replace(args, device="cpu", dtype="float32").resolve(
-        SMOLLM2, Platform(cuda_available=False, cpu_kernels=True))
+        bundled_model(), Platform(cuda_available=False, cpu_kernels=True))
     clock = [0.0]
     s = Scheduler(config.scheduler, config.cache, clock=lambda: clock[0])
     truth = StepTimeModel(coef)
     s.step_model = StepTimeModel(coef)  # the engine seeds it by calibration
-    gaps = rng.exponential(1.0 / w.rate, w.num_prompts)
+    gaps = rng.exponential(1.0 / w.request_rate, w.num_prompts)
     arrivals = np.cumsum(gaps) - gaps[0]
     lo, hi = w.input_len * (1 - w.range_ratio), w.input_len * (1 + w.range_ratio)
     lens = rng.integers(int(lo), int(hi) + 1, w.num_prompts)
@@ -165,7 +146,9 @@ def summarize(runs: list[dict[str, Trace]], long_len: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    # The open-loop workloads of serving_peers.py (the simulation has no concurrency limit).
+    open_loop = sorted(n for n, w in WORKLOADS.items() if math.isfinite(w.request_rate))
+    ap.add_argument("--workload", choices=open_loop, default="mixed")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS")
     ap.add_argument("--seeds", type=int, default=5, help="runs per variant (P99 over all)")
     ap.add_argument("--fit-timeline", default=None, help="fit the step costs to this timeline")

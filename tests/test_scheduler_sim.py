@@ -18,7 +18,7 @@ spec.loader.exec_module(sim)
 
 
 def test_every_request_gets_its_tokens_and_the_itl_target_steadies_the_gaps() -> None:
-    w = sim.Workload(40, 512, 16, 0.9, 1.0)
+    w = sim.Workload("small", 40, 512, 16, range_ratio=0.9, request_rate=1.0)
     runs = {label: [sim.simulate(w, flags, sim.MEASURED_COEF, sim.MEASURED_SIGMA, seed)
                     for seed in range(2)]
             for label, flags in (("default", []), ("off", ["--no-enable-itl-target"]))}
