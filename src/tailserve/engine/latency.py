@@ -87,13 +87,10 @@ def chunk_under_load(model: StepTimeModel, budget: int, itl_target_s: float | No
     a chunk at the start of a prompt), ``itl_target_s`` the step's target (``step_target_s``
     of ``decode``); with no decodes, ``prefill_cap_s`` (``Scheduler.prefill_step_cap``)."""
     left = max(budget - decode.decode_seqs, 1)
-    if not decode.decode_seqs:
-        if prefill_cap_s is None:
-            return left
-        return time_limited_chunk(model, decode, 0, left, prefill_cap_s, first_chunk=True)
-    if itl_target_s is None:
+    target = itl_target_s if decode.decode_seqs else prefill_cap_s
+    if target is None:
         return left
-    return time_limited_chunk(model, decode, 0, left, itl_target_s, first_chunk=True)
+    return time_limited_chunk(model, decode, 0, left, target, first_chunk=True)
 
 
 def predict_ttft(model: StepTimeModel, budget: int, itl_target_s: float | None,

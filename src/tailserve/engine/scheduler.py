@@ -222,6 +222,15 @@ class Scheduler:
         cfg = self.config
         return req.num_tokens > (cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
 
+    def _partials_full(self, req: Request, partial_ids: set[str]) -> bool:
+        """Leaving ``req`` part-way would pass ``max_num_partial_prefills``, or, for a long
+        prompt, ``max_long_partial_prefills`` (``partial_ids``: those left part-way now)."""
+        cfg = self.config
+        if len(partial_ids) >= cfg.max_num_partial_prefills:
+            return True
+        return self._is_long(req) and sum(
+            self._is_long(self.requests[i]) for i in partial_ids) >= cfg.max_long_partial_prefills
+
     def _check_slo(self, req: Request, slo_s: float) -> None:
         predicted, idle = self.predict_ttft(req)
         check_slo(req, slo_s, predicted, idle, len(self.waiting), len(self.running))
@@ -364,7 +373,6 @@ class Scheduler:
         cands.sort(key=lambda c: c[0])
         # Requests left part-way through their prompt after this step (max_num_partial_prefills).
         partial_ids = {r.request_id for r in partials}
-        long_partial_ids = {r.request_id for r in partials if self._is_long(r)}
         blocked_by: str | None = None
         if preempted and len(self.waiting):
             blocked_by = "preemption"
@@ -388,7 +396,6 @@ class Scheduler:
                 shape = shape.plus_chunk(start, n)
                 if start + n >= req.num_tokens:
                     partial_ids.discard(req.request_id)
-                    long_partial_ids.discard(req.request_id)
                 continue
             # A waiting (or preempted) request. Once one is held back, no later one is
             # admitted (strict order keeps the aging bound), but running partial prefills
@@ -420,9 +427,7 @@ class Scheduler:
                 if n <= 0:
                     blocked_by, admitting = "itl_target", False
                     continue
-            long = self._is_long(req)
-            if n < remaining and (len(partial_ids) >= cfg.max_num_partial_prefills or (
-                    long and len(long_partial_ids) >= cfg.max_long_partial_prefills)):
+            if n < remaining and self._partials_full(req, partial_ids):
                 # It would be left part-way: others may still finish theirs in this step.
                 blocked_by = blocked_by or "partial_prefills"
                 continue
@@ -450,8 +455,6 @@ class Scheduler:
             shape = shape.plus_chunk(num_hit_tokens, n)
             if n < remaining:
                 partial_ids.add(req.request_id)
-                if long:
-                    long_partial_ids.add(req.request_id)
         if blocked_by is None and len(self.waiting) and budget <= 0:
             blocked_by = "token_budget"
 
