@@ -266,7 +266,7 @@ void decode_rows_linear(int isa, const Packed& p, const QuantizedRows& x, float*
   const int64_t M = x.M, K = p.K, N = p.N;
   // Runs of rows per hand-out: each thread's reads stay sequential.
   const int64_t per_item = std::max<int64_t>(
-      16, (N / (8 * at::get_num_threads()) + 15) / 16 * 16);
+      16, (N / (runs_per_thread(true) * at::get_num_threads()) + 15) / 16 * 16);
   parallel_dynamic((N + per_item - 1) / per_item, [&](int64_t item) {
     const int64_t n0 = item * per_item, n1 = std::min(N, n0 + per_item);
     for (int64_t m = 0; m < M; m += kFusedRows) {

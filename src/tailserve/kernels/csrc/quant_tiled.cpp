@@ -305,7 +305,8 @@ void linear_as(int isa, const uint8_t* w, int64_t N, int64_t K, int64_t M, const
   const int64_t nb = K / 32, tiles = N / 16;
   const int64_t tile_bytes = nb * Layout<TS>::kBytes;
   // Runs of tiles per hand-out: each thread's reads stay sequential (and prefetchable).
-  const int64_t per_item = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()));
+  const int64_t per_item = std::max<int64_t>(
+      1, tiles / (runs_per_thread(M <= kGemmRows) * at::get_num_threads()));
   parallel_dynamic((tiles + per_item - 1) / per_item, [&](int64_t item) {
     const int64_t t1 = std::min(tiles, (item + 1) * per_item);
     for (int64_t t = item * per_item; t < t1; ++t) {
