@@ -12,6 +12,11 @@ same workloads from one client, so the client's own costs cancel out:
   long-mix   open-loop, 10% of prompts ~4,000 tokens and the rest ~100, short outputs: do
              short requests get stuck behind long prefills? (their TTFT P50/P99 apart)
 
+Around the single workload the harness measures this machine's read bandwidth (before and
+after, while the server idles) and prints tailserve's TPOT against its memory roofline: the
+bytes a decode step reads (weights as stored + K/V at the mean context, `tailserve plan`'s
+count) over the better of the two bandwidths (--no-roofline skips it).
+
 The servers run one at a time (start, warm up, the workloads, stop) on 127.0.0.1. The
 client is ``vllm bench serve`` from the vLLM install (the neutral choice: the load generator
 the peers are usually measured with) or ``tailserve bench`` (``--client tailserve``; it needs no
@@ -48,6 +53,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "src"))
+if HERE not in sys.path:  # roofline.py, when this file is imported rather than run
+    sys.path.append(HERE)
 # `import tailserve` below sets OMP_WAIT_POLICY=PASSIVE in this process when it is unset (its
 # own default, envs.apply_process_defaults); the peers and the client must get the
 # environment the user gave, not tailserve's choice (PASSIVE slows an OpenMP llama-server 3x).
@@ -351,6 +358,44 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def read_bandwidth() -> float:
+    """GB/s this machine reads now (roofline.py: the best of 5 sums over 1 GiB), measured in
+    this process while the server idles between workloads."""
+    from roofline import measure_bandwidth
+
+    return measure_bandwidth(copy_mib=64, read_mib=1024, repeats=5).read_gbps
+
+
+def roofline_row(row: dict[str, Any], w: Workload, bandwidth: list[float], server: Server
+                 ) -> dict[str, Any]:
+    """The single stream against its memory roofline: the bytes a tailserve decode step reads
+    (weights as stored + K/V at the workload's mean context, as `tailserve plan` counts them)
+    over the best read bandwidth measured just before and after the workload (the least
+    disturbed: a busy neighbour only lowers it). For the peers only the bandwidth: their
+    bytes differ (vLLM reads float32 weights, llama-server a float16 cache)."""
+    out: dict[str, Any] = {"read_gbps": [round(b, 2) for b in bandwidth]}
+    if server.name != "tailserve":
+        return out
+    from roofline import served_decode_bytes
+
+    kv = "auto"  # the last --kv-cache-dtype of the serve command wins, as in argparse
+    for i, a in enumerate(server.cmd):
+        if a.startswith("--kv-cache-dtype="):
+            kv = a.split("=", 1)[1]
+        elif a == "--kv-cache-dtype" and i + 1 < len(server.cmd):
+            kv = server.cmd[i + 1]
+    kv = "float32" if kv == "auto" else kv  # what auto is for a GGUF on the CPU path
+    context = w.input_len + (w.output_len - 1) / 2  # the mean over the decode steps
+    weights, kv_bytes = served_decode_bytes(kv, context)
+    roof_ms = (weights + kv_bytes) / (max(bandwidth) * 1e9) * 1e3
+    out |= {"roofline_weight_bytes": weights, "roofline_kv_bytes": round(kv_bytes),
+            "roofline_kv_dtype": kv, "roofline_context": context,
+            "roofline_ms": round(roof_ms, 3)}
+    if row.get("median_tpot_ms"):
+        out["tpot_over_roofline"] = round(row["median_tpot_ms"] / roof_ms, 3)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     slos = Slos(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms)
     workloads = [WORKLOADS[n] for n in args.workloads]
@@ -406,6 +451,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        f"{tag}-warmup")
             for k, w in enumerate(workloads):
                 print(f"[{tag}] {w.name}: {w.num_prompts} requests", file=sys.stderr)
+                roof = args.roofline and w.name == "single"
+                bandwidth = [read_bandwidth()] if roof else []
                 # A seed per workload: the same prompts for every server, but none repeated
                 # from an earlier workload, where a prefix cache would answer it.
                 result, cmd = run_client(args.client, args, server, w, args.seed + k, out_dir,
@@ -417,6 +464,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     report["warnings"].append(f"{tag} {w.name}: {row['error']}")
                 else:
                     row |= summarize(result, slos, w)
+                    if roof:
+                        bandwidth.append(read_bandwidth())
+                        row |= roofline_row(row, w, bandwidth, server)
                 report["rows"].append(row)
         finally:
             stop(proc)
@@ -496,6 +546,16 @@ def print_table(report: dict[str, Any]) -> None:
             st.add_row(who, str(r["short_count"]), f(r["short_median_ttft_ms"]),
                        f(r["short_p99_ttft_ms"]), f(r["short_ttft_p99_over_p50"], 2))
         console.print(st)
+    for r in rows:
+        if "roofline_ms" in r:
+            who = escape(r["server"] + (f" r{r.get('round', 0)}" if multi else ""))
+            console.print(
+                f"{who} single stream: TPOT P50 {f(r.get('median_tpot_ms'), 2)} ms = "
+                f"{f(r.get('tpot_over_roofline'), 2)}x its roofline {r['roofline_ms']:.2f} ms "
+                f"({(r['roofline_weight_bytes'] + r['roofline_kv_bytes']) / 1e6:.1f} MB: weights "
+                f"{r['roofline_weight_bytes'] / 1e6:.1f} + {r['roofline_kv_dtype']} K/V at "
+                f"context {r['roofline_context']:g} {r['roofline_kv_bytes'] / 1e6:.1f}; read "
+                f"{max(r['read_gbps']):.1f} GB/s, best of {r['read_gbps']} before/after)")
     console.print("latencies in ms; load average before "
                   f"{report['load_average_before']}, after {report['load_average_after']}")
     for s, e in report["servers"].items():
@@ -544,6 +604,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llama-server -t (default: every core; 1 for a smoke run on a busy host)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds per server")
     p.add_argument("--client-timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="skip the read-bandwidth measurements around the single workload "
+                   "(tailserve's TPOT against its memory roofline)")
     p.add_argument("--out-dir", default=None, help="client results and server logs")
     p.add_argument("--json", default="serving_peers.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)

@@ -85,3 +85,31 @@ def test_per_workload_rate_and_prompts(sp: ModuleType) -> None:
     assert [v.label for v in args.variants] == ["after"]
     with pytest.raises(SystemExit):
         sp.parse_args(["--client", "tailserve", "--rate", "nope=1"])
+
+
+def test_single_stream_roofline_counts_plans_bytes_over_the_best_bandwidth(
+        sp: ModuleType) -> None:
+    from roofline import served_decode_bytes
+
+    w = sp.WORKLOADS["single"]
+    context = w.input_len + (w.output_len - 1) / 2
+    weights, kv32 = served_decode_bytes("float32", context)
+    # The bundled GGUF as stored (Q4_1 layers, Q8_0 embeddings = LM head): ~96.6 MB; its
+    # float32 K/V: 30 layers x K and V x 3 heads x 64 x 4 bytes per cached token.
+    assert 90e6 < weights < 100e6
+    assert kv32 == 30 * 2 * 3 * 64 * 4 * context
+    ts = sp.Server("tailserve", ["python", "-m", "tailserve.cli", "serve"], {}, 1, "tailserve")
+    row = sp.roofline_row({"median_tpot_ms": 6.0}, w, [30.0, 40.0], ts)
+    roof_ms = (weights + kv32) / 40e9 * 1e3  # the better of the two bandwidths
+    assert row["roofline_ms"] == pytest.approx(roof_ms, abs=1e-3)
+    assert row["tpot_over_roofline"] == pytest.approx(6.0 / roof_ms, abs=1e-3)
+    assert row["roofline_kv_dtype"] == "float32" and row["read_gbps"] == [30.0, 40.0]
+    # A 16-bit cache halves the K/V bytes; the last flag wins, as serve's argparse reads it.
+    ts16 = replace(ts, cmd=[*ts.cmd, "--kv-cache-dtype", "float32", "--kv-cache-dtype=bfloat16"])
+    row16 = sp.roofline_row({"median_tpot_ms": 6.0}, w, [40.0], ts16)
+    assert row16["roofline_kv_bytes"] == round(kv32 / 2)
+    assert row16["roofline_ms"] < row["roofline_ms"]
+    # A peer reads other bytes (float32 weights, a float16 cache): its bandwidth only.
+    peer = sp.roofline_row({"median_tpot_ms": 6.0}, w, [40.0],
+                           sp.Server("llama.cpp", ["bash"], {}, 1, "llama.cpp"))
+    assert peer == {"read_gbps": [40.0]}
