@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tailserve.data.records import EngineState, RequestRecord
 from tailserve.data.step import StepStats
 from tailserve.errors import ConfigError
-from tailserve.obs.memory import sample_memory
+from tailserve.obs.memory import rss_bytes, sample_memory
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 
@@ -435,6 +436,32 @@ def test_sample_memory_reports_rss() -> None:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         assert set(sample_memory("cuda:0")) == {"rss_bytes"}
+
+
+def test_rss_is_psutils_and_a_forked_child_reads_its_own() -> None:
+    import psutil
+
+    def near(a: int, b: int) -> bool:
+        return abs(a - b) <= (1 << 20)  # pages touched between the two reads
+
+    assert near(rss_bytes(), psutil.Process().memory_info().rss)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child touches 64 MB of its own
+        try:
+            before = rss_bytes()
+            block = bytearray(64 << 20)
+            block[:: 4096] = b"x" * len(block[:: 4096])
+            ours, theirs = rss_bytes(), psutil.Process().memory_info().rss
+            os.write(write, b"%d %d %d" % (before, ours, theirs))
+        finally:
+            os._exit(0)
+    os.close(write)
+    before, ours, theirs = (int(v) for v in os.read(read, 100).split())
+    os.waitpid(pid, 0)
+    assert near(ours, theirs), (ours, theirs)
+    # Through the parent's descriptor the child would see the parent's RSS, unchanged.
+    assert ours - before > (48 << 20), (before, ours)
 
 
 def test_sample_memory_is_cheap() -> None:

@@ -67,3 +67,22 @@ def test_a_failing_request_still_ends() -> None:
         asyncio.run(wrapped({"type": "http", "headers": [(b"content-length", b"5000")]},
                             None, None))
     assert trimmer.active == 0 and len(queued) == 1
+
+
+def test_engine_trims_without_looking_libc_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine trims its heap each time it goes idle (once per request of a single stream):
+    glibc is looked up once, since find_library runs ldconfig in a child process (~1.4 ms)."""
+    import ctypes.util
+
+    from tailserve.engine import process
+
+    calls = []
+    real = ctypes.util.find_library
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: calls.append(name) or real(name))
+    process._malloc_trim.cache_clear()
+    try:
+        for _ in range(3):
+            process._trim_heap()
+        assert calls == ["c"]
+    finally:
+        process._malloc_trim.cache_clear()
