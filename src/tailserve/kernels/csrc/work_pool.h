@@ -20,9 +20,9 @@ void set_kernel_spin_us(int64_t us);
 // Hand-outs per thread for a product's runs of consecutive weight rows. With a few rows of x
 // (a decode step) the product streams its weight once and is memory-bound: two long runs per
 // thread keep each thread's reads one sequential, prefetched stream, where every new run
-// restarts it (eight runs per thread: 30 layers' Q4_1 products of one row read 25-33 GB/s,
-// two: 33-43 GB/s; benchmarks/RESULTS.md, "Decode products in long runs"). With many rows
-// each run is compute, and more hand-outs even out the threads.
+// restarts it (30 layers' one-row Q4_1 products, best of 40 passes: 29-37 GB/s at eight runs
+// per thread, 38-47 at one or two; benchmarks/RESULTS.md, "Decode products in long runs").
+// With many rows each run is compute, and more hand-outs even out the threads.
 inline int64_t runs_per_thread(bool streamed) { return streamed ? 2 : 8; }
 
 // Runs fn(item) for item in [0, n), in parallel over as many threads as torch uses.
