@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -447,11 +448,12 @@ def test_rss_is_psutils_and_a_forked_child_reads_its_own() -> None:
     assert near(rss_bytes(), psutil.Process().memory_info().rss)
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child touches 64 MB of its own
+    if pid == 0:  # the child touches 64 MB of new pages (a fresh mapping: no reused heap)
         try:
             before = rss_bytes()
-            block = bytearray(64 << 20)
-            block[:: 4096] = b"x" * len(block[:: 4096])
+            block = mmap.mmap(-1, 64 << 20)
+            for at in range(0, 64 << 20, 4096):
+                block[at] = 1
             ours, theirs = rss_bytes(), psutil.Process().memory_info().rss
             os.write(write, b"%d %d %d" % (before, ours, theirs))
         finally:
