@@ -158,10 +158,10 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * nsb * kTs;
-    __m256 acc0[MR], acc1[MR];
+    __m256 acc0[MR], acc1[MR], offv[MR];
     float off[MR];
     for (int m = 0; m < MR; ++m) {
-      acc0[m] = acc1[m] = _mm256_setzero_ps();
+      acc0[m] = acc1[m] = offv[m] = _mm256_setzero_ps();
       off[m] = 0.f;
     }
     for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -170,9 +170,27 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
         _mm_prefetch(reinterpret_cast<const char*>(blk + c + prefetch_bytes()), _MM_HINT_T0);
       }
       if constexpr (F == Fmt::Q4_K || F == Fmt::Q5_K) {
-        const float d = f16_at(blk), dmin = f16_at(blk + 2);
-        int sc[8], mn[8];
-        for (int j = 0; j < 8; ++j) scale_min_k4(j, blk + 4, &sc[j], &mn[j]);
+        // The 8 groups' scales d * sc and offsets dmin * mn as vectors, the six-bit fields
+        // unpacked four at a time (scale_min_k4's layout): the scalar unpacking, one scale
+        // product and one offset product per group were most of this loop's instructions.
+        uint32_t u[3];
+        std::memcpy(u, blk + 4, 12);
+        const uint64_t sc8 = (u[0] & 0x3f3f3f3fu) |
+            static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mn8 = (u[1] & 0x3f3f3f3fu) |
+            static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4))
+                << 32;
+        const __m256 av = _mm256_mul_ps(
+            _mm256_set1_ps(f16_at(blk)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc8)))));
+        const __m256 mv = _mm256_mul_ps(
+            _mm256_set1_ps(f16_at(blk + 2)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn8)))));
+        __m256 adx[MR];  // d * sc * dx of each group, per row of x
+        for (int m = 0; m < MR; ++m) {
+          adx[m] = _mm256_mul_ps(av, _mm256_loadu_ps(dx + m * nb + sb * 8));
+          offv[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs32 + m * nb + sb * 8), offv[m]);
+        }
         const uint8_t* ql = blk + (F == Fmt::Q5_K ? 48 : 16);
         __m256i qh = _mm256_setzero_si256();
         if constexpr (F == Fmt::Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
@@ -188,17 +206,15 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
             qh = _mm256_srli_epi16(qh, 2);
           }
           const int64_t g0 = sb * 8 + 2 * j, g1 = g0 + 1;
-          const float a0 = d * static_cast<float>(sc[2 * j]), a1 = d * static_cast<float>(sc[2 * j + 1]);
-          const float m0 = dmin * static_cast<float>(mn[2 * j]), m1 = dmin * static_cast<float>(mn[2 * j + 1]);
+          const __m256i lane0 = _mm256_set1_epi32(2 * j), lane1 = _mm256_set1_epi32(2 * j + 1);
           for (int m = 0; m < MR; ++m) {
             const int8_t* xr = xq + m * K;
             const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + g0 * 32));
             const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + g1 * 32));
             acc0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot32<Vnni>(lo, x0, false)),
-                                      _mm256_set1_ps(a0 * dx[m * nb + g0]), acc0[m]);
+                                      _mm256_permutevar8x32_ps(adx[m], lane0), acc0[m]);
             acc1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot32<Vnni>(hi, x1, false)),
-                                      _mm256_set1_ps(a1 * dx[m * nb + g1]), acc1[m]);
-            off[m] -= m0 * xs32[m * nb + g0] + m1 * xs32[m * nb + g1];
+                                      _mm256_permutevar8x32_ps(adx[m], lane1), acc1[m]);
           }
         }
       } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d; q - 32 per group of 16
@@ -236,8 +252,9 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
         }
       }
     }
-    for (int m = 0; m < MR; ++m) {
-      y[m * N + n] = hsum256(_mm256_add_ps(acc0[m], acc1[m])) + off[m] + (bias ? bias[n] : 0.f);
+    for (int m = 0; m < MR; ++m) {  // offv: the Q4_K / Q5_K offsets (zero for Q6_K)
+      y[m * N + n] = hsum256(_mm256_add_ps(acc0[m], acc1[m])) - hsum256(offv[m]) + off[m] +
+                     (bias ? bias[n] : 0.f);
     }
   }
 }
