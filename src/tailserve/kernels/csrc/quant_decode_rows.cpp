@@ -158,12 +158,8 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * nsb * kTs;
-    __m256 acc0[MR], acc1[MR], offv[MR];
-    float off[MR];
-    for (int m = 0; m < MR; ++m) {
-      acc0[m] = acc1[m] = offv[m] = _mm256_setzero_ps();
-      off[m] = 0.f;
-    }
+    __m256 acc0[MR], acc1[MR], offv[MR];  // offv: the offsets, subtracted at the end
+    for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = offv[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = row + sb * kTs;
       for (int64_t c = 0; c < kTs; c += 64) {
@@ -220,10 +216,22 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
       } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d; q - 32 per group of 16
         const uint8_t* ql = blk;
         const uint8_t* qhp = blk + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
         const float d = f16_at(blk + 208);
         const __m256i three = _mm256_set1_epi8(3);
         for (int h = 0; h < 2; ++h) {
+          // This half's 8 int8 scales (groups of 16, in order) times d, as one vector; each
+          // 32-block's dx serves its two groups. As for Q4_K: no scalar product per group.
+          const __m256 sv = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h)))));
+          const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+          __m256 sdx[MR];
+          for (int m = 0; m < MR; ++m) {
+            const int64_t b0 = sb * 8 + h * 4;
+            sdx[m] = _mm256_mul_ps(sv, _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_loadu_ps(dx + m * nb + b0)), pairs));
+            offv[m] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_set1_ps(32.f)),
+                                      _mm256_loadu_ps(xs16 + m * 2 * nb + 2 * b0), offv[m]);
+          }
           const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
           const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
           const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qhp + 32 * h));
@@ -238,22 +246,21 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), three), 4));
           for (int c = 0; c < 4; ++c) {
             const int64_t b = sb * 8 + h * 4 + c;  // the 32-block of x
-            const float sa = d * static_cast<float>(sc[h * 8 + 2 * c]);
-            const float sb2 = d * static_cast<float>(sc[h * 8 + 2 * c + 1]);
+            // Lanes 0-3 sum the block's first 16 values, 4-7 its second 16.
+            const __m256i lanes = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1,
+                                                    2 * c + 1, 2 * c + 1, 2 * c + 1);
             for (int m = 0; m < MR; ++m) {
               const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
-              const float dm = dx[m * nb + b];
-              const __m256 s = _mm256_set_m128(_mm_set1_ps(sb2 * dm), _mm_set1_ps(sa * dm));
+              const __m256 s = _mm256_permutevar8x32_ps(sdx[m], lanes);
               __m256& acc = (c & 1) ? acc1[m] : acc0[m];
               acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot32<Vnni>(q[c], xv, false)), s, acc);
-              off[m] -= 32.f * (sa * xs16[m * 2 * nb + 2 * b] + sb2 * xs16[m * 2 * nb + 2 * b + 1]);
             }
           }
         }
       }
     }
-    for (int m = 0; m < MR; ++m) {  // offv: the Q4_K / Q5_K offsets (zero for Q6_K)
-      y[m * N + n] = hsum256(_mm256_add_ps(acc0[m], acc1[m])) - hsum256(offv[m]) + off[m] +
+    for (int m = 0; m < MR; ++m) {
+      y[m * N + n] = hsum256(_mm256_add_ps(acc0[m], acc1[m])) - hsum256(offv[m]) +
                      (bias ? bias[n] : 0.f);
     }
   }
