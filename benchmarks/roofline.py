@@ -127,13 +127,13 @@ def served_decode_bytes(kv_cache_dtype: str, context: float, model: str | None =
                         ) -> tuple[int, float]:
     """(weight bytes, KV bytes) one decoded token of one sequence reads from a tailserve
     server, counted as ``tailserve plan`` counts them (the loader's bytes: a GGUF's blocks
-    as stored) at ``context`` cached tokens. ``kv_cache_dtype`` as ``serve`` takes it; auto
-    is what the CPU path resolves it to for a GGUF, float32."""
+    as stored) at ``context`` cached tokens, in a resolved ``kv_cache_dtype`` (float32,
+    bfloat16, float16: the caller knows what its server resolved auto to)."""
     from tailserve.analyze.plan import PlanInputs, load_config, make_plan
 
     cfg, path, file_bytes = load_config(model)
-    kv = "float32" if kv_cache_dtype == "auto" else kv_cache_dtype
-    plan = make_plan(cfg, PlanInputs(model=model, dtype="auto", kv_dtype=kv), path, file_bytes)
+    plan = make_plan(cfg, PlanInputs(model=model, dtype="auto", kv_dtype=kv_cache_dtype),
+                     path, file_bytes)
     # Tied embeddings are stored once and read once per token, as the LM head (the lookup
     # reads one row of them: left out).
     return plan.weight_bytes, plan.kv_bytes_per_token * context

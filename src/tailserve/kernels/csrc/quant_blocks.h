@@ -57,6 +57,18 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
+// scale_min_k4 for all 8 sub-blocks at once, four at a time in 32-bit words: byte j of *sc and
+// *mn is sub-block j's scale and min.
+inline void scales_mins_k4(const uint8_t* q, uint64_t* sc, uint64_t* mn) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  *sc = (u[0] & 0x3f3f3f3fu) |
+        static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
+  *mn = (u[1] & 0x3f3f3f3fu) |
+        static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4))
+            << 32;
+}
+
 // One block -> q[block] (bytes), a4[block / 4] (the scale of each run of 4 values: the lanes
 // of the integer dot), b16[block / 16] (the offset of each group of 16).
 inline void set_group(float* a4, float* b16, int64_t g, float a, float b) {

@@ -167,15 +167,10 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
       }
       if constexpr (F == Fmt::Q4_K || F == Fmt::Q5_K) {
         // The 8 groups' scales d * sc and offsets dmin * mn as vectors, the six-bit fields
-        // unpacked four at a time (scale_min_k4's layout): the scalar unpacking, one scale
-        // product and one offset product per group were most of this loop's instructions.
-        uint32_t u[3];
-        std::memcpy(u, blk + 4, 12);
-        const uint64_t sc8 = (u[0] & 0x3f3f3f3fu) |
-            static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
-        const uint64_t mn8 = (u[1] & 0x3f3f3f3fu) |
-            static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4))
-                << 32;
+        // unpacked four at a time: the scalar unpacking, one scale product and one offset
+        // product per group were most of this loop's instructions.
+        uint64_t sc8, mn8;
+        scales_mins_k4(blk + 4, &sc8, &mn8);
         const __m256 av = _mm256_mul_ps(
             _mm256_set1_ps(f16_at(blk)),
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc8)))));
@@ -223,14 +218,14 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
           // 32-block's dx serves its two groups. As for Q4_K: no scalar product per group.
           const __m256 sv = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h)))));
+          const __m256 sv32 = _mm256_mul_ps(sv, _mm256_set1_ps(32.f));  // q - 32: the offsets
           const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+          const int64_t b0 = sb * 8 + h * 4;  // this half's first 32-block of x
           __m256 sdx[MR];
           for (int m = 0; m < MR; ++m) {
-            const int64_t b0 = sb * 8 + h * 4;
             sdx[m] = _mm256_mul_ps(sv, _mm256_permutevar8x32_ps(
                 _mm256_castps128_ps256(_mm_loadu_ps(dx + m * nb + b0)), pairs));
-            offv[m] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_set1_ps(32.f)),
-                                      _mm256_loadu_ps(xs16 + m * 2 * nb + 2 * b0), offv[m]);
+            offv[m] = _mm256_fmadd_ps(sv32, _mm256_loadu_ps(xs16 + m * 2 * nb + 2 * b0), offv[m]);
           }
           const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
           const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
