@@ -129,3 +129,28 @@ def test_clones_share_a_build_and_a_changed_source_builds_anew(tmp_path: Path,
     assert dir_c != dir_a and answer == 42 and compiles(tmp_path) == 2
     # The first build is still there for clone a (no rebuild going back either).
     assert build(tmp_path, cxx, clone_a, cache)[:2] == (dir_a, 41) and compiles(tmp_path) == 2
+
+
+def test_the_build_runs_the_ninja_package_whatever_path_finds_first(tmp_path: Path,
+                                                                    cxx: Path) -> None:
+    """Ninja versions hash ``.ninja_log``'s commands differently (1.11 and 1.13 do), so a
+    library built by one was built again in full by the other: ``make setup`` put the venv's
+    ninja first on PATH, a later ``pytest`` or ``tailserve serve`` found the system's. A decoy
+    ninja first on PATH (logging, then running the real one) must never be run."""
+    import ninja  # type: ignore[import-untyped]
+
+    decoy = tmp_path / "decoy" / "ninja"
+    decoy.parent.mkdir()
+    decoy.write_text('#!/bin/sh\necho "$*" >> "$DECOY_LOG"\n'
+                     f'exec {Path(ninja.BIN_DIR) / "ninja"} "$@"\n')
+    decoy.chmod(0o755)
+    csrc, cache = write_probe(tmp_path / "csrc", 41), tmp_path / "cache"
+    env = child_env(tmp_path, cxx, DECOY_LOG=str(tmp_path / "decoy.log"),
+                    PATH=os.pathsep.join([str(decoy.parent), os.environ["PATH"]]))
+    for _ in range(2):
+        done = subprocess.run(child_argv(csrc, cache), env=env, capture_output=True,
+                              text=True, timeout=BUILD_BOUND_S)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split()[1] == "41"
+    assert not (tmp_path / "decoy.log").exists()
+    assert compiles(tmp_path) == 1

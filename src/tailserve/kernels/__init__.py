@@ -133,6 +133,37 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _ninja_bin_dir() -> str | None:
+    """The directory of the ``ninja`` package's binary (a dependency), or None without it."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    return bin_dir if bin_dir and shutil.which("ninja", path=bin_dir) else None
+
+
+@contextlib.contextmanager
+def _pinned_ninja() -> Iterator[None]:
+    """Build with the ``ninja`` package's binary whatever PATH says. torch runs the first
+    ``ninja`` on PATH, and ninja versions disagree on the hashes in ``.ninja_log`` (1.11 and
+    1.13 do): a library ``make setup`` built through the venv's ninja was built again in full
+    (two minutes on two cores) by the first ``tailserve serve`` or ``pytest`` whose PATH found
+    the system's, and again by the next setup. PATH is process-wide, so it is set only for the
+    build, under the build lock and ``_lock``."""
+    bin_dir = _ninja_bin_dir()
+    before = os.environ.get("PATH")
+    if bin_dir is not None:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, before or os.defpath])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def build_library(name: str, csrc: Path = _CSRC, flags: tuple[str, ...] = tuple(_FLAGS),
                   cache_root: Path | None = None) -> Path:
     """Build (or find built) the ops library of ``csrc``'s sources and load it into this
@@ -140,7 +171,7 @@ def build_library(name: str, csrc: Path = _CSRC, flags: tuple[str, ...] = tuple(
     from torch.utils import cpp_extension
 
     build_dir = _build_dir(csrc, flags, cache_root)
-    with _build_lock(build_dir):
+    with _build_lock(build_dir), _pinned_ninja():
         cpp_extension.load(
             name=name,
             sources=[str(s) for s in _stage(csrc, build_dir)],
