@@ -137,7 +137,7 @@ def test_the_build_runs_the_ninja_package_whatever_path_finds_first(tmp_path: Pa
     library built by one was built again in full by the other: ``make setup`` put the venv's
     ninja first on PATH, a later ``pytest`` or ``tailserve serve`` found the system's. A decoy
     ninja first on PATH (logging, then running the real one) must never be run."""
-    import ninja  # type: ignore[import-untyped]
+    import ninja
 
     decoy = tmp_path / "decoy" / "ninja"
     decoy.parent.mkdir()
