@@ -27,6 +27,7 @@ from tailserve.model.quant.formats import (
     untile_blocks,
 )
 from test_quant_kernels import (  # noqa: F401 (isa: the fixture)
+    _SCALES,
     ACTIVATION_QUANT_RTOL,
     emulated_linear,
     isa,
@@ -83,6 +84,25 @@ def test_tiled_linear_matches_the_references(fmt: BlockFormat, rows: int) -> Non
     stored = ops.quant_linear(x, w, bias)
     torch.testing.assert_close(got.float(), stored, rtol=STORED_RTOL,
                                atol=STORED_RTOL * stored.abs().max().item())
+
+
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize("fmt", TILED, ids=TILED_IDS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_tiled_linear_at_the_bounds_of_its_integer_sums(fmt: BlockFormat, sign: float) -> None:
+    """Every stored value at its largest magnitude (nibbles 15, fifth bits set, int8 -128)
+    against x at +-127 in every lane: the 16-bit pair sums of AVX2's maddubs at their bound
+    (Q8_0's |-128| x 127 x 2 = 32,512, Q5's 2 x 31 x 127 per half), where a saturated or
+    wrapped sum would be off by thousands x the scale."""
+    w = random_blocks(fmt, 32, 4 * 32, seed=7)
+    scale_bytes = {b for offset, _ in _SCALES[fmt.name] for b in (offset, offset + 1)}
+    values = [b for b in range(fmt.type_size) if b not in scale_bytes]
+    w[..., values] = 0x80 if fmt.name == "Q8_0" else 0xFF
+    x = torch.full((4, 4 * 32), sign)
+    for rows in (1, 2, 3, 4):
+        got = ops.quant_linear(x[:rows], tile_blocks(w), None).double()
+        want = emulated_linear(x[:rows], w)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", TILED, ids=TILED_IDS)
