@@ -179,13 +179,13 @@ void tile_avx2(const uint8_t* tile, int h, int64_t nb, int64_t K, const int8_t* 
   for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + m * N + 8 * h, accf[m]);
 }
 
-// All 16 rows of one tile in one pass, against MR = 1-2 rows of x (decode). The two-pass form
-// above streams a tile's lines in while it computes its first half and then computes the
-// second from L1 with no read in flight: on a core without AVX512, where computing the tile
-// is about as slow as reading it, the memory sat idle half the time and one-row products read
-// 7 GB/s of a core's 12. One pass keeps the prefetches going the whole time, and x's
-// broadcasts and the block's scales serve both halves. Per lane, the same operations in the
-// same order as tile_avx2: the results are bit for bit the same.
+// All 16 rows of one tile in one pass, against MR = 1-2 rows of x (decode). On a core without
+// AVX512 computing a tile is about as slow as reading it (Zen 3: one-row products 16-22 GB/s
+// from L3, ~12 from memory), so instructions per byte count. Here x's broadcasts and the
+// block's scales serve both halves (L3-resident one-row products: 15-22 -> 19-26 GB/s), and
+// the prefetches run through the whole tile, where the two-pass form above computed its
+// second half from L1 with no read in flight. Per lane, the same operations in the same order
+// as tile_avx2: the results are bit for bit the same.
 template <int TS, int MR>
 void tile_avx2_16(const uint8_t* tile, int64_t nb, int64_t K, const int8_t* xq, const float* dx,
                   const float* xs32, const int32_t* xi32, float* y, int64_t N, const float* bias,
