@@ -73,3 +73,19 @@ def test_import_sets_a_passive_openmp_unless_the_user_chose() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "ACTIVE"
+
+
+def test_path_first_puts_a_directory_first_and_restores_path(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import os
+
+    monkeypatch.setenv("PATH", "/usr/bin")
+    with envs.path_first(str(tmp_path)):
+        assert os.environ["PATH"].split(os.pathsep) == [str(tmp_path), "/usr/bin"]
+    assert os.environ["PATH"] == "/usr/bin"
+    monkeypatch.delenv("PATH")
+    with envs.path_first(str(tmp_path)):
+        assert os.environ["PATH"].split(os.pathsep)[0] == str(tmp_path)
+    assert "PATH" not in os.environ
+    with envs.path_first(None):
+        assert "PATH" not in os.environ

@@ -7,8 +7,9 @@ unset or empty variable means the default.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -135,3 +136,19 @@ def apply_process_defaults() -> None:
     rounds each, load ~4), same single-stream TPOT (benchmarks/RESULTS.md)."""
     if not os.environ.get(OMP_WAIT_POLICY.name):
         os.environ[OMP_WAIT_POLICY.name] = OMP_WAIT_POLICY.default
+
+
+@contextlib.contextmanager
+def path_first(directory: str | None) -> Iterator[None]:
+    """Put ``directory`` first on PATH for the body, then restore PATH as it was (unset stays
+    unset); ``None`` changes nothing. PATH is process-wide, so callers hold a lock across it."""
+    before = os.environ.get("PATH")
+    if directory is not None:
+        os.environ["PATH"] = os.pathsep.join([directory, before or os.defpath])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before

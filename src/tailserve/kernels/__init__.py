@@ -151,17 +151,8 @@ def _pinned_ninja() -> Iterator[None]:
     (two minutes on two cores) by the first ``tailserve serve`` or ``pytest`` whose PATH found
     the system's, and again by the next setup. PATH is process-wide, so it is set only for the
     build, under the build lock and ``_lock``."""
-    bin_dir = _ninja_bin_dir()
-    before = os.environ.get("PATH")
-    if bin_dir is not None:
-        os.environ["PATH"] = os.pathsep.join([bin_dir, before or os.defpath])
-    try:
+    with envs.path_first(_ninja_bin_dir()):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
 
 
 def build_library(name: str, csrc: Path = _CSRC, flags: tuple[str, ...] = tuple(_FLAGS),
