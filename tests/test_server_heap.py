@@ -74,15 +74,16 @@ def test_engine_trims_without_looking_libc_up_again(monkeypatch: pytest.MonkeyPa
     glibc is looked up once, since find_library runs ldconfig in a child process (~1.4 ms)."""
     import ctypes.util
 
+    from tailserve import glibc
     from tailserve.engine import process
 
     calls = []
     real = ctypes.util.find_library
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: calls.append(name) or real(name))
-    process._malloc_trim.cache_clear()
+    glibc.glibc.cache_clear()
     try:
         for _ in range(3):
             process._trim_heap()
         assert calls == ["c"]
     finally:
-        process._malloc_trim.cache_clear()
+        glibc.glibc.cache_clear()

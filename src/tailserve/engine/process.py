@@ -8,14 +8,10 @@ the model fails.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -28,6 +24,7 @@ from tailserve.engine.messages import (
     input_decoder,
     message_encoder,
 )
+from tailserve.glibc import glibc
 
 logger = logging.getLogger("tailserve.engine")
 
@@ -123,16 +120,6 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
         core.close()
 
 
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, looked up once: ``find_library`` runs ``ldconfig -p`` in a child
-    process (~1.4 ms), and a single stream goes idle after every request."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def _trim_heap() -> None:
     """Give freed heap pages back to the OS: after start-up (the released checkpoint, the
     loader's and calibration's temporaries) and each time the engine goes idle (the steps'
@@ -140,6 +127,6 @@ def _trim_heap() -> None:
     model: 48 MB after start-up, benchmarks/resident_memory.py). Measured on the bundled
     model: 9 ms after start-up, 0.4-1.7 ms on going idle after a 1,000-token request (a request
     arriving meanwhile waits that long); never inside a busy stretch; a no-op without glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -16,25 +16,15 @@ libraries):
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from tailserve.glibc import glibc
+
 logger = logging.getLogger(__name__)
 
 _M_ARENA_MAX = -8  # glibc's malloc.h
-
-
-def _glibc() -> Any | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    if not hasattr(libc, "malloc_trim") or not hasattr(libc, "mallopt"):
-        return None  # not glibc (musl has neither)
-    return libc
 
 
 class HeapTrimmer:
@@ -46,7 +36,7 @@ class HeapTrimmer:
     ) -> None:
         self.large_bytes = large_bytes
         self._run = run
-        self._libc = _glibc()
+        self._libc = glibc()
         self.active = 0
         self.trims = 0
         if self._libc is not None and arena_max is not None:
