@@ -9,10 +9,13 @@ best and the median pass.
 
 ``step``: ``runner.execute`` of one decode-only step of the bundled model (``--seqs``
 sequences at ``--context`` tokens, ``engine/calibrate._batch``), min and median of
-``--steps`` steps.
+``--steps`` steps. With ``--windows W``: W windows of ``--steps`` steps, each followed by a
+read-bandwidth measure, and each window's median step over the roofline of that moment.
 
     PYTHONPATH=src python benchmarks/decode_products.py products [--type-size 20] [--rows 1]
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src python benchmarks/decode_products.py step --context 192
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src:benchmarks python benchmarks/decode_products.py step \
+        --context 192 --steps 60 --windows 30
 
 Trees are compared by running each in its own process, alternating (``PYTHONPATH=TREE/src``):
 the machine's bandwidth moves with its neighbours by 2x within minutes.
@@ -23,8 +26,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tailserve.data.step import SchedulerOutput
+    from tailserve.model.runner import ModelRunner
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of each projection
 
@@ -63,7 +71,7 @@ def products(type_size: int, rows: int, layers: int, passes: int) -> None:
           f"{nbytes / median / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
 
 
-def step(seqs: int, context: int, steps: int) -> None:
+def step(seqs: int, context: int, steps: int, windows: int, read_mib: int) -> None:
     from mixed_step import build
     from tailserve.engine.calibrate import _batch
 
@@ -72,6 +80,8 @@ def step(seqs: int, context: int, steps: int) -> None:
     assert sched is not None
     for _ in range(20):
         runner.execute(sched)
+    if windows:
+        return step_against_the_moment(runner, sched, seqs, context, steps, windows, read_mib)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -79,6 +89,44 @@ def step(seqs: int, context: int, steps: int) -> None:
         times.append(time.perf_counter() - t0)
     print(f"{seqs} x {context} decode step: min {min(times) * 1e3:.3f} ms, median "
           f"{statistics.median(times) * 1e3:.3f} ms over {steps}; "
+          f"{torch.get_num_threads()} threads")
+
+
+def step_against_the_moment(runner: ModelRunner, sched: SchedulerOutput, seqs: int, context: int,
+                            steps: int, windows: int, read_mib: int) -> None:
+    """Each window's median step over the roofline of that moment: the bytes the step reads
+    (``tailserve plan``'s count, as serving_peers.py counts them) over the better of two
+    ``read_mib`` sums read right after the window. The host's bandwidth moves by up to 2x
+    within seconds, so a roofline read minutes away from the steps says little about them."""
+    from roofline import served_decode_bytes
+
+    weights, kv = served_decode_bytes("float32", context)
+    nbytes = weights + kv * seqs
+    big = torch.ones(read_mib * (1 << 20) // 4)
+    big.sum()  # first touch
+    rows = []
+    for _ in range(windows):
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            runner.execute(sched)
+            times.append(time.perf_counter() - t0)
+        reads = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            big.sum()
+            reads.append(time.perf_counter() - t0)
+        gbps = big.numel() * 4 / min(reads) / 1e9
+        rows.append((statistics.median(times), gbps))
+    ratios = sorted(t / (nbytes / (g * 1e9)) for t, g in rows)
+
+    def q(f: float) -> float:
+        return ratios[min(len(ratios) - 1, int(f * len(ratios)))]
+
+    print(f"{seqs} x {context} decode step, {windows} windows of {steps}: {nbytes / 1e6:.1f} MB "
+          f"a step; read {min(g for _, g in rows):.1f}-{max(g for _, g in rows):.1f} GB/s; "
+          f"step median {statistics.median(t for t, _ in rows) * 1e3:.3f} ms; window median "
+          f"step / roofline of the moment: P10 {q(0.1):.2f}, P50 {q(0.5):.2f}, P90 {q(0.9):.2f}; "
           f"{torch.get_num_threads()} threads")
 
 
@@ -94,7 +142,10 @@ def main() -> None:
     ps = sub.add_parser("step")
     ps.add_argument("--seqs", type=int, default=1)
     ps.add_argument("--context", type=int, default=192)
-    ps.add_argument("--steps", type=int, default=400)
+    ps.add_argument("--steps", type=int, default=400, help="steps (per window with --windows)")
+    ps.add_argument("--windows", type=int, default=0,
+                    help="windows of --steps, each followed by a bandwidth read (0: none)")
+    ps.add_argument("--read-mib", type=int, default=256)
     a = p.parse_args()
     from tailserve.kernels import cpu_ops_available
 
@@ -103,7 +154,7 @@ def main() -> None:
     if a.what == "products":
         products(a.type_size, a.rows, a.layers, a.passes)
     else:
-        step(a.seqs, a.context, a.steps)
+        step(a.seqs, a.context, a.steps, a.windows, a.read_mib)
 
 
 if __name__ == "__main__":
