@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "outputs": {"request"},
     "data": {"request", "sampling_params"},
     "envs": set(),
+    "glibc": set(),  # malloc_trim / mallopt through ctypes, for the engine and the server
     "platforms": {"errors"},
     "config": {"errors", "platforms", "request"},
     "stepcost": set(),  # the step-time model: the scheduler budgets with it, diagnose fits it
@@ -46,13 +47,13 @@ ALLOWED: dict[str, set[str]] = {
         "config", "data", "envs", "errors", "kernels", "obs", "platforms", "sampling_params",
     },
     "engine": {
-        "config", "data", "envs", "errors", "kv", "model", "obs", "outputs", "request",
+        "config", "data", "envs", "errors", "glibc", "kv", "model", "obs", "outputs", "request",
         "sampling_params", "stepcost",
     },
     # the edge: server talks to the engine through engine.client and data records; kv only
     # for the pure ``usage_band_sizes`` the dashboard needs to draw the band heatmap
     "server": {
-        "config", "data", "engine", "errors", "kv", "model", "obs", "outputs", "request",
+        "config", "data", "engine", "errors", "glibc", "kv", "model", "obs", "outputs", "request",
         "sampling_params", "tailserve",
     },
     "tailserve": {"config", "engine", "envs", "outputs", "sampling_params"},
