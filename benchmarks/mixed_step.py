@@ -49,7 +49,11 @@ EXTRA = ((16, 256, 0, 0), (32, 512, 0, 0), (4, 64, 0, 0), (1, 64, 16, 0), (16, 2
 MODES = ("module", "decode-only", "one-call")
 
 
-def build(gguf_weights: str, kv_cache_dtype: str | None = None) -> tuple[ModelRunner, int]:
+KvCacheDtype = typing.Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def build(gguf_weights: str, kv_cache_dtype: KvCacheDtype | None = None
+          ) -> tuple[ModelRunner, int]:
     path = EngineArgs().model
     loaded = load_model(path, gguf_weights=gguf_weights)
     args = EngineArgs(model=path, device="cpu", num_kv_blocks=2048, max_model_len=2048)
