@@ -98,12 +98,11 @@ def step_against_the_moment(runner: ModelRunner, sched: SchedulerOutput, seqs: i
     (``tailserve plan``'s count, as serving_peers.py counts them) over the better of two
     ``read_mib`` sums read right after the window. The host's bandwidth moves by up to 2x
     within seconds, so a roofline read minutes away from the steps says little about them."""
-    from roofline import served_decode_bytes
+    from roofline import best_seconds, served_decode_bytes
 
     weights, kv = served_decode_bytes("float32", context)
     nbytes = weights + kv * seqs
     big = torch.ones(read_mib * (1 << 20) // 4)
-    big.sum()  # first touch
     rows = []
     for _ in range(windows):
         times = []
@@ -111,12 +110,7 @@ def step_against_the_moment(runner: ModelRunner, sched: SchedulerOutput, seqs: i
             t0 = time.perf_counter()
             runner.execute(sched)
             times.append(time.perf_counter() - t0)
-        reads = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            big.sum()
-            reads.append(time.perf_counter() - t0)
-        gbps = big.numel() * 4 / min(reads) / 1e9
+        gbps = big.numel() * 4 / best_seconds(big.sum, 2) / 1e9
         rows.append((statistics.median(times), gbps))
     ratios = sorted(t / (nbytes / (g * 1e9)) for t, g in rows)
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from tailserve.config import EngineArgs
+from tailserve.config import DtypeChoice, EngineArgs
 from tailserve.data.step import SchedulerOutput
 from tailserve.engine.calibrate import PLAN, _batch
 from tailserve.model.cpu_decode import CpuDecodeGraph
@@ -49,10 +49,7 @@ EXTRA = ((16, 256, 0, 0), (32, 512, 0, 0), (4, 64, 0, 0), (1, 64, 16, 0), (16, 2
 MODES = ("module", "decode-only", "one-call")
 
 
-KvCacheDtype = typing.Literal["auto", "float32", "bfloat16", "float16"]
-
-
-def build(gguf_weights: str, kv_cache_dtype: KvCacheDtype | None = None
+def build(gguf_weights: str, kv_cache_dtype: DtypeChoice | None = None
           ) -> tuple[ModelRunner, int]:
     path = EngineArgs().model
     loaded = load_model(path, gguf_weights=gguf_weights)
@@ -109,7 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--gguf-weights", default="packed")
-    ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+    ap.add_argument("--kv-cache-dtype", choices=typing.get_args(DtypeChoice),
                     help="the KV pool (default: EngineArgs', the compute dtype)")
     ap.add_argument("--stat", choices=("min", "median"), default="min")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",

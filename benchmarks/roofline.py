@@ -32,7 +32,7 @@ class Bandwidth:
     threads: int
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()  # first touch: page faults would otherwise be timed as bandwidth
     best = float("inf")
     for _ in range(repeats):
@@ -45,13 +45,13 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
 def _copy_seconds(mib: int, repeats: int) -> float:
     src = torch.ones(mib * MIB // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return _best_seconds(lambda: dst.copy_(src), repeats)
+    return best_seconds(lambda: dst.copy_(src), repeats)
 
 
 def _read_seconds(mib: int, repeats: int) -> float:
     # A reduction reads every byte once and writes one scalar: the read-only bandwidth.
     big = torch.ones(mib * MIB // 4, dtype=torch.float32)
-    return _best_seconds(lambda: big.sum(), repeats)
+    return best_seconds(lambda: big.sum(), repeats)
 
 
 def measure_bandwidth(copy_mib: int = 512, read_mib: int = 1024, repeats: int = 5) -> Bandwidth:

@@ -131,6 +131,8 @@ class ModelConfig:
 # --quantization's blocks: Q8_0 / Q4_1 hold 32 values each; a group is a whole number of them.
 RTN_BLOCK = 32
 QUANTIZATIONS = ("int8", "int4")  # EngineArgs.quantization's choices
+# EngineArgs.dtype's and kv_cache_dtype's choices (auto resolves against the platform).
+DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def check_quantization_group_size(group_size: int) -> None:
@@ -149,12 +151,12 @@ class EngineArgs:
     model: str | None = field(
         default=None, metadata={"help": "HF folder or .gguf file; default: bundled SmolLM2-135M"}
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+    dtype: DtypeChoice = field(
         default="auto", metadata={"help": "the dtype weights are stored in (CPU kernels compute "
                                   "in float32 whatever it is); auto: a 16-bit checkpoint's own "
                                   "on CPU, bfloat16 on GPUs that have it"}
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+    kv_cache_dtype: DtypeChoice = field(
         default="auto", metadata={"help": "the dtype of the KV cache; auto: the activations' "
                                   "dtype; a 16-bit cache holds twice the tokens and halves "
                                   "what attention reads"}
