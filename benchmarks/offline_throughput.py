@@ -536,7 +536,8 @@ def single_stream_phase(llm: LLM, args: argparse.Namespace, vocab: list[int]) ->
           f"row {db.embedding_row_bytes * mb:.4f} MB = {db.weight_bytes * mb:.1f} MB "
           f"(+ KV {db.kv_bytes(mean_ctx) * mb:.1f} MB at mean context {mean_ctx:.0f})")
     print(f"  bandwidth: copy {bw.copy_gbps:.2f} GB/s (r+w, {bw.copy_mib} MiB), "
-          f"read {bw.read_gbps:.2f} GB/s (sum over {bw.read_mib} MiB), best of {bw.repeats}")
+          f"read {bw.read_gbps:.2f} GB/s ({bw.read_by} over {bw.read_mib} MiB), "
+          f"best of {bw.repeats}")
     print(f"  roofline: {roof_copy:.1f} ms/token at copy bw ({roof_read:.1f} at read bw; "
           f"{roof_kv:.1f} incl. KV)")
     print(f"  measured / roofline = {ss['ratio_vs_roofline']:.2f} "
