@@ -56,8 +56,13 @@ void write_kv(const at::Tensor& kv_cache, const at::Tensor& qkv, int64_t q_size,
 // A layer's projection: panels [N/16, K, 16] in float32 or 16 bits (decode_linear,
 // linear16.cpp) or GGUF blocks (uint8, quant_linear.cpp): as stored [N, blocks, type_size] or
 // in tiles of 16 rows [N / 16, K / 32, 16, type_size] (quant_tiled.h).
-at::Tensor project(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  return w.scalar_type() == at::kByte ? quant_linear(x, w, b) : decode_linear(x, w, b);
+// GGUF blocks write into out, one of the step's buffers (at::empty costs ~0.75 us, and a
+// one-sequence step makes 120 products; Zen 4); panels return a tensor of their own.
+at::Tensor project_into(const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& b, at::Tensor& out) {
+  if (w.scalar_type() != at::kByte) return decode_linear(x, w, b);
+  quant_linear_out(x, w, b, out);
+  return out;
 }
 
 int64_t outputs_of(const at::Tensor& w) {
@@ -140,6 +145,15 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
                 " outside the pool's ", num_slots);
   }
 
+  // Every layer's intermediates have the same shapes: allocated once per step, not per layer.
+  const int64_t intermediate = outputs_of(weights[5]) / 2, hidden = embeds.size(1);
+  const at::TensorOptions f32 = embeds.options();
+  at::Tensor qkv_buf = at::empty({T, q_size + 2 * kv_size}, f32);
+  at::Tensor attn = at::empty({T, num_heads, head_dim}, f32);
+  at::Tensor o_buf = at::empty({T, hidden}, f32);
+  at::Tensor gate_up_buf = at::empty({T, 2 * intermediate}, f32);
+  at::Tensor act_buf = at::empty({T, intermediate}, f32);
+  at::Tensor down_buf = at::empty({T, hidden}, f32);
   at::Tensor x = embeds;
   at::Tensor residual;
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -155,13 +169,12 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
     }
     const std::optional<at::Tensor> qkv_bias =
         w[2].numel() ? std::optional<at::Tensor>(w[2]) : std::nullopt;
-    at::Tensor qkv = project(h, w[1], qkv_bias);  // [T, q_size + 2 * kv_size]
+    at::Tensor qkv = project_into(h, w[1], qkv_bias, qkv_buf);  // [T, q_size + 2 * kv_size]
     rope_(qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim}), cos,
           sin);
     write_kv(kv_caches[l], qkv, q_size, kv_size, slots);
     // As CpuKernelAttentionBackend.forward: decode rows, then the chunks after them.
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    at::Tensor attn = at::empty({T, num_heads, head_dim}, x.options());
     if (num_decodes > 0) {
       paged_decode_attention(attn.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes),
                              kv_caches[l], block_tables, seq_lens, scale);
@@ -170,9 +183,11 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
       paged_prefill_attention(attn, q, kv_caches[l], block_tables, seq_lens, query_start_loc,
                               num_decodes, scale);
     }
-    h = project(attn.view({T, q_size}), w[3], std::nullopt);
+    h = project_into(attn.view({T, q_size}), w[3], std::nullopt, o_buf);
     fused_add_rms_norm(h, residual, w[4], eps);
-    x = project(silu_and_mul(project(h, w[5], std::nullopt)), w[6], std::nullopt);
+    silu_and_mul_out(project_into(h, w[5], std::nullopt, gate_up_buf), act_buf);
+    // x (down_buf from the layer before) was consumed by this layer's qkv product.
+    x = project_into(act_buf, w[6], std::nullopt, down_buf);
   }
   fused_add_rms_norm(x, residual, final_norm, eps);
   return x;

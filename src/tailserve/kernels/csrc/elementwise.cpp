@@ -83,8 +83,17 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
 // [rows, 2 * I] -> [rows, I]: silu(gate) * up, gate the first half of each row.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  silu_and_mul_out(x, out);
+  return out;
+}
+
+void silu_and_mul_out(const at::Tensor& x, at::Tensor& out) {
+  check_rows(x, "silu_and_mul");
   const int64_t rows = x.size(0), half = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, half}, x.options());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == rows && out.size(1) == half,
+              "silu_and_mul: out must be a contiguous float32 [", rows, ", ", half, "]");
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0);
@@ -108,7 +117,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 #endif
     for (; i < half; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   });
-  return out;
 }
 
 // Rotate-half rope, in place, on x [tokens, heads, head_dim] (head_dim contiguous);

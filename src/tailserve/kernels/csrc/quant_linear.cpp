@@ -123,15 +123,19 @@ int64_t set_quant_isa(int64_t isa) {
 
 int quant_isa() { return current_isa(); }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
-                        const c10::optional<at::Tensor>& bias) {
-  const Packed p = check_packed(w, "quant_linear");
+namespace {
+
+void check_x(const Packed& p, const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "quant_linear: x must be float32 CPU [M, K], got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(x.size(1) == p.K, "quant_linear: x has ", x.size(1), " features, the weight ", p.K);
+}
+
+// y = x W^T (+ bias) into y [M, N]; x and y checked by the callers.
+void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& y) {
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = p.K, N = p.N;
-  at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor bc;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -140,7 +144,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
     bc = bias->contiguous();
     bp = bc.data_ptr<float>();
   }
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return;
   // x in int8: xq [M, K], dx [M, K/32], xs [M, K/16] (and per 32: xs32)
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * (K / 32)), xs(M * (K / 16)), xs32(M * (K / 32));
@@ -153,30 +157,51 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
   if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp)
     tiled_linear(isa, p.type_size, p.data, N, K, M, xq.data(), dx.data(), xs32.data(),
                  xi32.data(), yp, bp);
-    return y;
+    return;
   }
 #ifdef TS_AVX2
   if (isa >= kAvx2 && M <= kFusedMaxRows) {
     decode_rows_linear(isa, p, xr, yp, bp);
-    return y;
+    return;
   }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   if (isa >= kAvx512Vnni && M >= kPanelMinRows) {
     panel_linear_vnni(p, xr, yp, bp);
-    return y;
+    return;
   }
 #endif
 #ifdef TS_AVX2
   if (isa >= kAvx2 && M >= kPanelMinRows) {
     panel_linear_avx2(p, xr, yp, bp);
-    return y;
+    return;
   }
 #endif
   // Everything else: the scalar level (every AVX2 level takes one of the paths above at any
   // row count), or a build without AVX2.
   unpacked_linear(isa, p, xr, yp, bp);
+}
+
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias) {
+  const Packed p = check_packed(w, "quant_linear");
+  check_x(p, x);
+  at::Tensor y = at::empty({x.size(0), p.N}, x.options());
+  linear_into(p, x, bias, y);
   return y;
+}
+
+void quant_linear_out(const at::Tensor& x, const at::Tensor& w,
+                      const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const Packed p = check_packed(w, "quant_linear");
+  check_x(p, x);
+  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.is_contiguous() &&
+                  y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == p.N,
+              "quant_linear: out must be a contiguous float32 CPU [", x.size(0), ", ", p.N,
+              "], got ", y.scalar_type(), " ", y.sizes());
+  linear_into(p, x, bias, y);
 }
 
 // Rows ids of a packed table, dequantized: w = a * q + b, as ggml defines each format.
