@@ -45,7 +45,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import numpy as np
 
@@ -65,6 +66,8 @@ class Responder(asyncio.Protocol):
             b"Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n")
     MODELS = json.dumps({"object": "list", "data": [{"id": "responder"}]}).encode()
     chunks = 40
+    first: bytes  # the head and the first chunk, built by the first connection
+    rest: bytes
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -138,7 +141,10 @@ def bench_block(url: str, n: int, rate: float, max_concurrency: int | None, prog
                 seed: int, variant: str) -> dict[str, Any]:
     """One ``run_bench`` step; the raw per-request samples, for pooling across blocks.
     ``variant``: an ``--http-client`` name, ``+busy`` for ``--busy-poll``."""
-    http_client, _, extra = variant.partition("+")
+    name, _, extra = variant.partition("+")
+    if name not in ("lean", "aiohttp"):
+        raise ValueError(f"--http-clients: {name!r} is not lean or aiohttp")
+    http_client = typing.cast(Literal["lean", "aiohttp"], name)
     busy_poll = extra == "busy"
     from rich.console import Console
 

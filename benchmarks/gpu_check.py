@@ -162,9 +162,10 @@ def check_parity() -> None:
                                                                               1100)]
     new = 16
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(
+    hf: Any = AutoModelForCausalLM.from_pretrained(  # Any: transformers' typing of .to()
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).to("cuda").eval()
+    )
+    hf = hf.to("cuda").eval()
     expected = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
@@ -291,7 +292,7 @@ def check_memory(small: bool = False) -> None:
     from tailserve.config import EngineArgs
     from tailserve.engine.core import EngineCore
     from tailserve.engine.loop import EngineLoop
-    from tailserve.engine.messages import AddRequest
+    from tailserve.engine.messages import AddRequest, EngineInput
     from tailserve.model.loader import load_model
 
     warnings: list[str] = []
@@ -320,7 +321,7 @@ def check_memory(small: bool = False) -> None:
         lens = torch.randint(8, max_len, (num_requests,), generator=g).tolist()
         if seed == 0:
             lens[:2] = [max_len, max_len]  # the warm-up holds the longest prompts
-        adds = []
+        adds: list[EngineInput] = []
         for i, n in enumerate(lens):
             max_tokens = int(torch.randint(1, max_new, (1,), generator=g))
             params = SamplingParams(

@@ -99,7 +99,7 @@ def margin(top2: list[list[tuple[int, float]]], i: int) -> float | None:
 
 def compare(prompts: list[str], ts: list[dict[str, Any]], lc: list[dict[str, Any]],
             tokens: int) -> dict[str, Any]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for text, a, b in zip(prompts, ts, lc, strict=True):
         same = 0
         for x, y in zip(a["tokens"], b["tokens"], strict=False):

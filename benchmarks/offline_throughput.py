@@ -210,7 +210,8 @@ def single_stream(
 ) -> dict[str, Any]:
     """TPOT of one request alone: (e2e - ttft) / (n - 1), from the engine's own timing."""
     rng = random.Random(seed)
-    tpots, step_ms = [], []
+    tpots: list[float] = []
+    step_ms: list[float] = []
     for _ in range(repeats):
         # A fresh prompt each time: a prefix cache hit would skip the prefill, not the decode,
         # but keep the runs identical in what they compute.
@@ -263,7 +264,7 @@ def build_hf_model(llm: LLM, dtype: torch.dtype) -> Any:
         bos_token_id=cfg.bos_token_id,
         eos_token_id=None,
     )
-    model = LlamaForCausalLM(hf_cfg)
+    model: Any = LlamaForCausalLM(hf_cfg)  # Any: transformers' typing of .to() trips mypy
     missing, unexpected = model.load_state_dict(llm.engine.loaded.weights, strict=False)
     allowed_missing = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:

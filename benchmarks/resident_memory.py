@@ -107,7 +107,7 @@ def measure(name: str, model: str | None, args: list[str], kv_gib: float) -> dic
     size = file_bytes(path)
     wb = weight_bytes(metrics)
     target = size + kv + SLACK
-    row = {
+    row: dict[str, Any] = {
         "case": name, "model": path, "args": args, "file_bytes": size, "kv_pool_bytes": kv,
         "weight_bytes": wb, "engine": engine, "api": api_mem, "target_bytes": target,
         "met": engine["Rss"] <= target, "largest_mappings": top,

@@ -494,7 +494,7 @@ def check_rate(report: dict[str, Any], workloads: list[Workload]) -> None:
         span = w.num_prompts / w.request_rate if w and math.isfinite(w.request_rate) else None
         if span and (r.get("duration_s") or 0) > 1.5 * span:
             report["warnings"].append(
-                f"{r['server']} {w.name}: took {r['duration_s']:.0f} s for {span:.0f} s of "
+                f"{r['server']} {r['workload']}: took {r['duration_s']:.0f} s for {span:.0f} s of "
                 "arrivals: over capacity, its row measures a queue")
 
 

@@ -14,6 +14,7 @@ rows cannot show on a shared machine, whose load drifts between processes.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -110,7 +111,7 @@ def main() -> None:
 
     print("attention, 16 x 1,000 tokens, 30 layers (ms):", {
         k_: round(v * 1e3, 1) for k_, v in best_of(
-            {name: (lambda name=name: attend(name)) for name in pools}, args.repeats).items()})
+            {name: functools.partial(attend, name) for name in pools}, args.repeats).items()})
 
 
 if __name__ == "__main__":

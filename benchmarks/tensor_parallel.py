@@ -60,7 +60,7 @@ def measure(folder: str, tp: int, repeats: int, threads: int | None) -> dict[str
         sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         return [o.timing[0] for o in llm.generate(prompts, sp)]
 
-    extra = {"gguf_weights": "packed"} if folder == "smollm2" else {}
+    extra: dict[str, Any] = {"gguf_weights": "packed"} if folder == "smollm2" else {}
     llm = LLM(None if folder == "smollm2" else folder, dtype="float32", tensor_parallel_size=tp,
               kv_cache_memory=0.25, max_model_len=2048, max_num_seqs=16,
               enable_prefix_caching=False, **extra)

@@ -27,18 +27,21 @@ import os
 import statistics
 import sys
 import time
-import types
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-import tailserve.engine.scheduler as scheduler_module
 from tailserve.config import CacheConfig, SchedulerConfig
 from tailserve.data.step import RunnerOutput, SchedulerOutput
 from tailserve.engine.scheduler import Scheduler
 from tailserve.request import Request
 from tailserve.sampling_params import SamplingParams
+
+
+def scheduled_tokens(sched: SchedulerOutput) -> int:
+    """The step's tokens: its prefill chunks, and one per decoding sequence."""
+    return sched.num_prefill_tokens + sched.num_decode_seqs
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class StepModel:
     c: float  # extra per decode sequence (s): attention over its context, sampling
 
     def __call__(self, sched: SchedulerOutput) -> float:
-        return self.a + self.b * sched.num_scheduled_tokens + self.c * sched.num_decode_seqs
+        return self.a + self.b * scheduled_tokens(sched) + self.c * sched.num_decode_seqs
 
     def __str__(self) -> str:
         return f"{self.a:.4g},{self.b:.4g},{self.c:.4g}"
@@ -176,49 +179,44 @@ def simulate(
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
     clock = SimClock()
-    sched = Scheduler(*config)
+    # The scheduler stamps requests with its clock: the simulated one.
+    sched = Scheduler(*config, clock=clock.monotonic)
     requests: list[Request] = []
     next_arrival = 0
     computed_tokens = 0
     last_token_t: dict[str, float] = {}
     max_stall: dict[str, float] = {}
-    # The scheduler stamps requests with time.monotonic(); point it at the simulated clock.
-    real_time = scheduler_module.time
-    scheduler_module.time = types.SimpleNamespace(monotonic=clock.monotonic)  # type: ignore[assignment]
-    try:
-        while next_arrival < num_requests or sched.has_unfinished_requests():
-            if not sched.has_unfinished_requests():
-                clock.now = max(clock.now, float(arrivals[next_arrival]))
-            while next_arrival < num_requests and arrivals[next_arrival] <= clock.now:
-                i = next_arrival
-                # Distinct random prompts: no prefix sharing between requests, only a preempted
-                # request's own freed-but-cached blocks can be hit again.
-                prompt = rng.integers(1, 50_000, int(prompt_lens[i])).tolist()
-                req = Request(
-                    str(i), prompt, SamplingParams(max_tokens=int(out_lens[i]), ignore_eos=True),
-                    arrival_time=float(arrivals[i]),
-                )
-                sched.add_request(req)
-                requests.append(req)
-                next_arrival += 1
-            out = sched.schedule()
-            if not out.scheduled:
-                if next_arrival >= num_requests:
-                    raise RuntimeError("scheduler made no progress with no arrivals left")
-                clock.now = float(arrivals[next_arrival])
-                continue
-            computed_tokens += out.num_scheduled_tokens
-            step_s = step_model(out)
-            clock.now += step_s  # tokens sampled in this step are stamped at its end
-            sampled = {s.request_id: 1 for s in out.scheduled if s.sample}
-            sched.update_from_output(out, RunnerOutput(sampled_token_ids=sampled), step_s)
-            for rid in sampled:
-                if rid in last_token_t:
-                    gap = clock.now - last_token_t[rid]
-                    max_stall[rid] = max(max_stall.get(rid, 0.0), gap)
-                last_token_t[rid] = clock.now
-    finally:
-        scheduler_module.time = real_time
+    while next_arrival < num_requests or sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests():
+            clock.now = max(clock.now, float(arrivals[next_arrival]))
+        while next_arrival < num_requests and arrivals[next_arrival] <= clock.now:
+            i = next_arrival
+            # Distinct random prompts: no prefix sharing between requests, only a preempted
+            # request's own freed-but-cached blocks can be hit again.
+            prompt = rng.integers(1, 50_000, int(prompt_lens[i])).tolist()
+            req = Request(
+                str(i), prompt, SamplingParams(max_tokens=int(out_lens[i]), ignore_eos=True),
+                arrival_time=float(arrivals[i]),
+            )
+            sched.add_request(req)
+            requests.append(req)
+            next_arrival += 1
+        out = sched.schedule()
+        if not out.scheduled:
+            if next_arrival >= num_requests:
+                raise RuntimeError("scheduler made no progress with no arrivals left")
+            clock.now = float(arrivals[next_arrival])
+            continue
+        computed_tokens += scheduled_tokens(out)
+        step_s = step_model(out)
+        clock.now += step_s  # tokens sampled in this step are stamped at its end
+        sampled = {s.request_id: 1 for s in out.scheduled if s.sample}
+        sched.update_from_output(out, RunnerOutput(sampled_token_ids=sampled), step_s)
+        for rid in sampled:
+            if rid in last_token_t:
+                gap = clock.now - last_token_t[rid]
+                max_stall[rid] = max(max_stall.get(rid, 0.0), gap)
+            last_token_t[rid] = clock.now
 
     ttft, tpot, e2el = [], [], []
     useful = 0
