@@ -10,6 +10,7 @@ midway is to kill it while its compiler runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -45,14 +46,17 @@ pytestmark = pytest.mark.skipif(real_cxx is None or shutil.which("ninja") is Non
 @pytest.fixture
 def cxx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The real compiler behind a wrapper: a compile is logged to $PROBE_LOG and, with
-    $PROBE_HANG set, touches that file and sleeps instead (a build to kill midway)."""
+    $PROBE_HANG set, writes its pid to that file and sleeps instead (a build to kill midway)."""
     path = tmp_path / "bin" / "c++"
     path.parent.mkdir()
     path.write_text(
         "#!/bin/sh\n"
         'case " $* " in *" -c "*)\n'
         '  echo "$*" >> "$PROBE_LOG"\n'
-        '  if [ -n "$PROBE_HANG" ]; then touch "$PROBE_HANG"; exec sleep 600; fi;;\n'
+        '  if [ -n "$PROBE_HANG" ]; then\n'
+        '    echo $$ > "$PROBE_HANG.tmp"; mv "$PROBE_HANG.tmp" "$PROBE_HANG"\n'
+        '    exec sleep 600\n'
+        '  fi;;\n'
         "esac\n"
         f'exec {real_cxx} "$@"\n')
     path.chmod(0o755)
@@ -103,8 +107,12 @@ def test_a_build_killed_midway_does_not_hang_the_next(tmp_path: Path, cxx: Path)
             time.sleep(0.05)
         assert hung.exists(), "the first build never reached its compiler"
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # python, ninja, the compiler: Ctrl-C's worst
+        os.killpg(first.pid, signal.SIGKILL)  # python and ninja: Ctrl-C's worst
         first.wait()
+        # ninja starts each command in a process group of its own: the hung compiler is
+        # not in the one above, and would sleep on for 10 minutes after the test.
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(hung.read_text()), signal.SIGKILL)
     build_dir = _build_dir(csrc, FLAGS, cache)
     assert (build_dir / "lock").exists()  # torch's baton, left behind: the trap
 
