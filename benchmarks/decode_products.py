@@ -96,13 +96,14 @@ def step_against_the_moment(runner: ModelRunner, sched: SchedulerOutput, seqs: i
                             steps: int, windows: int, read_mib: int) -> None:
     """Each window's median step over the roofline of that moment: the bytes the step reads
     (``tailserve plan``'s count, as serving_peers.py counts them) over the better of two
-    ``read_mib`` reads right after the window (roofline.read_seconds: the faster reader). The
+    ``read_mib`` reads right after the window (roofline.readers: the faster reader). The
     host's bandwidth moves by up to 2x within seconds, so a roofline read minutes away from
     the steps says little about them."""
-    from roofline import read_seconds, served_decode_bytes
+    from roofline import fastest_read, readers, served_decode_bytes
 
     weights, kv = served_decode_bytes("float32", context)
     nbytes = weights + kv * seqs
+    ways = readers(read_mib)  # built once: random blocks for every window would cost seconds
     rows = []
     for _ in range(windows):
         times = []
@@ -110,7 +111,7 @@ def step_against_the_moment(runner: ModelRunner, sched: SchedulerOutput, seqs: i
             t0 = time.perf_counter()
             runner.execute(sched)
             times.append(time.perf_counter() - t0)
-        gbps = read_mib * (1 << 20) / read_seconds(read_mib, 2)[0] / 1e9
+        gbps = read_mib * (1 << 20) / fastest_read(ways, 2)[0] / 1e9
         rows.append((statistics.median(times), gbps))
     ratios = sorted(t / (nbytes / (g * 1e9)) for t, g in rows)
 

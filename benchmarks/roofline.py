@@ -49,22 +49,30 @@ def _copy_seconds(mib: int, repeats: int) -> float:
     return best_seconds(lambda: dst.copy_(src), repeats)
 
 
-def read_seconds(mib: int, repeats: int) -> tuple[float, str]:
-    """Seconds to read ``mib`` MiB once, best of ``repeats``, by the faster of two readers,
-    and which one. A reduction reads every byte once and writes one scalar; but the packed
-    product kernel, which must also read every byte of its weight, reads faster: one row of
-    x against Q4_1 tiles read 5-30% more GB/s than torch's sum, amax or any over the same
-    bytes in the same moment (Zen 4, 88 MB; benchmarks/RESULTS.md). A roofline is only as
-    tight as its fastest reader, so both run and the better one counts."""
-    summed = torch.ones(mib * MIB // 4, dtype=torch.float32).sum  # holds its tensor: del below
-    best, by = best_seconds(summed, repeats), "torch.sum"
-    del summed
+def readers(mib: int) -> list[tuple[str, Callable[[], object]]]:
+    """Ways to read ``mib`` MiB once, built once (a caller timing them again and again keeps
+    them): torch's sum, and where the kernels are built the packed product kernel. A reduction
+    reads every byte once and writes one scalar; but the product kernel, which must also read
+    every byte of its weight, reads faster: one row of x against Q4_1 tiles read 5-30% more
+    GB/s than torch's sum, amax or any over the same bytes in the same moment (Zen 4, 88 MB;
+    benchmarks/RESULTS.md). A roofline is only as tight as its fastest reader."""
+    out: list[tuple[str, Callable[[], object]]] = [
+        ("torch.sum", torch.ones(mib * MIB // 4, dtype=torch.float32).sum)]
     product = _kernel_reader(mib)
     if product is not None:
-        seconds = best_seconds(product, repeats)
-        if seconds < best:
-            best, by = seconds, "quant_linear"
-    return best, by
+        out.append(("quant_linear", product))
+    return out
+
+
+def fastest_read(ways: list[tuple[str, Callable[[], object]]], repeats: int
+                 ) -> tuple[float, str]:
+    """Seconds of the fastest of ``readers``' ways, best of ``repeats`` each, and its name."""
+    return min((best_seconds(fn, repeats), name) for name, fn in ways)
+
+
+def read_seconds(mib: int, repeats: int) -> tuple[float, str]:
+    """Seconds to read ``mib`` MiB once by the fastest reader (``readers``), and which one."""
+    return fastest_read(readers(mib), repeats)
 
 
 def _kernel_reader(mib: int) -> Callable[[], object] | None:
@@ -74,14 +82,11 @@ def _kernel_reader(mib: int) -> Callable[[], object] | None:
 
     if not kernels.cpu_ops_available():
         return None
-    from tailserve.model.quant.formats import tile_blocks
+    from decode_products import random_blocks
 
     k, type_size = 576, 20
-    rows = max(16, mib * MIB // (k // 32 * type_size) // 16 * 16)
-    w = torch.randint(0, 256, (rows, k // 32, type_size), dtype=torch.uint8)
-    w[..., 0:4] = torch.tensor([0x00, 0x20, 0x00, 0x20], dtype=torch.uint8)  # d, m: fp16 2^-7
-    tiles, x = tile_blocks(w), torch.ones(1, k)
-    del w
+    tiles = random_blocks(max(16, mib * MIB // (k // 32 * type_size) // 16 * 16), k, type_size)
+    x = torch.ones(1, k)
     op = torch.ops.tailserve.quant_linear
     return lambda: op(x, tiles, None)
 
