@@ -229,6 +229,37 @@ def test_steps_feed_step_histograms_and_counters() -> None:
     assert s[("tailserve:kv_cache_usage_perc", ())] == pytest.approx(1 - 38 / 80)
 
 
+def test_gauges_show_the_newest_report_at_every_scrape() -> None:
+    """Gauges are set when the page renders, from the newest report of each kind: a scrape
+    between reports, or none, never shows a stale or a mixed value, and the memory counters
+    still add every increase."""
+    m = ServerMetrics()
+    m.on_engine_state(EngineState(1.0, 5, 1, 10, 100, 0, memory={"rss_bytes": 1e9,
+                                                                   "memory_alerts_total": 1}))
+    m.on_step(step(num_running=4, free_blocks=20, total_blocks=100, itl_target_s=0.05,
+                   step_model={"base_ms": 3.0}, memory={"rss_bytes": 2e9}))
+    s = scrape(m)
+    assert s[("tailserve:num_requests_running", ())] == 4
+    assert s[("tailserve:kv_cache_free_blocks", ())] == 20
+    assert s[("tailserve:engine_resident_memory_bytes", ())] == 2e9
+    assert s[("tailserve:step_time_model", (("term", "base_ms"),))] == 3.0
+    assert s[("tailserve:itl_target_seconds", ())] == 0.05
+    assert s[("tailserve:memory_alerts_total", ())] == 1
+    # A heartbeat without memory keys after the scrape: the load moves, the rest stays.
+    m.on_engine_state(EngineState(2.0, 0, 0, 100, 100, 0, memory={}))
+    m.on_engine_state(EngineState(3.0, 0, 0, 90, 100, 0, memory={"memory_alerts_total": 3}))
+    s = scrape(m)
+    assert s[("tailserve:num_requests_running", ())] == 0
+    assert s[("tailserve:kv_cache_free_blocks", ())] == 90
+    assert s[("tailserve:kv_cache_usage_perc", ())] == pytest.approx(0.1)
+    assert s[("tailserve:engine_resident_memory_bytes", ())] == 2e9
+    assert s[("tailserve:step_time_model", (("term", "base_ms"),))] == 3.0
+    assert s[("tailserve:memory_alerts_total", ())] == 3
+    # Nothing new: the same page (the process collector's own series aside).
+    ours = {k: v for k, v in s.items() if k[0].startswith("tailserve:")}
+    assert {k: v for k, v in scrape(m).items() if k[0].startswith("tailserve:")} == ours
+
+
 def test_finished_requests_feed_latency_histograms_and_counters() -> None:
     m = ServerMetrics()
     m.on_request_finished(record(timing=timing(), itl_s=[0.002, 0.004, 0.05, 0.07]))
