@@ -7,12 +7,19 @@ one after the other with one row of x, as ``decode_layers`` calls them: 66 MB pe
 than the L3 holds, so every pass reads its weights from memory. Prints the read rate of the
 best and the median pass.
 
+``widths``: the same sequence (one row, tiled Q4_1, one weight per projection) for Llama
+layers of three widths, the bundled model's (30 x 576) and two wider ones of 1024 and 2048,
+each pass followed by a read of ``--read-mib`` by ``roofline.readers``: the read rate of each
+sequence over the reader's of the same moment, by width. Products a few hundred KB long pay a
+start on each; a model of wider layers streams closer to the reader.
+
 ``step``: ``runner.execute`` of one decode-only step of the bundled model (``--seqs``
 sequences at ``--context`` tokens, ``engine/calibrate._batch``), min and median of
 ``--steps`` steps. With ``--windows W``: W windows of ``--steps`` steps, each followed by a
 read-bandwidth measure, and each window's median step over the roofline of that moment.
 
     PYTHONPATH=src python benchmarks/decode_products.py products [--type-size 20] [--rows 1]
+    PYTHONPATH=src:benchmarks python benchmarks/decode_products.py widths [--rounds 10]
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src python benchmarks/decode_products.py step --context 192
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src:benchmarks python benchmarks/decode_products.py step \
         --context 192 --steps 60 --windows 30
@@ -69,6 +76,44 @@ def products(type_size: int, rows: int, layers: int, passes: int) -> None:
     print(f"type_size {type_size}, {rows} row(s), {len(weights)} products, {nbytes / 1e6:.1f} MB: "
           f"best {nbytes / best / 1e9:.1f} GB/s ({best * 1e3:.3f} ms), median "
           f"{nbytes / median / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
+
+
+# (hidden, intermediate, K/V width, layers) of each width ``widths`` compares: the bundled
+# model's, and two wider Llama layers (the 1024 and 2048 of 0.5B- and 1B-class models, fewer
+# layers so each pass stays 100-250 MB, beyond the L3).
+WIDTHS = ((576, 1536, 192, 30), (1024, 2816, 256, 16), (2048, 5632, 512, 8))
+
+
+def widths(rounds: int, passes: int, read_mib: int) -> None:
+    from roofline import fastest_read, readers
+
+    op = torch.ops.tailserve.quant_linear
+    models = []
+    for hidden, inter, kv, layers in WIDTHS:
+        shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden),
+                  (hidden, inter)] * layers
+        weights = [(random_blocks(n, k, 20), torch.randn(1, k)) for n, k in shapes]
+        models.append((f"{layers} x {hidden}", weights, sum(w.numel() for w, _ in weights)))
+    ways = readers(read_mib)
+    rates: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in models}
+    for _ in range(rounds):
+        for name, weights, nbytes in models:
+            times = []
+            for _ in range(passes):
+                t0 = time.perf_counter()
+                for w, x in weights:
+                    op(x, w, None)
+                times.append(time.perf_counter() - t0)
+            reader = read_mib * (1 << 20) / fastest_read(ways, 2)[0] / 1e9
+            rates[name].append((nbytes / min(times) / 1e9, reader))
+    for name, _, nbytes in models:
+        r = rates[name]
+        ratios = sorted(g / p for p, g in r)
+        print(f"{name}: {nbytes / 1e6:.1f} MB, {len(r)} rounds: products (best of {passes}) "
+              f"{statistics.median(p for p, _ in r):.1f} GB/s, reader "
+              f"{statistics.median(g for _, g in r):.1f} GB/s; reader / products P25 "
+              f"{ratios[len(ratios) // 4]:.2f}, P50 {statistics.median(ratios):.2f}, P75 "
+              f"{ratios[3 * len(ratios) // 4]:.2f}; {torch.get_num_threads()} threads")
 
 
 def step(seqs: int, context: int, steps: int, windows: int, read_mib: int) -> None:
@@ -134,6 +179,10 @@ def main() -> None:
     pp.add_argument("--rows", type=int, default=1)
     pp.add_argument("--layers", type=int, default=30)
     pp.add_argument("--passes", type=int, default=40)
+    pw = sub.add_parser("widths")
+    pw.add_argument("--rounds", type=int, default=10)
+    pw.add_argument("--passes", type=int, default=5)
+    pw.add_argument("--read-mib", type=int, default=256)
     ps = sub.add_parser("step")
     ps.add_argument("--seqs", type=int, default=1)
     ps.add_argument("--context", type=int, default=192)
@@ -148,6 +197,8 @@ def main() -> None:
         raise SystemExit("the CPU kernels are not available here")
     if a.what == "products":
         products(a.type_size, a.rows, a.layers, a.passes)
+    elif a.what == "widths":
+        widths(a.rounds, a.passes, a.read_mib)
     else:
         step(a.seqs, a.context, a.steps, a.windows, a.read_mib)
 
