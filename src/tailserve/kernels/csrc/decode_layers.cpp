@@ -56,18 +56,20 @@ void write_kv(const at::Tensor& kv_cache, const at::Tensor& qkv, int64_t q_size,
 // A layer's projection: panels [N/16, K, 16] in float32 or 16 bits (decode_linear,
 // linear16.cpp) or GGUF blocks (uint8, quant_linear.cpp): as stored [N, blocks, type_size] or
 // in tiles of 16 rows [N / 16, K / 32, 16, type_size] (quant_tiled.h).
-// GGUF blocks write into out, one of the step's buffers (at::empty costs ~0.75 us, and a
-// one-sequence step makes 120 products; Zen 4); panels return a tensor of their own.
-at::Tensor project_into(const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& b, at::Tensor& out) {
-  if (w.scalar_type() != at::kByte) return decode_linear(x, w, b);
-  quant_linear_out(x, w, b, out);
-  return out;
-}
-
 int64_t outputs_of(const at::Tensor& w) {
   if (w.scalar_type() == at::kByte) return w.dim() == 4 ? w.size(0) * 16 : w.size(0);
   return w.size(0) * 16;
+}
+
+// GGUF blocks write into out, one of the step's buffers, allocated at the step's first GGUF
+// product of its shape (at::empty costs ~0.75 us, and a one-sequence step makes 120
+// products; Zen 4); panels return a tensor of their own, and a step of panels allocates none.
+at::Tensor project_into(const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& b, at::Tensor& out) {
+  if (w.scalar_type() != at::kByte) return decode_linear(x, w, b);
+  if (!out.defined()) out = at::empty({x.size(0), outputs_of(w)}, x.options());
+  quant_linear_out(x, w, b, out);
+  return out;
 }
 
 }  // namespace
@@ -145,15 +147,13 @@ at::Tensor decode_layers(const at::Tensor& embeds, const at::Tensor& cos, const 
                 " outside the pool's ", num_slots);
   }
 
-  // Every layer's intermediates have the same shapes: allocated once per step, not per layer.
-  const int64_t intermediate = outputs_of(weights[5]) / 2, hidden = embeds.size(1);
+  // Every layer's intermediates have the same shapes: allocated once per step, not per layer
+  // (the products' outputs by project_into, at their first GGUF product).
+  const int64_t intermediate = outputs_of(weights[5]) / 2;
   const at::TensorOptions f32 = embeds.options();
-  at::Tensor qkv_buf = at::empty({T, q_size + 2 * kv_size}, f32);
+  at::Tensor qkv_buf, o_buf, gate_up_buf, down_buf;
   at::Tensor attn = at::empty({T, num_heads, head_dim}, f32);
-  at::Tensor o_buf = at::empty({T, hidden}, f32);
-  at::Tensor gate_up_buf = at::empty({T, 2 * intermediate}, f32);
   at::Tensor act_buf = at::empty({T, intermediate}, f32);
-  at::Tensor down_buf = at::empty({T, hidden}, f32);
   at::Tensor x = embeds;
   at::Tensor residual;
   for (int64_t l = 0; l < num_layers; ++l) {

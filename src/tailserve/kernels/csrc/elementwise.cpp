@@ -82,7 +82,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
 
 // [rows, 2 * I] -> [rows, I]: silu(gate) * up, gate the first half of each row.
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "silu_and_mul");
+  check_rows(x, "silu_and_mul");  // before x.size(1) is read; silu_and_mul_out checks again
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   silu_and_mul_out(x, out);
   return out;
