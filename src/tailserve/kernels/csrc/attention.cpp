@@ -164,25 +164,8 @@ void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, c
     }
     const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
     for (int64_t h = 0; h < heads; ++h) {
-      const __m256 s = _mm256_blendv_ps(ninf, hsum8(part[h]), valid);
-      __m256 mx = _mm256_max_ps(s, _mm256_permute2f128_ps(s, s, 1));
-      mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
-      mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
-      const float m_new = std::max(m[h], _mm256_cvtss_f32(mx));
-      const __m256 e = exp_neg(_mm256_sub_ps(s, _mm256_set1_ps(m_new)));
-      _mm256_store_ps(p[h], e);
-      __m256 sum = _mm256_add_ps(e, _mm256_permute2f128_ps(e, e, 1));
-      sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0x4e));
-      sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0xb1));
-      if (m_new > m[h]) {  // rescale what was summed against the old max (exp(-inf) = 0)
-        const float c = std::exp(m[h] - m_new);
-        l[h] *= c;
-        const __m256 cv = _mm256_set1_ps(c);
-        float* a = acc + h * D;
-        for (int v = 0; v < NV; ++v) _mm256_store_ps(a + 8 * v, _mm256_mul_ps(cv, _mm256_load_ps(a + 8 * v)));
-        m[h] = m_new;
-      }
-      l[h] += _mm256_cvtss_f32(sum);
+      softmax_chunk8(_mm256_blendv_ps(ninf, hsum8(part[h]), valid), m[h], l[h], p[h], acc + h * D,
+                     D);
     }
     // Weighted V rows, head by head; the chunk's V rows stay in L1 across the heads.
     for (int64_t h = 0; h < heads; ++h) {

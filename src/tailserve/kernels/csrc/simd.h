@@ -5,6 +5,8 @@
 
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -87,6 +89,31 @@ inline __m256 exp_neg(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// One head's online-softmax step over a chunk of up to 8 scores s (masked lanes -inf): p gets
+// exp(s - m'), l adds their sum, and when the max rises (m' > m) what acc [D] summed against
+// the old max is scaled by exp(m - m') first. The AVX2 and AVX512 decode kernels both call it,
+// so the instruction set never changes these bits (a scale is one float multiply an element
+// at any vector width).
+inline void softmax_chunk8(__m256 s, float& m, float& l, float* p, float* acc, int64_t D) {
+  __m256 mx = _mm256_max_ps(s, _mm256_permute2f128_ps(s, s, 1));
+  mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+  mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+  const float m_new = std::max(m, _mm256_cvtss_f32(mx));
+  const __m256 e = exp_neg(_mm256_sub_ps(s, _mm256_set1_ps(m_new)));
+  _mm256_store_ps(p, e);
+  __m256 sum = _mm256_add_ps(e, _mm256_permute2f128_ps(e, e, 1));
+  sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0x4e));
+  sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0xb1));
+  if (m_new > m) {  // rescale what was summed against the old max (exp(-inf) = 0)
+    const float c = std::exp(m - m_new);
+    l *= c;
+    const __m256 cv = _mm256_set1_ps(c);
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc + d, _mm256_mul_ps(cv, _mm256_load_ps(acc + d)));
+    m = m_new;
+  }
+  l += _mm256_cvtss_f32(sum);
 }
 #endif
 
