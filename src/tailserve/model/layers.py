@@ -15,17 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm; with ``residual`` it first adds ``x`` into it (the fused form vLLM uses).
+class ResidualNorm(nn.Module):
+    """What every form of RMSNorm answers, the plain module below and the kernel forms that
+    transforms swap in: ``norm(x)`` returns the normalized ``x``; ``norm(x, residual)`` first
+    adds ``x`` into the residual stream (the fused form vLLM uses) and returns
+    ``(norm(x + residual), x + residual)``, the second being the new residual stream. A form
+    supplies ``normalize`` and ``add_normalize``; the forms may work in place on ``x`` and
+    ``residual``, so callers use what is returned."""
 
-    ``norm(x)`` returns the normalized ``x``; ``norm(x, residual)`` returns
-    ``(norm(x + residual), x + residual)``, the second being the new residual stream.
-    """
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+    weight: nn.Parameter
+    eps: float
 
     @typing.overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -38,12 +37,32 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            residual = x + residual
-            return self._norm(residual), residual
-        return self._norm(x)
+        if residual is None:
+            return self.normalize(x)
+        return self.add_normalize(x, residual)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_normalize(self, x: torch.Tensor,
+                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class RMSNorm(ResidualNorm):
+    """RMSNorm in torch (``ResidualNorm``'s interface)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def add_normalize(self, x: torch.Tensor,
+                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.normalize(residual), residual
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in float32 as the reference does, then cast back: bf16 variance loses digits.

@@ -28,7 +28,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from tailserve.model.layers import ApplyRope, RMSNorm, SiluAndMul
+from tailserve.model.layers import ApplyRope, ResidualNorm, RMSNorm, SiluAndMul
 from tailserve.model.transforms.kernel_linear import KernelLinear
 from tailserve.model.transforms.linear16 import (
     HALF_DTYPES,
@@ -42,7 +42,7 @@ from tailserve.model.transforms.report import TransformReport
 log = logging.getLogger(__name__)
 
 
-class FusedRMSNorm(nn.Module):
+class FusedRMSNorm(ResidualNorm):
     """``RMSNorm`` on ``torch.ops.tailserve.rms_norm`` / ``fused_add_rms_norm``; same weight.
 
     ``norm(x, residual)`` works in place on both (x is the layer's fresh output, residual the
@@ -54,19 +54,11 @@ class FusedRMSNorm(nn.Module):
         self.weight = norm.weight
         self.eps = norm.eps
 
-    @typing.overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tailserve.rms_norm(x, self.weight, self.eps)
 
-    @typing.overload
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return torch.ops.tailserve.rms_norm(x, self.weight, self.eps)
+    def add_normalize(self, x: torch.Tensor,
+                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.ops.tailserve.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
 

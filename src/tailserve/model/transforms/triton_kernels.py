@@ -23,13 +23,13 @@ from collections import Counter
 import torch
 from torch import nn
 
-from tailserve.model.layers import ApplyRope, RMSNorm, SiluAndMul
+from tailserve.model.layers import ApplyRope, ResidualNorm, RMSNorm, SiluAndMul
 from tailserve.model.transforms.report import TransformReport
 
 log = logging.getLogger(__name__)
 
 
-class TritonRMSNorm(nn.Module):
+class TritonRMSNorm(ResidualNorm):
     """``RMSNorm`` in one kernel; ``norm(x, residual)`` works in place on both and returns
     ``(norm(x + residual), x + residual)`` as the plain module does."""
 
@@ -38,21 +38,15 @@ class TritonRMSNorm(nn.Module):
         self.weight = norm.weight
         self.eps = norm.eps
 
-    @typing.overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
-
-    @typing.overload
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         from tailserve.model.triton_kernels import elementwise
 
-        if residual is None:
-            return elementwise.rms_norm(x, self.weight, self.eps)
+        return elementwise.rms_norm(x, self.weight, self.eps)
+
+    def add_normalize(self, x: torch.Tensor,
+                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from tailserve.model.triton_kernels import elementwise
+
         elementwise.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
 
