@@ -37,6 +37,7 @@ import torch
 from roofline import decode_bytes, measure_bandwidth
 from tailserve import LLM, SamplingParams
 from tailserve.data.step import StepStats
+from tailserve.model.quant.formats import dequantize_reference, is_packed
 
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     "dtype": "auto",
@@ -265,7 +266,10 @@ def build_hf_model(llm: LLM, dtype: torch.dtype) -> Any:
         eos_token_id=None,
     )
     model: Any = LlamaForCausalLM(hf_cfg)  # Any: transformers' typing of .to() trips mypy
-    missing, unexpected = model.load_state_dict(llm.engine.loaded.weights, strict=False)
+    # A GGUF served packed (--gguf-weights auto) keeps its matrices as blocks: their values.
+    weights = {name: dequantize_reference(t) if is_packed(t) else t
+               for name, t in llm.engine.loaded.weights.items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     allowed_missing = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         raise RuntimeError(f"weight mismatch: missing {missing}, unexpected {unexpected}")
