@@ -41,7 +41,31 @@ if TYPE_CHECKING:
     from tailserve.data.step import SchedulerOutput
     from tailserve.model.runner import ModelRunner
 
-LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of each projection
+# (hidden, intermediate, K/V width, layers) of each width ``widths`` compares: the bundled
+# model's (also the ``products`` layer), and two wider Llama layers (the 1024 and 2048 of 0.5B-
+# and 1B-class models, fewer layers so each pass stays 100-250 MB, beyond the L3).
+WIDTHS = ((576, 1536, 192, 30), (1024, 2816, 256, 16), (2048, 5632, 512, 8))
+
+
+def layer_shapes(hidden: int, intermediate: int, kv: int) -> list[tuple[int, int]]:
+    """(N, K) of a layer's projections as the runner fuses them: qkv, o, gate_up, down."""
+    return [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * intermediate, hidden),
+            (hidden, intermediate)]
+
+
+LAYER = layer_shapes(*WIDTHS[0][:3])  # the bundled model's: 960 x 576, ..., 576 x 1536
+
+
+def pass_seconds(products: list[tuple[torch.Tensor, torch.Tensor]], passes: int) -> list[float]:
+    """Seconds of each of ``passes`` passes over ``products`` ((weight, x) pairs, in order)."""
+    op = torch.ops.tailserve.quant_linear
+    times = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for w, x in products:
+            op(x, w, None)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def random_blocks(n: int, k: int, type_size: int) -> torch.Tensor:
@@ -62,48 +86,29 @@ def random_blocks(n: int, k: int, type_size: int) -> torch.Tensor:
 def products(type_size: int, rows: int, layers: int, passes: int) -> None:
     k_quant = type_size > 100
     shapes = [(n, 512 if k_quant and k == 576 else k) for n, k in LAYER] * layers
-    weights = [(random_blocks(n, k, type_size), k) for n, k in shapes]
+    xs = {k: torch.randn(rows, k) for _, k in shapes}
+    weights = [(random_blocks(n, k, type_size), xs[k]) for n, k in shapes]
     nbytes = sum(w.numel() for w, _ in weights)
-    xs = {k: torch.randn(rows, k) for _, k in weights}
-    op = torch.ops.tailserve.quant_linear
-    times = []
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        for w, k in weights:
-            op(xs[k], w, None)
-        times.append(time.perf_counter() - t0)
+    times = pass_seconds(weights, passes)
     best, median = min(times), statistics.median(times)
     print(f"type_size {type_size}, {rows} row(s), {len(weights)} products, {nbytes / 1e6:.1f} MB: "
           f"best {nbytes / best / 1e9:.1f} GB/s ({best * 1e3:.3f} ms), median "
           f"{nbytes / median / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
 
 
-# (hidden, intermediate, K/V width, layers) of each width ``widths`` compares: the bundled
-# model's, and two wider Llama layers (the 1024 and 2048 of 0.5B- and 1B-class models, fewer
-# layers so each pass stays 100-250 MB, beyond the L3).
-WIDTHS = ((576, 1536, 192, 30), (1024, 2816, 256, 16), (2048, 5632, 512, 8))
-
-
 def widths(rounds: int, passes: int, read_mib: int) -> None:
     from roofline import fastest_read, readers
 
-    op = torch.ops.tailserve.quant_linear
     models = []
     for hidden, inter, kv, layers in WIDTHS:
-        shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden),
-                  (hidden, inter)] * layers
+        shapes = layer_shapes(hidden, inter, kv) * layers
         weights = [(random_blocks(n, k, 20), torch.randn(1, k)) for n, k in shapes]
         models.append((f"{layers} x {hidden}", weights, sum(w.numel() for w, _ in weights)))
     ways = readers(read_mib)
     rates: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in models}
     for _ in range(rounds):
         for name, weights, nbytes in models:
-            times = []
-            for _ in range(passes):
-                t0 = time.perf_counter()
-                for w, x in weights:
-                    op(x, w, None)
-                times.append(time.perf_counter() - t0)
+            times = pass_seconds(weights, passes)
             reader = read_mib * (1 << 20) / fastest_read(ways, 2)[0] / 1e9
             rates[name].append((nbytes / min(times) / 1e9, reader))
     for name, _, nbytes in models:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -21,9 +22,9 @@ def heartbeat(n: int) -> bytes:
     return message_encoder.encode(Heartbeat(EngineState(float(n), n, 0, 10, 10, 0), float(n)))
 
 
-async def until(cond: object, timeout_s: float = 5.0) -> None:
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():  # type: ignore[operator]
+    while not cond():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.005)
 
