@@ -35,7 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "envs": set(),
     "glibc": set(),  # malloc_trim / mallopt through ctypes, for the engine and the server
     "platforms": {"errors"},
-    "config": {"errors", "platforms", "request"},
+    "model_features": {"errors"},  # which config.json fields are served, which refused
+    "config": {"errors", "model_features", "platforms", "request"},
     "stepcost": set(),  # the step-time model: the scheduler budgets with it, diagnose fits it
     # torch-free engine parts and the edge renderers
     "kv": {"data", "request"},

@@ -177,6 +177,7 @@ def test_sharded_tiny_llama_equals_its_state_dict(tmp_path: Path) -> None:
         "attention_bias": False,
         "rope_scaling": None,
         "checkpoint_dtype": "float32",
+        "sliding_window": None,
     }
     assert (loaded.config.bos_token_id, loaded.config.eos_token_ids) == (1, (2,))
     tok = loaded.tokenizer

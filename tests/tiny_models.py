@@ -9,6 +9,7 @@ that transformers initializes to constants, so a parity test notices a dropped b
     path = build_tiny_llama(tmp_path / "llama")              # 2 layers, GQA 4:2, untied
     path = build_tiny_llama(tmp_path / "l3", rope_scaling={"rope_type": "llama3", ...})
     path = build_tiny_qwen2(tmp_path / "qwen2")              # q/k/v biases, untied
+    path = build_tiny_mistral(tmp_path / "m", sliding_window=8)  # every layer slides
     path = build_tiny_llama(tmp_path / "b", dtype=torch.bfloat16)  # stored in bfloat16
     path = save_default_model_as_hf(tmp_path / "smol", torch.bfloat16)  # the bundled GGUF's
 """
@@ -23,6 +24,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -61,6 +64,14 @@ def build_tiny_qwen2(path: str | os.PathLike[str], **overrides: Any) -> str:
     seed = overrides.pop("seed", 0)
     config = Qwen2Config(**{**_base_config(), **TINY_SHAPE, **overrides})
     return _build(path, Qwen2ForCausalLM, config, seed)
+
+
+def build_tiny_mistral(path: str | os.PathLike[str], **overrides: Any) -> str:
+    """A random ``MistralForCausalLM`` (``sliding_window`` None unless overridden)."""
+    seed = overrides.pop("seed", 0)
+    overrides.setdefault("sliding_window", None)
+    config = MistralConfig(**{**_base_config(), **TINY_SHAPE, **overrides})
+    return _build(path, MistralForCausalLM, config, seed)
 
 
 def _base_config() -> dict[str, Any]:

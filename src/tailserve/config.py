@@ -7,11 +7,13 @@ field becomes a ``--flag`` of the same name (``max_num_seqs`` ⇄ ``--max-num-se
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.model_features import sliding_window, unsupported_features
 from tailserve.platforms import (
     DeviceType,
     Platform,
@@ -22,6 +24,8 @@ from tailserve.platforms import (
     resolve_kv_cache_dtype,
 )
 from tailserve.request import RequestLimits
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -78,6 +82,9 @@ class ModelConfig:
     # The dtype the checkpoint stores its weights in (config.json's torch_dtype); None where
     # the loader produces float32 (GGUF). ``dtype=auto`` keeps a 16-bit one on CPU.
     checkpoint_dtype: str | None = None
+    # The window of the checkpoint's sliding-window layers (None: every layer is global).
+    # Attention past it is not served yet, so max_model_len resolves to at most this.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -88,6 +95,12 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {arch!r} (model_type={cfg.get('model_type')!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        unsupported = unsupported_features(cfg)
+        if unsupported:
+            raise ModelLoadError(
+                f"the {arch} checkpoint asks for what tailserve's decoder does not serve: "
+                f"{', '.join(unsupported)}"
             )
         rope_scaling = cfg.get("rope_scaling") or None
         # transformers >= 4.45 nests rope settings under rope_parameters in some exports.
@@ -125,6 +138,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=sliding_window(cfg),
         )
 
 
@@ -402,12 +416,7 @@ class EngineArgs:
     def resolve_unsized(self, model: ModelConfig, platform: Platform) -> UnsizedEngineConfig:
         """Everything but the KV pool's size, which on CUDA needs a profiling forward of the
         model built with this configuration (``UnsizedEngineConfig.needs_kv_measurement``)."""
-        max_model_len = self.max_model_len or model.max_position_embeddings
-        if max_model_len > model.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len ({max_model_len}) exceeds the model's context length "
-                f"({model.max_position_embeddings})"
-            )
+        max_model_len = resolve_max_model_len(self.max_model_len, model)
         check_tensor_parallel(model, self.tensor_parallel_size)
         runner = self.resolve_runner(platform, model.checkpoint_dtype)
         budget = self.max_num_batched_tokens
@@ -608,6 +617,34 @@ class SchedulerConfig:
                 f"with chunked prefill disabled, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
+
+
+def resolve_max_model_len(asked: int | None, model: ModelConfig) -> int:
+    """``--max-model-len`` against the model: at most its context length, and at most its
+    sliding window, since attention past a window is not served yet. Up to the window a
+    sliding-window layer attends to every earlier token, as a global one does, so the answers
+    are the checkpoint's own; past it they would silently be another model's. Asked for more
+    than the window: refused; left to default: capped, with a warning that says so."""
+    limit = model.max_position_embeddings
+    if asked is not None and asked > limit:
+        raise ConfigError(
+            f"max_model_len ({asked}) exceeds the model's context length ({limit})"
+        )
+    window = model.sliding_window
+    if window is None or window >= (asked or limit):
+        return asked or limit
+    if asked is not None:
+        raise ConfigError(
+            f"max_model_len ({asked}) exceeds the model's sliding attention window ({window} "
+            f"tokens): attention past the window is not served yet, so a longer sequence "
+            f"would get another model's answers; set --max-model-len {window} or less"
+        )
+    log.warning(
+        "the model attends within a sliding window of %d tokens, and attention past the window "
+        "is not served yet: max_model_len capped at %d (the model's context length is %d)",
+        window, window, limit,
+    )
+    return window
 
 
 def check_pool_fits(scheduler: SchedulerConfig, cache: CacheConfig) -> None:

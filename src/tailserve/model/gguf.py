@@ -258,6 +258,8 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
         "rope_scaling": _rope_scaling(md, arch),
+        # llama.cpp writes a window for every layer of the architectures read here.
+        "sliding_window": md.get(f"{arch}.attention.sliding_window"),
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         # End of text, end of turn, end of message: llama.cpp stops on all three, and so do we.
         "eos_token_id": list(
