@@ -112,8 +112,8 @@ def test_freed_blocks_stay_cached_then_evict_lru() -> None:
 
 
 def test_hash_collision_is_guarded_by_token_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    def constant_hash(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
-        return BlockHash(42, parent.value if parent else None, tuple(token_ids))
+    def constant_hash(parent: BlockHash | None, token_ids: list[int], **_: object) -> BlockHash:
+        return BlockHash(b"42", 42, parent.value if parent else None, tuple(token_ids))
 
     monkeypatch.setattr("tailserve.kv.manager.hash_block", constant_hash)
     kv = KVCacheManager(num_blocks=8, block_size=2)
@@ -129,6 +129,58 @@ def test_hash_chain_depends_on_parent() -> None:
     assert hash_block(h1, [3, 4]).value != hash_block(None, [3, 4]).value
     assert hash_block(None, [1, 2]) == h1
     assert block_pool.hash_block(None, [2, 1]).value != h1.value
+
+
+def test_sha256_is_the_default_and_commits_to_the_chain() -> None:
+    import hashlib
+    import struct
+
+    h1 = hash_block(None, [1, 2])
+    assert h1.digest == hashlib.sha256(b"root" + struct.pack("<2i", 1, 2)).digest()
+    assert h1.value == int.from_bytes(h1.digest[:8], "little") and h1.parent is None
+    h2 = hash_block(h1, [3, 4])
+    assert h2.digest == hashlib.sha256(h1.digest + struct.pack("<2i", 3, 4)).digest()
+    assert h2.parent == h1.value
+
+
+def test_xxh64_keeps_the_documented_unsalted_recipe() -> None:
+    import xxhash
+
+    h1 = hash_block(None, [1, 2], algo="xxh64")
+    assert h1.value == xxhash.xxh64(b"root" + (1).to_bytes(4, "little")
+                                    + (2).to_bytes(4, "little")).intdigest()
+    h2 = hash_block(h1, [3, 4], algo="xxh64")
+    assert h2.value == xxhash.xxh64(h1.value.to_bytes(8, "little") + (3).to_bytes(4, "little")
+                                    + (4).to_bytes(4, "little")).intdigest()
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh64"])
+def test_salted_chains_differ_from_the_first_block_on(algo: block_pool.HashAlgo) -> None:
+    plain = hash_block(None, [1, 2], algo=algo)
+    a = hash_block(None, [1, 2], salt="tenant-a", algo=algo)
+    assert len({plain.digest, a.digest, hash_block(None, [1, 2], salt="tenant-b",
+                                                  algo=algo).digest}) == 3
+    assert a == hash_block(None, [1, 2], salt="tenant-a", algo=algo)
+    # Later blocks inherit the salt through the chain; a salt on them is not read.
+    assert hash_block(a, [3, 4], algo=algo) == hash_block(a, [3, 4], salt="x", algo=algo)
+    assert hash_block(a, [3, 4], algo=algo).digest != hash_block(plain, [3, 4], algo=algo).digest
+    # The empty salt is a salt too, not "no salt".
+    assert hash_block(None, [1, 2], salt="", algo=algo).digest != plain.digest
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh64"])
+def test_requests_share_cached_blocks_only_with_the_same_salt(algo: block_pool.HashAlgo) -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=2, hash_algo=algo)
+    prompt = [5, 6, 7, 8, 9]
+    a = Request("a", prompt, SamplingParams(max_tokens=4), cache_salt="tenant-a")
+    assert kv.allocate_slots(a, len(prompt))
+    other = Request("b", prompt, SamplingParams(max_tokens=4), cache_salt="tenant-b")
+    unsalted = Request("c", prompt, SamplingParams(max_tokens=4))
+    same = Request("d", prompt, SamplingParams(max_tokens=4), cache_salt="tenant-a")
+    assert kv.get_computed_blocks(other) == ([], 0)
+    assert kv.get_computed_blocks(unsalted) == ([], 0)
+    hits, n = kv.get_computed_blocks(same)
+    assert n == 4 and [b.block_id for b in hits] == kv.block_ids("a")[:2]
 
 
 def test_double_free_is_an_error() -> None:

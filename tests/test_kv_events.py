@@ -9,6 +9,7 @@ give (docs/ARCHITECTURE.md, "KV-cache events"), so the documentation is tested t
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,27 @@ BLOCK_SIZE = 4
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 
 
-def documented_hash(parent: int | None, token_ids: list[int]) -> int:
-    """The docs' recipe: xxh64 (seed 0) of the parent's 8 little-endian bytes (b"root" for a
-    first block), then each token id as 4 little-endian signed bytes."""
+def documented_digest(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """The docs' recipe (the default, sha256): SHA-256 of the parent block's digest (b"root"
+    for a first block of an unsalted request), then each token id as 4 little-endian signed
+    bytes; the event's 64-bit hash is the digest's first 8 bytes, little-endian."""
+    head = b"root" if parent is None else parent
+    return hashlib.sha256(head + b"".join(t.to_bytes(4, "little", signed=True)
+                                          for t in token_ids)).digest()
+
+
+def documented_xxh64(parent: int | None, token_ids: list[int]) -> int:
+    """The xxh64 recipe (``--prefix-caching-hash-algo xxh64``): xxh64 (seed 0) of the parent's
+    8 little-endian bytes (b"root" for a first block), then the token ids as above."""
     h = xxhash.xxh64()
     h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
     for t in token_ids:
         h.update(t.to_bytes(4, "little", signed=True))
     return h.intdigest()
+
+
+def event_value(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little")
 
 
 class Mirror:
@@ -44,6 +58,8 @@ class Mirror:
     def __init__(self) -> None:
         self.cached: set[int] = set()
         self.kinds: list[str] = []
+        # A router recomputing hashes from tokens chains digests: it remembers each block's.
+        self.digests: dict[int, bytes] = {}
 
     def apply(self, payload: bytes) -> None:
         batch = msgspec.msgpack.decode(payload)
@@ -59,7 +75,10 @@ class Mirror:
                 assert len(tokens) == BLOCK_SIZE * len(hashes)
                 parent = e["parent_block_hash"]
                 for i, h in enumerate(hashes):
-                    assert h == documented_hash(parent, tokens[i * BLOCK_SIZE:][:BLOCK_SIZE])
+                    digest = documented_digest(None if parent is None else self.digests[parent],
+                                               tokens[i * BLOCK_SIZE:][:BLOCK_SIZE])
+                    assert h == event_value(digest)
+                    self.digests[h] = digest
                     parent = h
                 self.cached.update(hashes)
             elif e["type"] == "BlockRemoved":
@@ -70,9 +89,12 @@ class Mirror:
                 self.cached.clear()
 
 
-def test_manager_events_replay_to_the_cached_hashes() -> None:
+@pytest.mark.parametrize("algo", ["sha256", "xxh64"])
+def test_manager_events_replay_to_the_cached_hashes(algo: str) -> None:
     """Torch-free: after every allocation the events so far add up to the pool's map."""
-    kv = KVCacheManager(num_blocks=10, block_size=4, enable_kv_cache_events=True)
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_kv_cache_events=True,
+                        hash_algo=algo)  # type: ignore[arg-type]
+    digests: dict[int, bytes] = {}
     cached: set[int] = set()
     g = torch.Generator().manual_seed(3)
     head = torch.randint(0, 1000, (8,), generator=g).tolist()
@@ -83,7 +105,7 @@ def test_manager_events_replay_to_the_cached_hashes() -> None:
         hits, _ = kv.get_computed_blocks(r)
         assert kv.allocate_slots(r, len(tokens) - len(hits) * 4, hits)
         for e in kv.take_events():
-            cached = _apply_plain(cached, e, 4)
+            cached = _apply_plain(cached, e, 4, algo, digests)
             removed += type(e).__name__ == "BlockRemoved"
         assert cached == kv.pool.cached_block_hashes()
         r.status = RequestStatus.FINISHED_STOPPED
@@ -92,12 +114,19 @@ def test_manager_events_replay_to_the_cached_hashes() -> None:
     assert removed > 0  # the pool of 10 blocks evicted along the way
 
 
-def _apply_plain(cached: set[int], e: Any, block_size: int) -> set[int]:
+def _apply_plain(cached: set[int], e: Any, block_size: int, algo: str,
+                 digests: dict[int, bytes]) -> set[int]:
     name = type(e).__name__
     if name == "BlockStored":
         parent = e.parent_block_hash
         for i, h in enumerate(e.block_hashes):
-            assert h == documented_hash(parent, list(e.token_ids[i * block_size:][:block_size]))
+            tokens = list(e.token_ids[i * block_size:][:block_size])
+            if algo == "xxh64":
+                assert h == documented_xxh64(parent, tokens)
+            else:
+                digest = documented_digest(None if parent is None else digests[parent], tokens)
+                assert h == event_value(digest)
+                digests[h] = digest
             parent = h
         return cached | set(e.block_hashes)
     if name == "BlockRemoved":

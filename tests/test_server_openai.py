@@ -256,3 +256,27 @@ def test_request_id_metrics_and_timeline(server: ServerProcess, timeline_path: s
         lines = [json.loads(line) for line in f]
     assert any(r["kind"] == "request" and r["request_id"] == "abc-123" for r in lines)
     assert os.path.getsize(timeline_path) > 0
+
+
+def test_cache_salt_isolates_the_prefix_cache(client: openai.OpenAI, server: ServerProcess) -> None:
+    """vLLM's ``cache_salt``: a prompt cached under one salt is a hit for that salt only, not
+    for another salt nor for unsalted requests; the first tenant still hits its own."""
+    doc = " ".join(f"Shelf {i} holds {i * 7 % 13} jars of plum jam." for i in range(40))
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        resp = client.completions.create(model=MODEL, prompt=doc, max_tokens=1, temperature=0,
+                                         extra_body=extra)
+        assert resp.usage is not None and resp.usage.prompt_tokens > 300
+        return int((resp.model_extra or {})["tailserve_timing"]["cached_prompt_tokens"])
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 300
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-b") > 300
+    for bad, why in ((7, "string"), ("", "at least 1"), ("x" * 1025, "at most 1024")):
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 1, "cache_salt": bad})
+        assert r.status_code == 400, r.text
+        assert why in r.text and "cache_salt" in r.text

@@ -147,6 +147,9 @@ RTN_BLOCK = 32
 QUANTIZATIONS = ("int8", "int4")  # EngineArgs.quantization's choices
 # EngineArgs.dtype's and kv_cache_dtype's choices (auto resolves against the platform).
 DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+# How full KV blocks are keyed for prefix caching (kv.block_pool.HashAlgo, which this layer
+# cannot import: the same two values).
+PrefixHashAlgo = Literal["sha256", "xxh64"]
 
 
 def check_quantization_group_size(group_size: int) -> None:
@@ -219,6 +222,11 @@ class EngineArgs:
         metadata={"help": "fraction of KV blocks that admitting a new request must leave free"},
     )
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: PrefixHashAlgo = field(
+        default="sha256", metadata={"help": "how prefix caching keys full KV blocks: sha256 "
+                                    "(a collision-resistant chain) or xxh64 (faster; only "
+                                    "where every client is trusted)"},
+    )
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = field(
         default=None, metadata={"help": "most prompt tokens one request may take in one step"}
@@ -466,6 +474,7 @@ class EngineArgs:
                                        runner.tensor_parallel_size),
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=kv_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -572,6 +581,7 @@ class CacheConfig:
     watermark: float = 0.05
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False  # the block pool records what it caches and evicts
+    prefix_caching_hash_algo: PrefixHashAlgo = "sha256"
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -768,6 +778,7 @@ class UnsizedEngineConfig:
     block_bytes: int
     watermark: float
     enable_prefix_caching: bool
+    prefix_caching_hash_algo: PrefixHashAlgo
     num_kv_blocks: int | None  # the user's override, which makes any measurement moot
     kv_cache_bytes: int | None  # CPU: kv_cache_memory; CUDA: None, to be measured
     gpu_memory_utilization: float  # what the CUDA measurement may fill
@@ -796,6 +807,7 @@ class UnsizedEngineConfig:
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
             enable_kv_cache_events=self.kv_events is not None and self.kv_events.enabled,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
         )
         return EngineConfig(
             self.model, self.runner, self.scheduler, cache, self.observability, self.kv_events

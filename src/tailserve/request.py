@@ -82,6 +82,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # Prefix-cache isolation (vLLM's ``cache_salt``): cached blocks are shared only among
+    # requests with the same salt (None: the unsalted pool).
+    cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -126,6 +126,7 @@ class EngineLoop:
                     req = Request(
                         msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                         arrival_time=msg.arrival_time, priority=msg.priority,
+                        cache_salt=msg.cache_salt,
                     )
                     self.core.add_request(req)
                 except SLORefusedError as exc:

@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     # queue_s covers parsing, tokenization and the hop to the engine too.
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None  # Request.cache_salt
 
 
 class FinishRequests(msgspec.Struct, tag="finish"):

@@ -103,6 +103,7 @@ class Scheduler:
             enable_caching=cache.enable_prefix_caching,
             watermark=cache.watermark,
             enable_kv_cache_events=cache.enable_kv_cache_events,
+            hash_algo=cache.prefix_caching_hash_algo,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)

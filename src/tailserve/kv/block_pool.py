@@ -13,33 +13,68 @@ least recently freed block and evicts whatever it cached::
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import xxhash
 
 from tailserve.data.kv_events import BlockRemoved, KVCacheEvent
 
+# How full blocks are keyed: ``sha256`` (the default) chains SHA-256 digests, so equal keys
+# mean equal token chains from the root, salt included, even against crafted prompts; ``xxh64``
+# chains 64-bit xxHash values (faster, but not built to resist crafted collisions: opt in only
+# where every client is trusted). Measured per 4,000-token prompt in benchmarks/block_hashing.py.
+HashAlgo = Literal["sha256", "xxh64"]
+HASH_ALGOS: tuple[HashAlgo, ...] = ("sha256", "xxh64")
+
 
 @dataclass(frozen=True)
 class BlockHash:
-    """The chained hash of a full block: its tokens and the hash of the block before it.
+    """The chained hash of a full block: its tokens, the block before it and, for a first
+    block, the request's cache salt.
 
-    ``value`` is the 64-bit key; ``parent`` and ``token_ids`` are kept to guard collisions.
+    ``digest`` is the cache key: under ``sha256`` it commits to the whole chain of tokens from
+    the root and the salt. ``value`` is its first 8 bytes as a little-endian integer, the
+    64-bit hash KV events carry (what routers key on); ``parent`` the parent's ``value``.
+    ``token_ids`` are kept to guard the key.
     """
 
+    digest: bytes
     value: int
     parent: int | None
     token_ids: tuple[int, ...]
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    parent_value = parent.value if parent is not None else None
-    h = xxhash.xxh64()
-    h.update(b"root" if parent_value is None else parent_value.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
-    return BlockHash(h.intdigest(), parent_value, tuple(token_ids))
+def _root(salt: str | None) -> bytes:
+    """A first block's chain head. A salt is length-prefixed after a marker byte: salted and
+    unsalted heads differ in length, so no token sequence makes one the other."""
+    if salt is None:
+        return b"root"
+    encoded = salt.encode()
+    return b"root\x01" + len(encoded).to_bytes(4, "little") + encoded
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], *,
+               salt: str | None = None, algo: HashAlgo = "sha256") -> BlockHash:
+    """``salt`` counts only for a first block (``parent`` None): every later block inherits it
+    through the chain."""
+    tokens = struct.pack(f"<{len(token_ids)}i", *token_ids)  # 4 little-endian bytes each
+    if algo == "sha256":
+        head = parent.digest if parent is not None else _root(salt)
+        digest = hashlib.sha256(head + tokens).digest()
+        value = int.from_bytes(digest[:8], "little")
+    else:
+        x = xxhash.xxh64()
+        x.update(_root(salt) if parent is None else parent.value.to_bytes(8, "little"))
+        x.update(tokens)
+        value = x.intdigest()
+        digest = value.to_bytes(8, "little")
+    return BlockHash(digest, value, parent.value if parent is not None else None,
+                     tuple(token_ids))
 
 
 @dataclass
@@ -74,7 +109,7 @@ class BlockPool:
         self.band_used = [0] * self.num_bands
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[bytes, KVBlock] = {}  # by BlockHash.digest
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,8 +126,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 # Evict: the block is about to be overwritten.
-                if self._cached.get(block.block_hash.value) is block:
-                    del self._cached[block.block_hash.value]
+                if self._cached.get(block.block_hash.digest) is block:
+                    del self._cached[block.block_hash.digest]
                     evicted.append(block.block_hash.value)
                 block.block_hash = None
             block.ref_cnt = 1
@@ -104,7 +139,7 @@ class BlockPool:
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         """The cached block with exactly this content and parent, or None (miss or collision)."""
-        block = self._cached.get(block_hash.value)
+        block = self._cached.get(block_hash.digest)
         if block is None or block.block_hash != block_hash:
             return None
         return block
@@ -125,7 +160,7 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None:
             return False
         block.block_hash = block_hash
-        return self._cached.setdefault(block_hash.value, block) is block
+        return self._cached.setdefault(block_hash.digest, block) is block
 
     def record_event(self, event: KVCacheEvent) -> None:
         """Queue an event for ``take_events`` (dropped when events are off)."""
@@ -140,8 +175,10 @@ class BlockPool:
         return events
 
     def cached_block_hashes(self) -> set[int]:
-        """Every hash a lookup can find now: what the events, replayed, must add up to."""
-        return set(self._cached)
+        """Every hash (64-bit value) a lookup can find now: what the events, replayed, must
+        add up to."""
+        return {block.block_hash.value for block in self._cached.values()
+                if block.block_hash is not None}
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; pass blocks in the order they should be evicted."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from tailserve.data.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from tailserve.data.records import KVCacheSnapshot
-from tailserve.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from tailserve.kv.block_pool import BlockHash, BlockPool, HashAlgo, KVBlock, hash_block
 from tailserve.request import Request
 
 _BLOCK_ID = operator.attrgetter("block_id")
@@ -36,8 +36,10 @@ class KVCacheManager:
         enable_caching: bool = True,
         watermark: float = 0.0,
         enable_kv_cache_events: bool = False,
+        hash_algo: HashAlgo = "sha256",
     ) -> None:
         self.block_size = block_size
+        self.hash_algo: HashAlgo = hash_algo
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         # A subscriber that outlived an earlier engine at the same endpoint must forget what
@@ -74,7 +76,9 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+            # The salt enters at the root: requests share blocks only with the same salt.
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs],
+                                     salt=request.cache_salt, algo=self.hash_algo))
         return hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

@@ -74,6 +74,7 @@ class Generation:
         priority: int,
         on_choice_finished: Callable[[RequestRecord], None],
         record_id: str,
+        cache_salt: str | None = None,
     ) -> None:
         """``parents``: the request's prompts, shaped and validated by the input processor,
         each with its ``n`` engine requests; ``params`` is what the request asked for."""
@@ -84,6 +85,7 @@ class Generation:
         self.params = params
         self.arrival_time = arrival_time
         self.priority = priority
+        self.cache_salt = cache_salt
         self.on_choice_finished = on_choice_finished
         self.processor = OutputProcessor(tokenizer)
         self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
@@ -118,7 +120,8 @@ class Generation:
                     self.choices[child_id] = Choice(index, p, child_id, ro.outputs[i])
                     index += 1
                     self.client.add_request(
-                        AddRequest(child_id, ids, child_params, self.arrival_time, self.priority),
+                        AddRequest(child_id, ids, child_params, self.arrival_time, self.priority,
+                                   cache_salt=self.cache_salt),
                         self.queue,
                     )
                     added.append(child_id)

@@ -46,6 +46,9 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Int64 = 0
+    # vLLM's prefix-cache isolation: cached KV blocks are shared only among requests with the
+    # same salt (kv.block_pool.hash_block mixes it into the chain's root).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
 
 
 PromptInput = Annotated[

@@ -57,7 +57,8 @@ class OpenAIServing:
         fmt = CompletionFormatter(
             self.tokenizer, self.ctx.model_name(), params.logprobs or 0
         )
-        gen = self._start(http, prompts, params, arrival, body.priority)
+        gen = self._start(http, prompts, params, arrival, body.priority,
+                          body.cache_salt)
         return await self._respond(gen, http, body, fmt)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -91,7 +92,8 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         params = self._sampling_params(body, max_tokens, logprobs)
         fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0)
-        gen = self._start(http, [prompt], params, arrival, body.priority)  # as in completions
+        gen = self._start(http, [prompt], params, arrival, body.priority,
+                          body.cache_salt)  # as in completions
         return await self._respond(gen, http, body, fmt)
 
     async def _respond(
@@ -158,6 +160,7 @@ class OpenAIServing:
         params: SamplingParams,
         arrival: float,
         priority: int,
+        cache_salt: str | None = None,
     ) -> Generation:
         """Validate the lengths and fan ``n`` out (input processor), admit, then submit."""
         ctx = self.ctx
@@ -172,6 +175,7 @@ class OpenAIServing:
         gen = Generation(
             ctx.client, self.tokenizer, parents, params, arrival, priority,
             ctx.on_choice_finished(http, params), record_id=http.state.request_id,
+            cache_salt=cache_salt,
         )
         try:
             gen.submit()
