@@ -127,6 +127,9 @@ class EngineClient:
     def num_inflight(self) -> int:
         return len(self._streams)
 
+    def is_inflight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     @property
     def inflight_request_ids(self) -> list[str]:
         return list(self._streams)

@@ -29,7 +29,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 import tailserve
 from tailserve.config import EngineArgs
 from tailserve.engine.client import EngineClient, EngineStartupError, MPEngineClient
-from tailserve.errors import InvalidRequestError
+from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline
 from tailserve.server.context import ServerContext, served_names
@@ -55,6 +55,7 @@ from tailserve.server.protocol import (
 )
 from tailserve.server.serving import OpenAIServing
 from tailserve.server.settings import ServerSettings
+from tailserve.server.tenants import load_api_keys
 
 logger = logging.getLogger("tailserve.server")
 
@@ -230,6 +231,8 @@ def create_app(ctx: ServerContext) -> Any:
     return EdgeMiddleware(
         SheddingMiddleware(app, ctx),
         api_key=ctx.settings.api_key,
+        tenants=ctx.tenant_keys,
+        tenant_header=ctx.settings.tenant_header,
         max_request_bytes=ctx.settings.max_request_bytes,
         max_header_bytes=ctx.settings.max_header_bytes,
         on_reject=ctx.metrics.on_rejected,
@@ -291,6 +294,11 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     from tailserve.obs.tracing import make_tracer
 
     tracer = make_tracer(settings.otlp_traces_endpoint)  # fails fast if the extra is missing
+    try:
+        tenant_keys = load_api_keys(settings.api_keys) if settings.api_keys else None
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     source = resolve_model_path(engine_args.model)
     busy = _cannot_listen(settings.host, settings.port)
     if busy is not None:  # before the engine loads a model for a server that cannot listen
@@ -313,7 +321,8 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     # The vllm: aliases carry the name clients send as "model", as vLLM's model_name label does.
     metrics = ServerMetrics(model_name=names[0], enable_vllm_metrics=settings.enable_vllm_metrics)
     timeline = Timeline(settings.timeline, maxlen=settings.timeline_buffer)
-    ctx = ServerContext(settings, client, tokenizer, names, metrics, timeline, tracer)
+    ctx = ServerContext(settings, client, tokenizer, names, metrics, timeline, tracer,
+                        tenant_keys=tenant_keys)
     config = uvicorn.Config(
         create_app(ctx), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, lifespan="off", timeout_graceful_shutdown=5,

@@ -29,6 +29,7 @@ from tailserve.server.dashboard.feed import DashboardFeed
 from tailserve.server.errors import APIError, bad_request, unavailable
 from tailserve.server.heap import HeapTrimmer
 from tailserve.server.settings import ServerSettings
+from tailserve.server.tenants import Tenant, TenantLimits
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,6 +86,7 @@ class ServerContext:
         metrics: ServerMetrics,
         timeline: Timeline,
         tracer: Any = None,
+        tenant_keys: dict[bytes, Tenant] | None = None,
     ) -> None:
         assert client.info is not None, "start the engine client first"
         self.settings = settings
@@ -94,6 +96,9 @@ class ServerContext:
         self.metrics = metrics
         self.timeline = timeline
         self.tracer = tracer
+        # --api-keys: {SHA-256 of a key: its tenant}; None when the file is not used.
+        self.tenant_keys = tenant_keys
+        self.tenant_limits = TenantLimits(client.is_inflight)
         # What the engine resolved, read here once: admission, /v1/models and the input
         # processor (which shapes and validates every prompt) take their limits from it.
         self.config: EngineConfig = client.info.config

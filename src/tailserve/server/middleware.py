@@ -43,6 +43,7 @@ request's real size, stays in ``admit``; the gate's own state and answers are
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -52,7 +53,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-from tailserve.server.errors import error_body, error_response
+from tailserve.server.errors import APIError, error_body, error_response
+from tailserve.server.tenants import DEFAULT_TENANT, Tenant, check_tenant_name
 
 if TYPE_CHECKING:
     from tailserve.server.context import ServerContext
@@ -154,10 +156,15 @@ class EdgeMiddleware:
         max_header_bytes: int,
         on_reject: Callable[[str], None] = lambda reason: None,
         large: tuple[int, Any] | None = None,
+        tenants: dict[bytes, Tenant] | None = None,
+        tenant_header: str | None = None,
     ) -> None:
         self.app = app
         self.large = large
         self.api_key = api_key.encode() if api_key else None
+        # --api-keys: a key names its tenant (looked up by the key's SHA-256 digest).
+        self.tenants = tenants
+        self.tenant_header = tenant_header.lower().encode() if tenant_header else None
         self.max_request_bytes = max_request_bytes
         self.max_header_bytes = max_header_bytes
         self.on_reject = on_reject
@@ -171,6 +178,7 @@ class EdgeMiddleware:
         auth = b""
         content_length = None
         header_bytes = 0
+        named_tenant: bytes | None = None
         for name, value in headers:
             header_bytes += len(name) + len(value) + 4
             if name == b"x-request-id":
@@ -179,6 +187,8 @@ class EdgeMiddleware:
                 auth = value
             elif name == b"content-length":
                 content_length = value
+            elif name == self.tenant_header:
+                named_tenant = value
         if rid is None or not _SANE_ID.match(rid):
             rid = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
@@ -198,17 +208,36 @@ class EdgeMiddleware:
                          f"limit is {self.max_header_bytes}", "invalid_request_error",
                          "headers_too_large")
             return
-        if self.api_key is not None and scope["path"] not in AUTH_EXEMPT_PATHS:
+        tenant: Tenant | None = None
+        if (self.api_key is not None or self.tenants is not None) \
+                and scope["path"] not in AUTH_EXEMPT_PATHS:
             given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
             path = scope["path"]
             if not given and (path == DASHBOARD_PATH or path.startswith(DASHBOARD_PATH + "/")):
                 given = _query_key(scope.get("query_string", b""))
-            if not hmac.compare_digest(given, self.api_key):
+            if self.tenants is not None:
+                tenant = self.tenants.get(hashlib.sha256(given).digest())
+            if tenant is None and self.api_key is not None \
+                    and hmac.compare_digest(given, self.api_key):
+                tenant = Tenant(DEFAULT_TENANT)
+            if tenant is None:
                 self.on_reject("unauthorized")
                 await _error(send_with_id, 401, "a valid API key is required (Authorization: "
                              "Bearer KEY)", "authentication_error", "invalid_api_key",
                              extra=[(b"www-authenticate", b"Bearer")])
                 return
+        if named_tenant is not None and self.tenant_header is not None:
+            # A proxy the operator trusts names the tenant; its keys-file limits still apply.
+            try:
+                tenant_name = check_tenant_name(named_tenant.decode("latin-1"),
+                                                self.tenant_header.decode())
+            except APIError as exc:
+                await _error(send_with_id, exc.status, exc.message, exc.type,
+                             exc.code or "invalid_tenant")
+                return
+            known = [t for t in (self.tenants or {}).values() if t.name == tenant_name]
+            tenant = known[0] if known else Tenant(tenant_name)
+        scope["state"]["tenant"] = tenant
         limit = self.max_request_bytes
         app = self.app
         if content_length is not None:

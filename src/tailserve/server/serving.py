@@ -30,6 +30,7 @@ from tailserve.server.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
 
 
 class OpenAIServing:
@@ -171,7 +172,13 @@ class OpenAIServing:
         ]
         # No await from here to the end of submit(): no other request is admitted between
         # the count and the registrations, and submit() is all or nothing.
-        ctx.admit(len(parents), params.n, http.scope.get("state"))
+        state = http.scope.get("state")
+        ctx.admit(len(parents), params.n, state)
+        tenant: Tenant | None = (state or {}).get("tenant")
+        if tenant is not None:
+            ctx.tenant_limits.admit(tenant, len(parents) * params.n)
+        if ctx.settings.cache_salt_by_tenant:
+            cache_salt = tenant_salt(tenant.name if tenant else DEFAULT_TENANT, cache_salt)
         gen = Generation(
             ctx.client, self.tokenizer, parents, params, arrival, priority,
             ctx.on_choice_finished(http, params), record_id=http.state.request_id,
@@ -182,6 +189,8 @@ class OpenAIServing:
         except EngineDeadError as exc:
             # Died between the admission and a child's send: nothing of it is left in flight.
             raise ctx.dead_error(str(exc)) from None
+        if tenant is not None:
+            ctx.tenant_limits.register(tenant.name, list(gen.choices))
         return gen
 
     # ---------------------------------------------------------------- running it

@@ -20,6 +20,16 @@ class ServerSettings:
     api_key: str | None = field(
         default=None, metadata={"help": "require 'Authorization: Bearer KEY' (or set "
                                 "TAILSERVE_API_KEY)"})
+    api_keys: str | None = field(
+        default=None, metadata={"help": "a keys file (one JSON object a line: key, name, and "
+                                "optional weight, max_concurrency, max_requests_per_s): each "
+                                "key names its tenant; see docs/tenants.md"})
+    tenant_header: str | None = field(
+        default=None, metadata={"help": "take the tenant's name from this request header "
+                                "(only behind a proxy you trust to set it)"})
+    cache_salt_by_tenant: bool = field(
+        default=False, metadata={"help": "salt every request's prefix-cache blocks with its "
+                                 "tenant, so tenants never share (or probe) cached prompts"})
     served_model_name: str | None = field(
         default=None, metadata={"help": "the name clients use as model"})
     max_request_bytes: int = field(
