@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-browser test lint reliability serve bench gpu-check clean
+.PHONY: setup setup-browser test lint reliability serve bench docs gpu-check clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,12 @@ serve: setup
 
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py
+
+# The generated pages: docs/configuration.md from the flags' dataclasses and envs.py,
+# docs/performance.md from the peers harness's JSON under benchmarks/results/. `make test`
+# fails while either committed page differs from what this writes (tests/test_docs.py).
+docs: setup
+	$(BIN)/python -m tailserve.configdoc
 
 # The CUDA path's device check (a GPU, CUDA torch and triton needed; under 8 minutes).
 gpu-check:
