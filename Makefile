@@ -58,6 +58,7 @@ bench: setup
 # fails while either committed page differs from what this writes (tests/test_docs.py).
 docs: setup
 	$(BIN)/python -m tailserve.configdoc
+	$(BIN)/python benchmarks/performance_page.py
 
 # The CUDA path's device check (a GPU, CUDA torch and triton needed; under 8 minutes).
 gpu-check:
