@@ -42,7 +42,7 @@ test: setup lint setup-browser
 # fuzz cases, an abort storm of 1,000, burst shedding, engine kill, drain, slow and oversized
 # clients, a 3-minute soak. Loopback only. Measured: 32 minutes on 2 cores shared with other
 # work (20 of them the fuzz); killed after 45. The figures it prints at the end are the ones
-# benchmarks/RESULTS.md quotes.
+# benchmarks/notes/server.md quotes.
 reliability: setup
 	timeout 2700 $(BIN)/pytest tests/reliability -p no:cacheprovider --durations=0
 

@@ -197,7 +197,8 @@ def render(reports: dict[str, dict[str, Any]]) -> str:
             "No measured run has been committed yet. Run the harness on a quiet host and commit "
             "its report: `python benchmarks/serving_peers.py --json "
             "benchmarks/results/peers/DATE-MACHINE.json`, then `make docs`. Until then the "
-            "figures are in the notebook, [benchmarks/notes/](../benchmarks/notes/README.md).",
+            "figures are in the notebook: [benchmarks/notes/peers.md]"
+            "(../benchmarks/notes/peers.md), by date and machine.",
             "",
         ]
     for cls, n in classes.items():
