@@ -85,7 +85,9 @@ a time (the latency floor), `saturated` 64 requests with 32 in flight (throughpu
 batch), `mixed` open-loop Poisson arrivals below every server's capacity (the tail a user sees),
 `long-mix` 10% of prompts ~4,000 tokens (do short requests wait behind long prefills?). The
 runs behind the figures, and the profiles, are in
-[benchmarks/notes/](../benchmarks/notes/README.md).
+[benchmarks/notes/](../benchmarks/notes/README.md). The peers install with
+`bash benchmarks/peers/install_vllm.sh && bash benchmarks/peers/install_llamacpp.sh` (everything
+under `~/.cache/tailserve-peers`); `python benchmarks/serving_peers.py --help` lists the options.
 """
 
 
