@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -29,10 +30,12 @@ def test_configuration_check_mode_says_stale(tmp_path: Path) -> None:
 
 
 def _serve_options() -> set[str]:
+    """The long options `tailserve serve --help` shows (a boolean's --no-x is its --x)."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    serve = sub.choices["serve"]  # type: ignore[index]
-    return {o for a in serve._actions if a.help != "==SUPPRESS==" for o in a.option_strings
+    assert isinstance(sub.choices, dict)
+    serve = sub.choices["serve"]
+    return {o for a in serve._actions if a.help != argparse.SUPPRESS for o in a.option_strings
             if o.startswith("--") and not o.startswith("--no-") and o != "--help"}
 
 
