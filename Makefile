@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-browser test lint reliability serve bench gpu-check clean
+.PHONY: setup setup-browser test lint reliability serve bench docs gpu-check clean
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ test: setup lint setup-browser
 # fuzz cases, an abort storm of 1,000, burst shedding, engine kill, drain, slow and oversized
 # clients, a 3-minute soak. Loopback only. Measured: 32 minutes on 2 cores shared with other
 # work (20 of them the fuzz); killed after 45. The figures it prints at the end are the ones
-# benchmarks/RESULTS.md quotes.
+# benchmarks/notes/server.md quotes.
 reliability: setup
 	timeout 2700 $(BIN)/pytest tests/reliability -p no:cacheprovider --durations=0
 
@@ -52,6 +52,13 @@ serve: setup
 
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py
+
+# The generated pages: docs/configuration.md from the flags' dataclasses and envs.py,
+# docs/performance.md from the peers harness's JSON under benchmarks/results/. `make test`
+# fails while either committed page differs from what this writes (tests/test_docs.py).
+docs: setup
+	$(BIN)/python -m tailserve.configdoc
+	$(BIN)/python benchmarks/performance_page.py
 
 # The CUDA path's device check (a GPU, CUDA torch and triton needed; under 8 minutes).
 gpu-check:

@@ -1,5 +1,5 @@
-"""Kernel microbenchmarks of the packed decode rows and the prefill attention (RESULTS.md,
-"Prefill on one pool, robust workers, prefetched decode rows").
+"""Kernel microbenchmarks of the packed decode rows and the prefill attention
+(benchmarks/notes/cpu_kernels.md, "Prefill on one pool, robust workers, prefetched decode rows").
 
     python benchmarks/cpu_kernels_bench.py                 # one thread, process CPU time
     python benchmarks/cpu_kernels_bench.py --threads 2     # two threads, wall time

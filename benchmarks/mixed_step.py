@@ -17,7 +17,7 @@ on a shared machine the best run is the least disturbed one.
 way, and prints its prediction for every shape against the measured time, for
 ``decode-only`` and ``one-call``.
 
-    python benchmarks/mixed_step.py                 # the five shapes of RESULTS.md
+    python benchmarks/mixed_step.py                 # the five shapes of notes/cpu_kernels.md
     python benchmarks/mixed_step.py --fit --rounds 7 --clock cpu
     python benchmarks/mixed_step.py --shapes 1,64,16,0 1,64,0,0 --rounds 61
 """
@@ -113,7 +113,8 @@ def main() -> None:
                     help="cpu: the process's CPU time, less disturbed by other processes")
     ap.add_argument("--fit", action="store_true", help="also the step-time model's errors")
     ap.add_argument("--shapes", nargs="*", default=None,
-                    help="decodes,ctx,chunk,start each (default: the five of RESULTS.md)")
+                    help="decodes,ctx,chunk,start each (default: the five of "
+                    "benchmarks/notes/cpu_kernels.md)")
     args = ap.parse_args()
     runner, block_size = build(args.gguf_weights, args.kv_cache_dtype)
     graph = runner.decode_graph

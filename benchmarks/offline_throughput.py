@@ -419,7 +419,7 @@ def machine_info() -> dict[str, Any]:
     info["torch"] = torch.__version__
     info["torch_threads"] = torch.get_num_threads()
     # OMP_WAIT_POLICY decides whether idle OpenMP threads spin or sleep; on an oversubscribed
-    # machine spinning made every step several times slower (see RESULTS.md).
+    # machine spinning made every step several times slower (see benchmarks/notes/cpu_kernels.md).
     info["env"] = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
                                                   "MKL_NUM_THREADS", "GOMP_SPINCOUNT")}
     return info

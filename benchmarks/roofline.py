@@ -55,7 +55,7 @@ def readers(mib: int) -> list[tuple[str, Callable[[], object]]]:
     reads every byte once and writes one scalar; but the product kernel, which must also read
     every byte of its weight, reads faster: one row of x against Q4_1 tiles read 5-30% more
     GB/s than torch's sum, amax or any over the same bytes in the same moment (Zen 4, 88 MB;
-    benchmarks/RESULTS.md). A roofline is only as tight as its fastest reader."""
+    benchmarks/notes/decode.md). A roofline is only as tight as its fastest reader."""
     out: list[tuple[str, Callable[[], object]]] = [
         ("torch.sum", torch.ones(mib * MIB // 4, dtype=torch.float32).sum)]
     product = _kernel_reader(mib)

@@ -646,9 +646,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def provenance() -> dict[str, str]:
+    """The commit (``-dirty`` with uncommitted changes) and the UTC date of a run, for
+    docs/performance.md (benchmarks/performance_page.py)."""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
+    report = provenance() | run(args)
     print_table(report)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)

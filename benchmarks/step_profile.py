@@ -16,7 +16,7 @@ of each decode-only step with ``perf_counter`` wrappers around the methods that 
 
 Prints per-phase medians (ms) and their share of the median iteration; ``--json`` writes them.
 A wrapper costs ~1 us, the same in every tree, so two trees compare fairly (the A/B in
-benchmarks/RESULTS.md runs this script from each tree, interleaved). With
+benchmarks/notes/renovations.md runs this script from each tree, interleaved). With
 ``--count-openmp`` it also counts OpenMP parallel regions per decode step (each wakes
 OpenMP's sleeping threads under ``OMP_WAIT_POLICY=PASSIVE``): it builds a tiny
 ``GOMP_parallel`` counter with the system C compiler and re-runs itself under ``LD_PRELOAD``.

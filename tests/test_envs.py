@@ -11,6 +11,7 @@ from tailserve import envs
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tailserve"
 README = SRC.parents[1] / "README.md"
+DOCS = SRC.parents[1] / "docs"
 DECLARED = {s.name: s for s in envs.SWITCHES}
 
 
@@ -34,9 +35,10 @@ def test_nothing_else_in_src_reads_the_environment() -> None:
     assert offenders == []
 
 
-def test_every_variable_named_in_src_and_readme_is_declared() -> None:
+def test_every_variable_named_in_src_and_the_docs_is_declared() -> None:
     named: set[str] = set()
-    for path in [*SRC.rglob("*.py"), *SRC.rglob("*.cpp"), *SRC.rglob("*.h"), README]:
+    docs = [README, *DOCS.glob("*.md")]
+    for path in [*SRC.rglob("*.py"), *SRC.rglob("*.cpp"), *SRC.rglob("*.h"), *docs]:
         named.update(re.findall(r"\bTAILSERVE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
     assert named - set(DECLARED) == set()
     # The C++ kernels read their own: each is declared with where it is read.

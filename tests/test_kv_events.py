@@ -4,7 +4,7 @@ The subscriber decodes the payloads with plain msgpack (no tailserve type), as a
 another language would, so the test pins the wire format (three frames, dense big-endian
 sequence numbers, ``[ts, events, rank]`` batches of ``"type"``-tagged maps) and not our own
 structs. The block hashes are recomputed from the events' token ids with the recipe the docs
-give (docs/ARCHITECTURE.md, "KV-cache events"), so the documentation is tested too.
+give (docs/wire.md, "KV-cache events"), so the documentation is tested too.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # on 2 cores a decode-only stream's own ITL P99 is already ~1.9x its median (the API process
 # and the client share the cores with the step's threads), and 2x steps on top read 2.6-2.8x
 # on the mixed workload; 1.5 read 2.3x there, at no loss of TTFT or saturated throughput
-# (benchmarks/RESULTS.md, A/B and benchmarks/scheduler_sim.py).
+# (benchmarks/notes/scheduling.md, A/B and benchmarks/scheduler_sim.py).
 AUTO_ITL_FACTOR = 1.5
 AUTO_ITL_MIN_MS = 10.0
 # ... unless a request has waited AUTO_ITL_MAX_WAIT_MS unscheduled: the queue then goes first.
@@ -48,7 +48,7 @@ AUTO_ITL_MAX_WAIT_MS = 2000.0
 # step (at most a budget-sized chunk at a prompt's start): a prompt that arrives while a long
 # one prefills waits for the step in flight, so that step is what its TTFT can lose. 8 x ~4.5
 # ms on this CPU is ~36 ms, about one 128-token chunk, whose prefill costs per token what a
-# 512-token chunk's do (benchmarks/RESULTS.md): a long prompt loses only the extra steps'
+# 512-token chunk's do (benchmarks/notes/scheduling.md): a long prompt loses only the extra steps'
 # fixed cost, and a short one arriving meanwhile no longer waits ~0.5-1.5 s.
 AUTO_PREFILL_STEP_DECODES = 8.0
 MAX_ITL_TARGET_FACTOR = 100.0

@@ -133,7 +133,7 @@ def apply_process_defaults() -> None:
     """Set the variables that only count when set before torch is imported (the OpenMP
     runtime reads them as torch loads it); a value the user set is kept. Measured on the 2-core
     Zen 5 host: PASSIVE vs OpenMP's default spin, 16 mixed requests, 1.19x output tok/s (two
-    rounds each, load ~4), same single-stream TPOT (benchmarks/RESULTS.md)."""
+    rounds each, load ~4), same single-stream TPOT (benchmarks/notes/cpu_kernels.md)."""
     if not os.environ.get(OMP_WAIT_POLICY.name):
         os.environ[OMP_WAIT_POLICY.name] = OMP_WAIT_POLICY.default
 

@@ -49,7 +49,7 @@ def resolve_dtype(
     the checkpoint's own dtype when it is 16-bit (they read bf16 / fp16 weights as stored and
     compute in float32, see ``compute_dtype``), else float32: the kernels are the fast path
     (SmolLM2-135M on a 2-core AVX512-BF16 host, single stream: 11.0 ms/token in float32 with
-    the kernels, 25.3 ms in bfloat16 through torch's own ops; benchmarks/RESULTS.md). Without
+    the kernels, 25.3 ms in bfloat16 through torch's own ops; benchmarks/notes/weights.md). Without
     the kernels, bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32
     (bf16 matmuls are emulated on AVX2-only CPUs and slower than float32)."""
     if dtype in _DTYPES:

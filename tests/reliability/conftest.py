@@ -4,7 +4,7 @@ Real ``tailserve serve`` processes on loopback, tiny random models (the subject 
 not the answers). Not collected by the default ``pytest`` run (``norecursedirs`` in
 pyproject.toml); ``make reliability`` runs it under a time bound. Each test records its
 figures with the ``figures`` fixture; they are printed at the end of the run (the numbers
-benchmarks/RESULTS.md quotes).
+benchmarks/notes/server.md quotes).
 """
 
 from __future__ import annotations

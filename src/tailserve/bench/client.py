@@ -1,6 +1,6 @@
 """The wire: one streamed request, timed chunk by chunk.
 
-Timing rules (the same as vLLM's ``bench serve``; README "Load testing" states them):
+Timing rules (the same as vLLM's ``bench serve``; docs/tools.md, "Metrics", states them):
 
 - the clock is ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux), read once per network
   read: every SSE event that arrived in the same read gets the same timestamp, because that

@@ -3,7 +3,7 @@
 Why not aiohttp here: at 50 requests/s the client idles ~20 ms between requests and its code
 goes cold in the caches; aiohttp's per-request path (session, request and response objects,
 header multidicts, stream readers, a task wake-up per read) then costs ~0.9 ms of TTFT at
-P50 on a 2-core VM, against ~0.3 ms for loopback itself (benchmarks/RESULTS.md). Here:
+P50 on a 2-core VM, against ~0.3 ms for loopback itself (benchmarks/notes/tools.md). Here:
 
 - the whole request (request line, headers with this request's ``x-request-id``, JSON body)
   is built by ``prepare`` before the step's clock starts, so sending is one

@@ -21,7 +21,7 @@ class Progress:
     ``sent``/``finished`` only bump counters. A redraw (rich renders the line: ~2 ms of CPU
     on a 2-core VM) never runs in rich's own refresh thread: that thread would hold the GIL
     while a response arrives, and at 4 redraws/s about 1% of requests would pay up to 2-5
-    ms of TTFT (benchmarks/RESULTS.md). Instead the open loop calls ``idle()`` after each
+    ms of TTFT (benchmarks/notes/tools.md). Instead the open loop calls ``idle()`` after each
     response, which redraws when nothing is in flight and the next send is far enough away,
     and ``watch()`` (a task) redraws a display that has gone ``STALE_S`` without one (rate
     inf, or requests always in flight); a frequent timer of its own would land on sends and

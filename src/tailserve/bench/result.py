@@ -1,6 +1,6 @@
 """A step's result: vLLM's top-level keys, so existing scripts read it, plus a ``tailserve``
 block with what vLLM's file lacks (per-request records, failures, lengths sent, send lag,
-the server's samples and timeline, the environment). README "Load testing" lists the keys.
+the server's samples and timeline, the environment). docs/tools.md ("Result file") lists the keys.
 """
 
 from __future__ import annotations

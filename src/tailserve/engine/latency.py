@@ -22,7 +22,7 @@ from tailserve.stepcost import StepShape, StepTimeModel
 # rest of its prompt; when not even PREFILL_ALIGN fits beside the decodes (a chunk late in a
 # long prompt, whose attention reads its whole context), the largest of SMALL_CHUNKS that
 # does. A 32-token chunk late in a 900-token prompt took 30 ms beside one decode (of 4 ms)
-# where 8 tokens took 12 (benchmarks/RESULTS.md): with 32 as the only small size, the steps of
+# where 8 tokens took 12 (benchmarks/notes/peers.md): with 32 as the only small size, the steps of
 # a long prompt's last chunks were 3-7x a decode-only step whatever the target said. Below 8
 # tokens a step's fixed cost outweighs its prefill and a prompt would take hundreds of steps.
 PREFILL_ALIGN = 32

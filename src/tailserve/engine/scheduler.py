@@ -189,7 +189,7 @@ class Scheduler:
         ITL target yields for this step. Held to it, a full queue starves: with 32 requests
         in flight, each prompt got 8-16 tokens a step beside the two or three decodes the
         target was protecting, so the batch never grew (166 output tok/s, first tokens after
-        11 s; benchmarks/RESULTS.md). Preempted requests do not count: they were admitted
+        11 s; benchmarks/notes/scheduling.md). Preempted requests do not count: they were admitted
         once, and taking the whole budget for them would only preempt again."""
         limit = self.config.itl_target_max_wait_s
         return any(r.timestamps.first_scheduled is None and now - r.arrival_time > limit

@@ -2,7 +2,7 @@
 
 A step runs the same ~10 small ops per layer every time. From Python each op costs a module
 call, argument parsing and a dispatch, which adds up to milliseconds per step
-(benchmarks/RESULTS.md). ``torch.ops.tailserve.decode_layers`` runs the same kernels in the
+(benchmarks/notes/decode.md). ``torch.ops.tailserve.decode_layers`` runs the same kernels in the
 same order in C++, so the hidden states are bit-identical to the module forward's
 (tests/test_cpu_decode.py). It runs decode-only steps and mixed ones (decode rows, then
 prefill chunks, attended as ``CpuKernelAttentionBackend`` does) alike; the names say "decode"

@@ -125,7 +125,7 @@ def packed_gguf_supported(device: str, dtype: str) -> bool:
 
 def resolve_gguf_weights(choice: str, device: str, dtype: str) -> str:
     """``--gguf-weights`` to what ``load_model`` does: ``auto`` is packed where it can be
-    served (faster and ~5x less memory on the bundled model, benchmarks/RESULTS.md), else
+    served (faster and ~5x less memory on the bundled model, benchmarks/notes/weights.md), else
     dequantized. ``packed`` where it cannot be served is a ``ModelLoadError``."""
     if choice not in GGUF_WEIGHTS:
         raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {choice!r}")

@@ -6,12 +6,13 @@ one-query path then reads it at ~4 GB/s. ``torch.ops.tailserve.paged_decode_atte
 each sequence's K/V rows in place through its block table, the query heads of a GQA group
 sharing each row, with dynamic work hand-out across threads (contexts differ by 10x within a
 step). Measured 3.2x faster than gather + SDPA for 32 sequences of 600-1000 tokens
-(benchmarks/RESULTS.md, "CPU kernels").
+(benchmarks/notes/cpu_kernels.md, "CPU kernels").
 
 Prefill chunks go to ``paged_prefill_attention`` (causal, over the paged K/V in place, no
 gather, no mask tensor) and the KV write to ``write_kv_cache``: both run on the kernels' work
 pool like the products around them, where SDPA and ``index_copy_`` ran on OpenMP's threads and
-the two pools spun against each other on a small host (RESULTS.md, "Prefill on one pool").
+the two pools spun against each other on a small host (benchmarks/notes/cpu_kernels.md,
+"Prefill on one pool").
 Queries in another dtype than float32, or a head_dim the kernel does not tile (not a multiple
 of 16), keep the reference path.
 """

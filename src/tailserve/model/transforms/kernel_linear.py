@@ -16,7 +16,7 @@ from torch import nn
 
 # Up to this many input rows a CPU linear runs the panel kernel; above it oneDNN's blocked
 # GEMM is as fast or faster. Measured on a 2-core AVX2 CPU over the default model's 121
-# linears with weights streamed from memory (benchmarks/RESULTS.md, "CPU kernels"): panel
+# linears with weights streamed from memory (benchmarks/notes/cpu_kernels.md, "CPU kernels"): panel
 # 1.3-1.55x oneDNN at 9-64 rows, 1.2x at 96, even at 128, 0.9x at 512.
 PANEL_MAX_ROWS = 128
 # Weights without a panel copy (output count not a multiple of 16) take the skinny kernel,

