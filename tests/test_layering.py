@@ -36,7 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "glibc": set(),  # malloc_trim / mallopt through ctypes, for the engine and the server
     "platforms": {"errors"},
     "model_features": {"errors"},  # which config.json fields are served, which refused
-    "config": {"errors", "model_features", "platforms", "request"},
+    "families": set(),  # what differs between model families, as data
+    "config": {"errors", "families", "model_features", "platforms", "request"},
     "stepcost": set(),  # the step-time model: the scheduler budgets with it, diagnose fits it
     # torch-free engine parts and the edge renderers
     "kv": {"data", "request"},
@@ -45,7 +46,8 @@ ALLOWED: dict[str, set[str]] = {
     # the model side: reads configs and step data, never the engine
     # (envs: the Triton kernels ask whether Triton's interpreter runs them)
     "model": {
-        "config", "data", "envs", "errors", "kernels", "obs", "platforms", "sampling_params",
+        "config", "data", "envs", "errors", "families", "kernels", "obs", "platforms",
+        "sampling_params",
     },
     "engine": {
         "config", "data", "envs", "errors", "glibc", "kv", "model", "obs", "outputs", "request",

@@ -175,6 +175,7 @@ def test_sharded_tiny_llama_equals_its_state_dict(tmp_path: Path) -> None:
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
         "attention_bias": False,
+        "qk_norm": False,
         "rope_scaling": None,
         "checkpoint_dtype": "float32",
         "sliding_window": None,

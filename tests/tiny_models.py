@@ -26,10 +26,14 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from tailserve.model.loader import default_model_path
@@ -72,6 +76,23 @@ def build_tiny_mistral(path: str | os.PathLike[str], **overrides: Any) -> str:
     overrides.setdefault("sliding_window", None)
     config = MistralConfig(**{**_base_config(), **TINY_SHAPE, **overrides})
     return _build(path, MistralForCausalLM, config, seed)
+
+
+def build_tiny_qwen3(path: str | os.PathLike[str], **overrides: Any) -> str:
+    """A random ``Qwen3ForCausalLM``: QK-norm, head_dim 32 given explicitly (not 64 / 4)."""
+    seed = overrides.pop("seed", 0)
+    overrides.setdefault("head_dim", 32)
+    config = Qwen3Config(**{**_base_config(), **TINY_SHAPE, **overrides})
+    return _build(path, Qwen3ForCausalLM, config, seed)
+
+
+def build_tiny_phi3(path: str | os.PathLike[str], **overrides: Any) -> str:
+    """A random ``Phi3ForCausalLM``: q/k/v stored as one qkv_proj, gate/up as one gate_up_proj."""
+    seed = overrides.pop("seed", 0)
+    base = _base_config()
+    config = Phi3Config(**{**base, "pad_token_id": base["eos_token_id"], **TINY_SHAPE,
+                           **overrides})
+    return _build(path, Phi3ForCausalLM, config, seed)
 
 
 def _base_config() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.families import FAMILIES
 from tailserve.model_features import sliding_window, unsupported_features
 from tailserve.platforms import (
     DeviceType,
@@ -27,11 +28,7 @@ from tailserve.request import RequestLimits
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-)
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # The default ITL target, re-derived every step (engine/latency.py step_target_s): AUTO_ITL_FACTOR
 # x the predicted decode-only step of the decodes that step carries, at least AUTO_ITL_MIN_MS
@@ -76,6 +73,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    # Qwen3's RMSNorm over each head of q and k before rope (families/qwen3.py).
+    qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -96,6 +95,7 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} (model_type={cfg.get('model_type')!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = FAMILIES[arch]
         unsupported = unsupported_features(cfg)
         if unsupported:
             raise ModelLoadError(
@@ -133,7 +133,9 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias") if cfg.get("attention_bias")
+                                is not None else family.attention_bias),
+            qk_norm=family.qk_norm,
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

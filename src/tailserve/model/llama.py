@@ -1,4 +1,7 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over flattened, paged batches.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) over flattened, paged
+batches. What differs between the families is declared in ``tailserve/families/`` and reaches
+this file as ``ModelConfig`` fields (``attention_bias``, ``qk_norm``, ...), never as a branch
+on the architecture's name.
 
 Read top to bottom: embed -> N x (RMSNorm, attention, RMSNorm, SwiGLU MLP) -> RMSNorm -> LM head.
 Inputs are one step's tokens flattened across sequences; attention goes through the
@@ -30,6 +33,9 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # QK-norm (Qwen3): each head of q and of k normalized over head_dim before rope.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.apply_rope = ApplyRope()
         self.backend = backend
 
@@ -44,6 +50,13 @@ class LlamaAttention(nn.Module):
         num_tokens = qkv.shape[0]
         # Rope on q and k together: [num_tokens, num_heads + num_kv_heads, head_dim]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Over rows of head_dim: [num_tokens * heads, head_dim], a fresh tensor rope may
+            # then rotate in place.
+            q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
+            k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
+            qk = torch.cat([q.view(num_tokens, self.num_heads, self.head_dim),
+                            k.view(num_tokens, self.num_kv_heads, self.head_dim)], dim=1)
         qk = self.apply_rope(qk, *rope)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
@@ -162,6 +175,9 @@ class LlamaForCausalLM(nn.Module):
                                                         for n in "qkv"]))
             if plain(attn.o_proj):
                 attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
+                attn.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
             if plain(layer.mlp.gate_up_proj):
                 layer.mlp.gate_up_proj.weight.copy_(
                     torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])

@@ -32,6 +32,7 @@ import torch
 
 from tailserve.config import ModelConfig
 from tailserve.errors import ModelLoadError
+from tailserve.families import FAMILIES
 from tailserve.kernels import cpu_ops_available
 from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
 from tailserve.model.quant.formats import logical_shape
@@ -225,7 +226,7 @@ def _load_hf_folder(folder: str, quantization: str | None = None,
         config = dataclasses.replace(config, eos_token_ids=_union(config.eos_token_ids, extra))
     convert = (None if quantization is None  # checked before a tensor is read
                else RTNQuantizer(config, quantization, group_size, folder))
-    weights = _read_safetensors(folder, convert)
+    weights = _read_safetensors(folder, convert, _unfuse(config))
     if convert is not None:
         log.info("%s", convert.describe())
     if config.tie_word_embeddings:
@@ -235,8 +236,34 @@ def _load_hf_folder(folder: str, quantization: str | None = None,
     return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, folder)
 
 
+def _unfuse(config: ModelConfig) -> Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """The family's fused projections (``Family.fused``: Phi-3's qkv_proj, gate_up_proj) split
+    into the canonical names as they are read; every other tensor passes as it is. A fused
+    weight splits by output rows into the shapes the canonical names have."""
+    fused = FAMILIES[config.architecture].fused
+    shapes = expected_weight_shapes(config)
+
+    def split(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        prefix, _, rest = key.partition(".layers.")
+        layer, _, local = rest.partition(".")
+        stored, _, kind = local.rpartition(".")
+        if not rest or stored not in fused:
+            return [(key, tensor)]
+        names = [f"{prefix}.layers.{layer}.{part}.{kind}" for part in fused[stored]]
+        rows = [shapes[name][0] if name in shapes else 0 for name in names]
+        if sum(rows) != tensor.shape[0] or 0 in rows:
+            raise ModelLoadError(
+                f"{key} has {tensor.shape[0]} rows; the config implies "
+                f"{' + '.join(map(str, rows))} for {', '.join(fused[stored])}"
+            )
+        return list(zip(names, tensor.split(rows), strict=True))
+
+    return split
+
+
 def _read_safetensors(
-    folder: str, convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    folder: str, convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    unfuse: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -266,9 +293,12 @@ def _read_safetensors(
                 tensor = shard.get_tensor(key)
                 if tensor.dtype not in _KEPT_DTYPES:
                     tensor = tensor.float()
+                parts = [(key, tensor)] if unfuse is None else unfuse(key, tensor)
                 # convert (--quantization) takes one tensor at a time: the float copy of the
                 # model is never held whole.
-                weights[key] = tensor.contiguous() if convert is None else convert(key, tensor)
+                for name, part in parts:
+                    weights[name] = (part.contiguous() if convert is None
+                                     else convert(name, part))
     return weights
 
 

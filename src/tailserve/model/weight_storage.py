@@ -91,6 +91,11 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if config.qk_norm:
+            shapes |= {
+                p + "self_attn.q_norm.weight": (config.head_dim,),
+                p + "self_attn.k_norm.weight": (config.head_dim,),
+            }
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_dim,),

@@ -1,0 +1,87 @@
+"""Model families as data (issue 32, items 1 and 4): each family's tiny random checkpoint, built
+at test time from its transformers config class, gives transformers' greedy tokens, also with
+chunked prefill, a prefix-cache hit and a preemption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tailserve import LLM, SamplingParams
+from tailserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tailserve.errors import ModelLoadError
+from tailserve.families import FAMILIES
+from tailserve.model.loader import load_model
+from tiny_models import build_tiny_phi3, build_tiny_qwen3
+
+NEW_TOKENS = 32
+
+
+def prompts_for(lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(99)
+    return [torch.randint(20, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def ts_greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_every_supported_architecture_is_one_declared_family() -> None:
+    assert set(SUPPORTED_ARCHITECTURES) == set(FAMILIES)
+    assert FAMILIES["Qwen3ForCausalLM"].qk_norm and FAMILIES["Qwen2ForCausalLM"].attention_bias
+
+
+@pytest.mark.parametrize("builder", [build_tiny_qwen3, build_tiny_phi3], ids=["qwen3", "phi3"])
+def test_family_matches_transformers(tmp_path: Path, builder: Any) -> None:
+    folder = builder(tmp_path / "m", max_position_embeddings=2048)
+    prompts = prompts_for([5, 40, 300])
+    want = hf_greedy(folder, prompts, NEW_TOKENS)
+    # Chunked prefill: a 64-token budget splits the 300-token prompt over five steps.
+    llm = LLM(folder, dtype="float32", num_kv_blocks=200, max_num_batched_tokens=64)
+    assert ts_greedy(llm, prompts, NEW_TOKENS) == want
+    # A prefix-cache hit: the same prompts again start from their cached blocks.
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert again[2].num_cached_tokens >= 288
+    # Preemption: a pool too small for all three at once recomputes one; answers unchanged.
+    small = LLM(folder, dtype="float32", num_kv_blocks=24, max_num_batched_tokens=64,
+                max_model_len=340, enable_prefix_caching=False)
+    assert ts_greedy(small, prompts, NEW_TOKENS) == want
+    assert small.engine.scheduler.num_preemptions_total > 0
+
+
+def test_phi3_fused_weights_are_split_by_the_config(tmp_path: Path) -> None:
+    folder = build_tiny_phi3(tmp_path / "m")
+    loaded = load_model(folder)
+    w = loaded.weights
+    assert w["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    assert w["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+    assert w["model.layers.0.mlp.up_proj.weight"].shape == (128, 64)
+    assert not any("qkv_proj" in name or "gate_up_proj" in name for name in w)
+
+
+def test_qwen3_config_reads_qk_norm_and_head_dim(tmp_path: Path) -> None:
+    folder = build_tiny_qwen3(tmp_path / "m")
+    cfg = load_model(folder).config
+    assert (cfg.architecture, cfg.qk_norm, cfg.head_dim, cfg.attention_bias) == (
+        "Qwen3ForCausalLM", True, 32, False)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'Gemma3ForCausalLM'"):
+        ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"]})
