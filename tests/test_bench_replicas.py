@@ -1,6 +1,6 @@
 """``tailserve bench --replica`` through vllm-router, live: two real replicas
 (deploy/router/serve_replicas.py, round_robin), replica 1 made slow by fault injection
-(``TAILSERVE_TEST_SLOW_STEP_MS``: every step 300 ms longer, at the same batch).
+(``fault_env(slow_step_ms=300)``: every step 300 ms longer, at the same batch).
 
 * Through the router: every request is attributed to the replica that served it (by its
   x-request-id on the replica timelines), round_robin splits them evenly, and diagnose names
@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from fault_site.fault_injection import fault_env
 from tailserve.analyze.data import run_from_result
 from tailserve.analyze.diagnose import diagnose
 from tailserve.bench.config import BenchConfig, DatasetOptions
@@ -36,7 +37,8 @@ SLOW_MS = 300
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     with start_cluster(tmp_path_factory.mktemp("replicas"), SERVE_ARGS,
                        ["--policy", "round_robin",
-                        "--replica-env", f"1:TAILSERVE_TEST_SLOW_STEP_MS={SLOW_MS}"]) as state:
+                        *[f"--replica-env=1:{name}={value}"
+                          for name, value in fault_env(slow_step_ms=SLOW_MS).items()]]) as state:
         yield state
 
 

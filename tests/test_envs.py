@@ -55,8 +55,8 @@ def test_get_reads_the_environment_at_call_time(monkeypatch: pytest.MonkeyPatch)
         assert envs.TAILSERVE_CPU_KERNELS.get() is False
     monkeypatch.setenv("TAILSERVE_CPU_KERNELS", "")  # empty: the default
     assert envs.TAILSERVE_CPU_KERNELS.get() is True
-    monkeypatch.setenv("TAILSERVE_TEST_FAIL_FORWARD_AT_STEP", "5")
-    assert envs.TAILSERVE_TEST_FAIL_FORWARD_AT_STEP.get() == 5
+    monkeypatch.setenv("TAILSERVE_TP_TIMEOUT_S", "5")
+    assert envs.TAILSERVE_TP_TIMEOUT_S.get() == 5.0
     monkeypatch.setenv("TAILSERVE_API_KEY", "")
     assert envs.TAILSERVE_API_KEY.get() is None
 

@@ -36,6 +36,7 @@ from tailserve.model.device import detect_platform
 from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
 from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.loader import LoadedModel, load_model, resolve_gguf_weights
+from tailserve.model.meta_build import materialize_model
 from tailserve.model.quant.formats import (
     PACKED_FORMATS,
     dequantize_reference,
@@ -44,7 +45,7 @@ from tailserve.model.quant.formats import (
     is_tiled,
     untile_blocks,
 )
-from tailserve.model.runner import ModelRunner, materialize_model
+from tailserve.model.runner import ModelRunner
 from tailserve.model.transforms.gguf_linear import GGUFEmbedding, GGUFLinear
 from tailserve.obs.metrics import ServerMetrics
 from test_cpu_decode import assert_graph_matches_module_forward, decode_batch, mixed_batch

@@ -49,9 +49,10 @@ ALLOWED: dict[str, set[str]] = {
         "config", "data", "envs", "errors", "families", "kernels", "obs", "platforms",
         "sampling_params",
     },
+    # (platforms: the builder resolves the arguments against the host once, engine/build.py)
     "engine": {
-        "config", "data", "envs", "errors", "glibc", "kv", "model", "obs", "outputs", "request",
-        "sampling_params", "stepcost",
+        "config", "data", "envs", "errors", "glibc", "kv", "model", "obs", "outputs", "platforms",
+        "request", "sampling_params", "stepcost",
     },
     # the edge: server talks to the engine through engine.client and data records; kv only
     # for the pure ``usage_band_sizes`` the dashboard needs to draw the band heatmap
@@ -83,6 +84,16 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.input_processor",
 )
 TORCH_NAMES = {"torch", "triton"}
+
+# Start-up exists once: the model is built in model/build.py (for the runner), an engine in
+# engine/build.py (for the engine process, every tensor-parallel worker and the offline LLM).
+# Who may import each, anywhere in src/tailserve (type-only imports included): a second
+# start-up path would have to import one of them and lands here first.
+BUILD_MODULES: dict[str, set[str]] = {
+    "tailserve.model.build": {"tailserve.model.runner"},
+    "tailserve.model.runner": {"tailserve.engine.build", "tailserve.engine.core"},
+    "tailserve.engine.build": {"tailserve.engine.core", "tailserve.engine.tensor_parallel"},
+}
 
 
 @dataclass(frozen=True)
@@ -261,6 +272,19 @@ def torch_violations(imports: list[Import]) -> list[str]:
                         f"{' -> '.join(chain)}: {imp.where()}"
                     )
     return problems
+
+
+def build_importers(imports: list[Import]) -> dict[str, set[str]]:
+    return {target: {i.module for i in imports if i.target == target and i.module != target}
+            for target in BUILD_MODULES}
+
+
+def test_start_up_is_built_in_one_place() -> None:
+    assert build_importers(_all_imports()) == BUILD_MODULES
+    # A planted second path is seen.
+    planted = [*_all_imports(), _planted("tailserve.engine.llm", "tailserve.model.runner")]
+    assert build_importers(planted)["tailserve.model.runner"] == {
+        "tailserve.engine.build", "tailserve.engine.core", "tailserve.engine.llm"}
 
 
 def test_allowed_table_has_no_cycle() -> None:

@@ -25,6 +25,7 @@ import httpx
 import psutil
 import pytest
 
+from fault_site.fault_injection import fault_env
 from server_util import ServerProcess, metric_value
 
 LONG_CONTEXT = 8192
@@ -748,10 +749,11 @@ def test_requests_after_the_engine_died_are_503_at_once(tiny_model_dir: str) -> 
 
 # ---------------------------------------------------------------------------- engine fault
 def test_engine_fault_gives_500_then_unhealthy_and_exit(tiny_model_dir: str) -> None:
-    """The forward raises at step 5 (test hook). A non-streamed request in flight gets a 500
-    engine_error, a streamed one an error event; /health turns 503, new requests get 503, and
-    the server exits non-zero by itself with no engine left behind."""
-    env = {"TAILSERVE_TEST_FAIL_FORWARD_AT_STEP": "5"}
+    """The forward raises at step 5 (a fault injected by fault_site/fault_injection.py). A
+    non-streamed request in flight gets a 500 engine_error, a streamed one an error event;
+    /health turns 503, new requests get 503, and the server exits non-zero by itself with no
+    engine left behind."""
+    env = fault_env(fail_forward_at_step=5)
     with serving([], tiny_model_dir, env) as srv:
         url = srv.url
         engine = engine_process(srv)

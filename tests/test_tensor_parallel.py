@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from fault_site.fault_injection import fault_env
 from tailserve import LLM, SamplingParams
 from tailserve.analyze.plan import PlanInputs, load_config, make_plan
 from tailserve.config import EngineArgs, ModelConfig, shard_config
@@ -59,11 +60,12 @@ def test_a_worker_that_fails_at_startup_fails_the_engine(tiny_model_dir: str,
 
 def test_a_worker_that_hangs_while_loading_fails_startup_naming_it(
         tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Before the module's engines (one TP engine per process). The worker inherits both
-    # switches: it sleeps where it loads the model; rank 0 waits at the start-up barrier for
-    # TAILSERVE_TP_TIMEOUT_S (which must also cover the worker's start: importing torch on a
-    # loaded machine), not torch's 7-day default.
-    monkeypatch.setenv("TAILSERVE_TEST_TP_HANG_RANK", "1")
+    # Before the module's engines (one TP engine per process). The worker inherits both: an
+    # injected fault (fault_site/fault_injection.py) hangs it where it loads the model; rank 0
+    # waits at the start-up barrier for TAILSERVE_TP_TIMEOUT_S (which must also cover the
+    # worker's start: importing torch on a loaded machine), not torch's 7-day default.
+    for name, value in fault_env(tp_hang_rank=1).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("TAILSERVE_TP_TIMEOUT_S", "10")
     loaded = load_model(tiny_model_dir)
     failed: list[BaseException] = []

@@ -150,7 +150,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--router-log-level", default="warning")
     p.add_argument("--replica-env", action="append", default=[], metavar="I:NAME=VALUE",
                    help="an environment variable for replica I only (repeat), e.g. "
-                   "1:TAILSERVE_TEST_SLOW_STEP_MS=20 to make replica 1 slow")
+                   "1:OMP_NUM_THREADS=1 (tests/fault_site/fault_injection.py's fault_env "
+                   "makes one slow)")
     p.add_argument("--state-file", default=None)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     args = p.parse_args(argv)

@@ -163,6 +163,64 @@ def check_quantization_group_size(group_size: int) -> None:
             f"the kernels read) or -1 (one group per row), got {group_size}")
 
 
+GGUF_WEIGHTS = ("auto", "packed", "dequantize")  # EngineArgs.gguf_weights's choices
+
+
+def packed_weights_supported(device: str, dtype: str, cpu_kernels: bool) -> bool:
+    """Whether a runner on ``device`` / ``dtype`` can serve packed blocks (a GGUF's, or
+    ``--quantization``'s): float32 on CPU with the compiled kernels, the only ones that read
+    them (``cpu_kernels``: ``Platform.cpu_kernels``)."""
+    return device == "cpu" and dtype == "float32" and cpu_kernels
+
+
+def _runs_on(device: str, dtype: str, cpu_kernels: bool) -> str:
+    return f"this engine runs {dtype} on {device}" + (
+        " without the kernels" if device == "cpu" and dtype == "float32" and not cpu_kernels
+        else "")
+
+
+def resolve_gguf_weights(choice: str, device: str, dtype: str, cpu_kernels: bool,
+                         tensor_parallel_size: int = 1) -> Literal["packed", "dequantize"]:
+    """``--gguf-weights`` to what the loader does: ``auto`` is packed where it can be served
+    (faster and ~5x less memory on the bundled model, benchmarks/notes/weights.md), else
+    dequantized; under tensor parallelism ``auto`` dequantizes, since a split of packed
+    blocks must fall on block boundaries (model/transforms/tensor_parallel.py), which only the
+    checkpoint's formats decide (``packed`` asks for it and fails with the numbers where a
+    rank's share is not whole blocks). ``packed`` where it cannot be served is a
+    ``ModelLoadError``."""
+    if choice not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {choice!r}")
+    supported = packed_weights_supported(device, dtype, cpu_kernels)
+    if choice == "packed" and not supported:
+        raise ModelLoadError(
+            "gguf_weights='packed' needs the compiled CPU kernels on a float32 CPU runner; "
+            + _runs_on(device, dtype, cpu_kernels))
+    if choice == "auto":
+        return "packed" if supported and tensor_parallel_size == 1 else "dequantize"
+    return "packed" if choice == "packed" else "dequantize"
+
+
+def check_quantization_supported(quantization: str | None, device: str, dtype: str,
+                                 cpu_kernels: bool) -> None:
+    """``--quantization`` stores blocks only the packed kernels read: a float32 CPU runner
+    with the compiled kernels (``dtype`` auto resolves to float32 with it)."""
+    if quantization is not None and not packed_weights_supported(device, dtype, cpu_kernels):
+        raise ModelLoadError(
+            f"--quantization {quantization} needs the compiled CPU kernels on a float32 CPU "
+            "runner (they read its blocks); " + _runs_on(device, dtype, cpu_kernels))
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How the checkpoint is read (``EngineArgs.resolve_load``): ``gguf_weights`` resolved
+    from ``auto``, ``quantization`` checked against the runner that will serve it."""
+
+    model: str | None
+    gguf_weights: Literal["packed", "dequantize"]
+    quantization: Literal["int8", "int4"] | None
+    quantization_group_size: int
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine. Field names are the CLI flag names."""
@@ -482,6 +540,16 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_events=kv_events,
         )
+
+    def resolve_load(self, platform: Platform) -> LoadConfig:
+        """What the loader is asked for, before the model is read (its checkpoint dtype
+        unknown yet: a 16-bit checkpoint neither packs nor quantizes, float32 decides)."""
+        runner = self.resolve_runner(platform)
+        check_quantization_supported(self.quantization, runner.device, runner.dtype,
+                                     platform.cpu_kernels)
+        gguf = resolve_gguf_weights(self.gguf_weights, runner.device, runner.dtype,
+                                    platform.cpu_kernels, self.tensor_parallel_size)
+        return LoadConfig(self.model, gguf, self.quantization, self.quantization_group_size)
 
     def resolve_runner(
         self, platform: Platform, checkpoint_dtype: str | None = None

@@ -87,21 +87,6 @@ OMP_WAIT_POLICY: EnvSwitch[str] = EnvSwitch(
     "OpenMP must not spin against the CPU kernels' own work pool on the same cores",
     read_by="the OpenMP runtime, when torch loads it",
 )
-TAILSERVE_TEST_FAIL_FORWARD_AT_STEP: EnvSwitch[int | None] = EnvSwitch(
-    "TAILSERVE_TEST_FAIL_FORWARD_AT_STEP", None, int,
-    "tests only: the engine's forward raises from this step (1-based) on, so tests can see "
-    "what users get when the model fails mid-flight",
-)
-TAILSERVE_TEST_SLOW_STEP_MS: EnvSwitch[float] = EnvSwitch(
-    "TAILSERVE_TEST_SLOW_STEP_MS", 0.0, float,
-    "tests only: every engine step's forward takes this many milliseconds longer (a sleep "
-    "inside the step's time), so a test can run one replica slower than its peers",
-)
-TAILSERVE_TEST_TP_HANG_RANK: EnvSwitch[int | None] = EnvSwitch(
-    "TAILSERVE_TEST_TP_HANG_RANK", None, int,
-    "tests only: this tensor-parallel worker rank (1..T-1) hangs while loading the model (it "
-    "sleeps until killed), so tests can see what a hung worker does to start-up",
-)
 TAILSERVE_TEST_SWEEP: EnvSwitch[bool] = EnvSwitch(
     "TAILSERVE_TEST_SWEEP", False, _flag,
     "tests only: run the slow `tailserve plan --sweep` test (it starts servers)",
@@ -123,7 +108,6 @@ SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
     TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_CPU_BF16_DOT,
     TAILSERVE_QUANT_ISA, CUDA_VISIBLE_DEVICES, OMP_WAIT_POLICY,
-    TAILSERVE_TEST_FAIL_FORWARD_AT_STEP, TAILSERVE_TEST_SLOW_STEP_MS, TAILSERVE_TEST_TP_HANG_RANK,
     TAILSERVE_TEST_SWEEP,
     TRITON_INTERPRET, TAILSERVE_TP_TIMEOUT_S,
 )

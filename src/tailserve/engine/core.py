@@ -1,4 +1,5 @@
-"""EngineCore: load, size the KV pool, then step. The loop reads in ten lines (``step``)."""
+"""EngineCore: the engine's parts wired together, then steps. The loop reads in ten lines
+(``step``); start-up is ``engine/build.py``'s."""
 
 from __future__ import annotations
 
@@ -9,14 +10,10 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from tailserve.config import EngineArgs, EngineConfig, UnsizedEngineConfig
+from tailserve.config import EngineArgs, EngineConfig
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
-from tailserve.engine.calibrate import calibrate
-from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError
-from tailserve.model.device import detect_platform
-from tailserve.model.runner import ModelRunner
 from tailserve.obs import profiling
 from tailserve.obs.kv_events import ZmqKVEventPublisher
 from tailserve.request import (
@@ -25,114 +22,50 @@ from tailserve.request import (
     check_prompt_token_ids,
     check_stop_token_ids,
 )
-from tailserve.stepcost import StepShape
 
 if TYPE_CHECKING:
+    from tailserve.engine.scheduler import Scheduler
     from tailserve.engine.tensor_parallel import TensorParallelWorkers
     from tailserve.model.loader import LoadedModel
+    from tailserve.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """An engine over a resolved ``EngineConfig``; ``from_args`` resolves one (and measures
-    the KV pool on CUDA with the runner it then keeps)."""
+    """An engine over a resolved ``EngineConfig``: the parts ``EngineBuilder``
+    (``engine/build.py``) made, wired together; ``from_args`` builds one."""
 
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner | None = None,
+        self, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner,
+        scheduler: Scheduler, kv_events: ZmqKVEventPublisher | None = None,
         tp_workers: TensorParallelWorkers | None = None,
     ) -> None:
-        t0 = time.perf_counter()
         self.config = config
-        self.tp_workers = tp_workers  # ranks 1..T-1 (engine/tensor_parallel.py), closed here
-        # First: a taken port fails the start before the KV pool is allocated.
-        self.kv_events = _kv_event_publisher(config)
-        self.loaded = loaded
         self.model_config = config.model
-        if runner is None and config.runner.tensor_parallel_size > 1:
-            raise ConfigError("a tensor-parallel engine starts its ranks in "
-                              "EngineCore.from_args; it cannot be built from a config alone")
-        if runner is None:
-            runner = ModelRunner(
-                config.model, config.runner, config.scheduler.max_model_len, loaded.weights
-            )
-        self.runner = runner
+        self.loaded = loaded
+        self.runner = runner  # its KV pool allocated
+        self.scheduler = scheduler  # its step-time model calibrated
+        self.kv_events = kv_events
+        self.tp_workers = tp_workers  # ranks 1..T-1 (engine/tensor_parallel.py), closed here
         # What the Ready message reports, fixed once the weights are loaded (and transformed).
         self.model_source = loaded.source
         self.weight_bytes: dict[str, int] = dict(runner.weight_bytes)
-        self.runner.allocate_kv_cache(config.cache)
-        # CUDA: persistent step inputs and the decode graphs (nothing on CPU).
-        self.runner.prepare_steps(config.scheduler)
-        self.scheduler = Scheduler(config.scheduler, config.cache)
-        sc = config.scheduler
-        calibrate(self.runner, self.scheduler.step_model, config.cache.block_size,
-                  config.cache.num_kv_blocks, sc.max_num_batched_tokens, sc.max_model_len)
-        if sc.enable_itl_target and sc.itl_target_s is not None:
-            logger.info("ITL target %.1f ms (fixed)", sc.itl_target_s * 1e3)
-        elif sc.enable_itl_target:
-            one = self.scheduler.step_target(StepShape(0, 1, 512, 0))
-            logger.info("ITL target: %gx the predicted decode-only step of each step's decodes "
-                        "(one decode at 512 tokens of context: %.1f ms)", sc.itl_target_factor,
-                        (one or 0.0) * 1e3)
+        self.transforms: dict[str, dict[str, int]] = {
+            name: dict(report.swapped) for name, report in runner.built.reports.items()}
+        self.startup_steps: list[str] = []  # EngineBuilder.steps, in order
         self._last_queries = 0
         self._last_hits = 0
-        cache = config.cache
-        run = config.runner
-        logger.info(
-            "engine ready in %.1fs: %s on %s (weights %s, compute %s), %d KV blocks x %d tokens "
-            "in %s (%.2f GiB), budget %d",
-            time.perf_counter() - t0, config.model.architecture, run.device, run.dtype,
-            run.compute_dtype, cache.num_kv_blocks, cache.block_size, run.kv_cache_dtype,
-            cache.kv_cache_bytes / (1 << 30), config.scheduler.max_num_batched_tokens,
-        )
-        profile = self.runner.memory_profile
-        if profile is not None:
-            logger.info("%s; CUDA graphs took %.2f GiB", profile.describe(),
-                        self.runner.cuda_graph_bytes / (1 << 30))
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None, *,
                   keep_checkpoint: bool = False, with_tokenizer: bool = True) -> EngineCore:
-        """Load (unless ``loaded`` is given), resolve ``args`` against the model, build.
-        What it loaded itself it lets go once the runner is built (``release_checkpoint``)
-        unless ``keep_checkpoint`` (tools that read ``loaded.weights`` afterwards);
-        ``with_tokenizer=False``: no tokenizer in ``loaded`` (``load_model``)."""
-        platform = detect_platform()
-        owned = loaded is None and not keep_checkpoint
-        if loaded is None:
-            from tailserve.model.loader import (
-                check_quantization_supported,
-                load_model,
-                resolve_gguf_weights,
-            )
+        """``EngineBuilder(args).build_engine(...)``: load (unless ``loaded`` is given),
+        resolve ``args`` against the model, build (``engine/build.py``)."""
+        from tailserve.engine.build import EngineBuilder
 
-            runner_config = args.resolve_runner(platform)
-            check_quantization_supported(args.quantization, runner_config.device,
-                                         runner_config.dtype)
-            from tailserve.engine.tensor_parallel import gguf_weights_choice
-
-            loaded = load_model(args.model, gguf_weights=resolve_gguf_weights(
-                gguf_weights_choice(args), runner_config.device, runner_config.dtype),
-                quantization=args.quantization,
-                quantization_group_size=args.quantization_group_size,
-                with_tokenizer=with_tokenizer)
-        unsized = args.resolve_unsized(loaded.config, platform)
-        if args.tensor_parallel_size > 1:
-            core = cls._from_args_tensor_parallel(args, unsized, loaded)
-            return core.release_checkpoint() if owned else core
-        runner = None
-        measured = None
-        if unsized.needs_kv_measurement:
-            runner = ModelRunner(
-                unsized.model, unsized.runner, unsized.scheduler.max_model_len, loaded.weights
-            )
-            measured = runner.profile_kv_cache_bytes(
-                unsized.scheduler.max_num_batched_tokens, unsized.block_size,
-                unsized.gpu_memory_utilization, unsized.scheduler.max_num_seqs,
-            )
-        # Validates that one max_model_len sequence fits before a byte of KV is allocated.
-        core = cls(unsized.sized(measured), loaded, runner)
-        return core.release_checkpoint() if owned else core
+        return EngineBuilder(args).build_engine(loaded, keep_checkpoint=keep_checkpoint,
+                                                with_tokenizer=with_tokenizer)
 
     def release_checkpoint(self) -> EngineCore:
         """Let the loaded checkpoint's tensors go once the runner holds its own (returns
@@ -143,35 +76,6 @@ class EngineCore:
         (``LLM.from_loaded``): its owner may build more engines from it."""
         self.loaded = dataclasses.replace(self.loaded, weights={})
         return self
-
-    @classmethod
-    def _from_args_tensor_parallel(
-        cls, args: EngineArgs, unsized: UnsizedEngineConfig, loaded: LoadedModel
-    ) -> EngineCore:
-        """Rank 0 of ``args.tensor_parallel_size``: the workers start, every rank builds its
-        shard and sizes the same pool (the workers mirror these calls), then the engine."""
-        from tailserve.engine.tensor_parallel import TensorParallelWorkers
-
-        workers = TensorParallelWorkers(args, unsized)
-        try:
-            try:
-                runner = ModelRunner(unsized.model, unsized.runner,
-                                     unsized.scheduler.max_model_len, loaded.weights,
-                                     tp=workers.group)
-            except Exception:
-                workers.ready(False)
-                raise
-            workers.ready(True)
-            measured = None
-            if unsized.needs_kv_measurement:
-                sc = unsized.scheduler
-                measured = runner.profile_kv_cache_bytes(
-                    sc.max_num_batched_tokens, unsized.block_size,
-                    unsized.gpu_memory_utilization, sc.max_num_seqs)
-            return cls(unsized.sized(measured), loaded, runner, workers)
-        except BaseException:
-            workers.shutdown(graceful=False)
-            raise
 
     def add_request(self, req: Request) -> None:
         """Validate and queue; raises ``InvalidRequestError`` / ``QueueFullError``.
@@ -267,7 +171,7 @@ class EngineCore:
         return stats
 
 
-def _kv_event_publisher(config: EngineConfig) -> ZmqKVEventPublisher | None:
+def open_kv_events(config: EngineConfig) -> ZmqKVEventPublisher | None:
     cfg = config.kv_events
     if cfg is None or not cfg.enabled:
         return None

@@ -25,9 +25,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from tailserve import envs
 from tailserve.data.records import EngineState
 from tailserve.engine.core import EngineCore
 from tailserve.engine.messages import (
@@ -77,24 +76,11 @@ class EngineLoop:
         )
         self.num_finished = 0
         self.profile: ProfileCapture | None = None
-        # Read once, when the loop is built (see envs.py).
-        self._fail_at_step = envs.TAILSERVE_TEST_FAIL_FORWARD_AT_STEP.get()
-        slow_s = envs.TAILSERVE_TEST_SLOW_STEP_MS.get() / 1e3
-        if slow_s > 0:
-            # Around the runner, so the sleep lands inside the step's measured step_s: the
-            # step is slower for the same batch, as on a slower host.
-            execute = self.core.runner.execute
-
-            def slow_execute(sched: Any) -> Any:
-                time.sleep(slow_s)
-                return execute(sched)
-
-            self.core.runner.execute = slow_execute  # type: ignore[method-assign]
 
     def ready_message(self) -> Ready:
         core = self.core
         return Ready(config=core.config, model=core.model_source, pid=os.getpid(),
-                     weight_bytes=dict(core.weight_bytes))
+                     weight_bytes=dict(core.weight_bytes), transforms=core.transforms)
 
     def state(self) -> EngineState:
         snap = self.core.snapshot()
@@ -159,8 +145,6 @@ class EngineLoop:
         """Run one step and emit its result. Raises ``EngineFatalError`` if the model failed."""
         self.num_steps += 1
         try:
-            if self._fail_at_step is not None and self.num_steps >= self._fail_at_step:
-                raise RuntimeError(f"injected forward failure at step {self.num_steps}")
             outputs, stats = self.core.step()
         except Exception as exc:
             logger.exception("engine step %d failed", self.num_steps)

@@ -72,6 +72,9 @@ class Ready(msgspec.Struct, tag="ready"):
     pid: int
     # Resident weight bytes per storage format (GGUF block formats, float32): /metrics.
     weight_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    # Each model transform applied at start-up, in order (model/build.py), with the modules
+    # it swapped by original type and count: the start-up log's line, and /metrics.
+    transforms: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

@@ -1,12 +1,13 @@
 """Tensor-parallel ranks as processes: rank 0 is the engine, ranks 1..T-1 are workers.
 
-``start_workers`` (rank 0, from ``EngineCore.from_args``) starts one worker process per extra
-rank with ``python -m tailserve.engine.tensor_parallel``: a plain subprocess, because the
-engine process is itself a daemon and may not have multiprocessing children. Each worker
-joins the process group (a file store in a private directory), loads the model, builds its
-``ModelRunner`` on its shards, sizes its KV pool exactly as rank 0 does (the same
-``EngineArgs`` resolved the same way; on CUDA the smallest measurement of all ranks), then
-runs every step rank 0 broadcasts until told to stop (``model/parallel.py``).
+``TensorParallelWorkers`` (rank 0, from ``EngineBuilder.build_engine``) starts one worker
+process per extra rank with ``python -m tailserve.engine.tensor_parallel``: a plain
+subprocess, because the engine process is itself a daemon and may not have multiprocessing
+children. Each worker joins the process group (a file store in a private directory), then
+takes rank 0's start-up steps with the same ``EngineBuilder`` (``engine/build.py``): loads the
+model, builds its ``ModelRunner`` on its shards, sizes its KV pool exactly as rank 0 does (the
+same ``EngineArgs`` resolved the same way; on CUDA the smallest measurement of all ranks),
+then runs every step rank 0 broadcasts until told to stop (``model/parallel.py``).
 
 Failure is never a hang: a worker that fails at start-up says so at the start-up barrier; one
 that hangs there (loading a model from a stuck disk) fails it after ``TAILSERVE_TP_TIMEOUT_S``,
@@ -41,19 +42,9 @@ from tailserve import envs
 from tailserve.config import EngineArgs, UnsizedEngineConfig
 from tailserve.model.parallel import TensorParallelError, TensorParallelGroup
 
-__all__ = ["TensorParallelError", "TensorParallelWorkers", "gguf_weights_choice", "worker_main"]
+__all__ = ["TensorParallelError", "TensorParallelWorkers", "worker_main"]
 
 log = logging.getLogger(__name__)
-
-
-def gguf_weights_choice(args: EngineArgs) -> str:
-    """``--gguf-weights`` under tensor parallelism: ``auto`` dequantizes, since a split of
-    packed blocks must fall on block boundaries (model/transforms/tensor_parallel.py), which
-    only the checkpoint's formats decide; ``packed`` asks for it and fails with the numbers
-    where a rank's share is not whole blocks."""
-    if args.tensor_parallel_size > 1 and args.gguf_weights == "auto":
-        return "dequantize"
-    return args.gguf_weights
 
 
 def threads_per_rank(tensor_parallel_size: int) -> int:
@@ -201,9 +192,7 @@ def _watch_parent(parent: int) -> None:
 
 def worker_main(args_json: str, rank: int, world: int, init_method: str, threads: int,
                 parent: int, status_dir: str) -> int:
-    from tailserve.model.device import detect_platform
-    from tailserve.model.loader import load_model
-    from tailserve.model.runner import ModelRunner
+    from tailserve.engine.build import EngineBuilder
 
     # The engine decides when to stop (it drains first): Ctrl-C to the group is not ours.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -211,24 +200,18 @@ def worker_main(args_json: str, rank: int, world: int, init_method: str, threads
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
     args = EngineArgs(**json.loads(args_json))
-    platform = detect_platform()
-    runner_config = args.resolve_runner(platform)
+    # The steps rank 0 takes (engine/build.py), each reported as this worker's phase.
+    builder = EngineBuilder(args, rank=rank,
+                            report=lambda phase: _report(status_dir, rank, phase))
+    runner_config = args.resolve_runner(builder.platform)
     device = torch.device("cuda", rank) if runner_config.device == "cuda" else torch.device("cpu")
     _report(status_dir, rank, "joining the process group")
     group = TensorParallelGroup.init(rank, world, init_method, device,
                                      timedelta(seconds=envs.TAILSERVE_TP_TIMEOUT_S.get()))
     try:
-        _report(status_dir, rank, f"loading the model ({args.model or 'the bundled GGUF'})")
-        if envs.TAILSERVE_TEST_TP_HANG_RANK.get() == rank:
-            threading.Event().wait()  # never set: hung, until rank 0 kills this process
-        loaded = load_model(args.model, gguf_weights=gguf_weights_choice(args),
-                            quantization=args.quantization,
-                            quantization_group_size=args.quantization_group_size,
-                            with_tokenizer=False)
-        unsized = args.resolve_unsized(loaded.config, platform)
-        _report(status_dir, rank, "building its runner on its shards")
-        runner = ModelRunner(unsized.model, unsized.runner, unsized.scheduler.max_model_len,
-                             loaded.weights, tp=group)
+        loaded = builder.load(with_tokenizer=False)
+        unsized = builder.resolve(loaded)
+        runner = builder.build_runner(loaded, unsized, group)
         del loaded  # the runner copied its shards; the whole checkpoint can go
         ok = True
     except Exception:
@@ -238,21 +221,12 @@ def worker_main(args_json: str, rank: int, world: int, init_method: str, threads
     try:
         if not group.all_agree(ok):
             return 1
-        measured = None
-        if unsized.needs_kv_measurement:  # the same profiling forward as rank 0 (a collective)
-            _report(status_dir, rank, "measuring its KV cache")
-            sc = unsized.scheduler
-            measured = runner.profile_kv_cache_bytes(sc.max_num_batched_tokens,
-                                                     unsized.block_size,
-                                                     unsized.gpu_memory_utilization,
-                                                     sc.max_num_seqs)
+        # A profiling forward (CUDA) is a collective: the same one as rank 0's.
+        config = builder.size(runner, unsized)
     except TensorParallelError as exc:  # the engine hung or went away: nothing to serve
         log.error("tensor-parallel worker rank %d: %s", rank, exc)
         return 1
-    _report(status_dir, rank, "allocating its KV cache")
-    config = unsized.sized(measured)
-    runner.allocate_kv_cache(config.cache)
-    runner.prepare_steps(config.scheduler)
+    builder.allocate(runner, config)
     _report(status_dir, rank, "serving")
     log.info("tensor-parallel worker rank %d/%d ready: %d KV blocks", rank, world,
              config.cache.num_kv_blocks)

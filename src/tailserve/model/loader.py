@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tailserve.config import ModelConfig
+from tailserve.config import GGUF_WEIGHTS, ModelConfig, packed_weights_supported
+from tailserve.config import check_quantization_supported as _check_quantization
+from tailserve.config import resolve_gguf_weights as _resolve_gguf_weights
 from tailserve.errors import ModelLoadError
 from tailserve.families import FAMILIES
 from tailserve.kernels import cpu_ops_available
@@ -84,9 +86,6 @@ def default_model_path() -> str:
     )
 
 
-GGUF_WEIGHTS = ("auto", "packed", "dequantize")
-
-
 def load_model(path: str | None, *, gguf_weights: str = "dequantize",
                quantization: str | None = None,
                quantization_group_size: int = RTN_BLOCK,
@@ -119,37 +118,19 @@ def load_model(path: str | None, *, gguf_weights: str = "dequantize",
 
 
 def packed_gguf_supported(device: str, dtype: str) -> bool:
-    """Whether a runner on ``device`` / ``dtype`` can serve packed GGUF blocks: float32 on
-    CPU with the compiled kernels (the only ones that read them)."""
-    return device == "cpu" and dtype == "float32" and cpu_ops_available()
+    """``config.packed_weights_supported`` on this host (are the compiled kernels built?)."""
+    return packed_weights_supported(device, dtype, cpu_ops_available())
 
 
 def resolve_gguf_weights(choice: str, device: str, dtype: str) -> str:
-    """``--gguf-weights`` to what ``load_model`` does: ``auto`` is packed where it can be
-    served (faster and ~5x less memory on the bundled model, benchmarks/notes/weights.md), else
-    dequantized. ``packed`` where it cannot be served is a ``ModelLoadError``."""
-    if choice not in GGUF_WEIGHTS:
-        raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {choice!r}")
-    supported = packed_gguf_supported(device, dtype)
-    if choice == "packed" and not supported:
-        raise ModelLoadError(
-            f"gguf_weights='packed' needs the compiled CPU kernels on a float32 CPU runner; "
-            f"this engine runs {dtype} on {device}"
-            + ("" if device != "cpu" or dtype != "float32" else " without the kernels")
-        )
-    if choice == "auto":
-        return "packed" if supported else "dequantize"
-    return choice
+    """``config.resolve_gguf_weights`` on this host (``EngineArgs.resolve_load`` resolves it
+    for an engine)."""
+    return _resolve_gguf_weights(choice, device, dtype, cpu_ops_available())
 
 
 def check_quantization_supported(quantization: str | None, device: str, dtype: str) -> None:
-    """``--quantization`` stores blocks only the packed kernels read: a float32 CPU runner
-    with the compiled kernels (``dtype`` auto resolves to float32 with it)."""
-    if quantization is not None and not packed_gguf_supported(device, dtype):
-        raise ModelLoadError(
-            f"--quantization {quantization} needs the compiled CPU kernels on a float32 CPU "
-            f"runner (they read its blocks); this engine runs {dtype} on {device}"
-            + ("" if device != "cpu" or dtype != "float32" else " without the kernels"))
+    """``config.check_quantization_supported`` on this host."""
+    _check_quantization(quantization, device, dtype, cpu_ops_available())
 
 
 def resolve_model_path(path: str | None) -> str:

@@ -9,33 +9,20 @@ sampled token ids. Nothing here decides who runs.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, shard_config
+from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
-from tailserve.errors import ConfigError
-from tailserve.kernels import cpu_ops_available
-from tailserve.model.attention import get_attention_backend
-from tailserve.model.cpu_decode import CpuDecodeGraph
+from tailserve.model.build import build_model
 from tailserve.model.cuda_graphs import CudaDecodeGraphs, graph_batch_sizes, wants_cuda_graphs
 from tailserve.model.device import torch_dtype
-from tailserve.model.llama import LlamaForCausalLM
 from tailserve.model.memory_profile import MemoryProfile, profile_memory
-from tailserve.model.meta_build import default_dtype, materialize_model, skip_init
 from tailserve.model.parallel import TensorParallelGroup
-from tailserve.model.resident_weights import resident_weight_bytes
 from tailserve.model.sampler import Sampler, SamplingRow
 from tailserve.model.sampling_buffers import SamplingBuffers, sampling_buffer_bytes
 from tailserve.model.step_batch import StepBatch, prepare_batch
 from tailserve.model.step_buffers import StepInputBuffers, step_buffer_bytes
-from tailserve.model.transforms import apply_cpu_kernels
-from tailserve.model.transforms.gguf_linear import apply_gguf_weights, has_packed
-from tailserve.model.transforms.linear16 import cast_for_storage
-from tailserve.model.transforms.tensor_parallel import apply_tensor_parallel, shard_weights
-from tailserve.model.transforms.triton_kernels import apply_triton_kernels
-from tailserve.model.triton_kernels import triton_available
 from tailserve.obs import profiling
 
 log = logging.getLogger(__name__)
@@ -55,65 +42,25 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
     ) -> None:
         self.tp = tp
-        if tp is not None:  # this rank's slices, before any other transform wraps them
-            weights = shard_weights(weights, model_config, tp.rank, tp.world_size)
-            model_config = shard_config(model_config, tp.world_size)
-        self.model_config = model_config
+        # The model and what was built around it (model/build.py): this rank's shape, the
+        # attention backend, the CPU one-call step graph, the transforms' reports.
+        self.built = built = build_model(model_config, config, max_model_len, weights, tp)
+        self.model_config = built.model_config
+        self.model = built.model
+        self.backend = built.backend
+        self.decode_graph = built.decode_graph
+        self.weight_bytes = built.weight_bytes
+        self.cpu_kernels = built.cpu_kernels
         self.max_model_len = max_model_len
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = torch_dtype(config.compute_dtype)  # activations
-        self.weight_dtype = torch_dtype(config.dtype)
         self.kv_cache_dtype = torch_dtype(config.kv_cache_dtype)
-        # Compiled CPU kernels (built once per machine); the torch paths remain without them.
-        self.cpu_kernels = self.device.type == "cpu" and cpu_ops_available()
-        self.backend = backend = get_attention_backend(self.device.type, self.cpu_kernels)
-        packed = has_packed(weights)
-        if packed and not (self.cpu_kernels and self.dtype == self.weight_dtype == torch.float32):
-            raise ConfigError(
-                "the weights are packed GGUF blocks, which only the compiled CPU kernels read "
-                f"(float32 on CPU); this runner is {config.dtype} on {config.device}"
-                + ("" if self.cpu_kernels else " without the kernels")
-                + ": load with gguf_weights='dequantize'"
-            )
-        # Built without memory, then given uninitialized tensors that load_weights fills: no
-        # random initialization of weights about to be overwritten (skip_init: on meta it
-        # would import torch._dynamo and Triton, 154 MB), and the float32 matrices
-        # a packed-GGUF swap replaces are never allocated (538 MB for the bundled model).
-        # Built in the weights' dtype and cast by role before the checkpoint is copied in, so
-        # a 16-bit checkpoint is never widened into a float32 model on the way; the rope
-        # table (materialize_model) stays float32.
-        with torch.device("meta"), default_dtype(self.weight_dtype), skip_init():
-            model = LlamaForCausalLM(model_config, backend, max_position=max_model_len)
-        cast_for_storage(model, self.weight_dtype, self.dtype)
-        apply_gguf_weights(model, weights)  # packed matrices (GGUF, --quantization): blocks
-        materialize_model(model, self.device, max_model_len)
-        model.load_weights(weights)
-        if tp is not None:  # o_proj / down_proj sum their partial products over the ranks
-            apply_tensor_parallel(model, tp.all_reduce)
-        self.model = model.eval()
-        if self.device.type == "cpu":
-            apply_cpu_kernels(self.model, compiled=self.cpu_kernels)
-        elif self.device.type == "cuda" and triton_available():
-            apply_triton_kernels(self.model)
-        # Bytes per storage format the model's tensors hold after every transform (the
-        # kernels' layout copies included, a 16-bit cast counted at 16 bits): the start-up
-        # log and tailserve:model_weight_bytes.
-        self.weight_bytes = resident_weight_bytes(self.model)
-        log.info("resident weights: %.1f MB (%s)", sum(self.weight_bytes.values()) / 1e6,
-                 ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(self.weight_bytes.items())))
-        # Steps in one compiled call (decodes and prefill chunks) where the CPU kernels cover
-        # the whole model.
-        self.decode_graph = (
-            None if config.enforce_eager or self.device.type != "cpu"
-            else CpuDecodeGraph.build(self.model)
-        )
-        self.scale = 1.0 / math.sqrt(model_config.head_dim)
+        self.scale = built.scale
         self.cache_config: CacheConfig | None = None
         self.kv_cache = torch.empty(0)
         self.kv_caches: list[torch.Tensor] = []
         self._default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.sampler = Sampler(model_config.vocab_size, self._default_generator)
+        self.sampler = Sampler(self.model_config.vocab_size, self._default_generator)
         self._generators: dict[str, torch.Generator] = {}
         # CUDA only, from prepare_steps: persistent step inputs and the decode graphs.
         self.step_buffers: StepInputBuffers | None = None

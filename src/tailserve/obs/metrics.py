@@ -133,6 +133,10 @@ class ServerMetrics:
             "model_weight_bytes", "Resident weight bytes by storage format (Q4_1, Q8_0, "
             "float32: GGUF blocks as stored, float tensors and their kernel copies).", ("format",)
         )
+        self.model_transform_swapped_modules = gauge(
+            "model_transform_swapped_modules", "Modules each start-up model transform swapped, "
+            "by original type (model/build.py; a transform that ran without swapping: "
+            "module=\"\", value 0).", ("transform", "module"))
         self.device_memory_used_bytes = gauge(
             "device_memory_used_bytes", "Device memory in use (all processes).", ("device",)
         )
@@ -301,6 +305,13 @@ class ServerMetrics:
         """The model's resident weight bytes per storage format, once at start-up."""
         for fmt, nbytes in weight_bytes.items():
             self.model_weight_bytes.labels(format=fmt).set(nbytes)
+
+    def on_transforms(self, transforms: Mapping[str, Mapping[str, int]]) -> None:
+        """The model transforms applied at start-up and what each swapped, once."""
+        for name, swapped in transforms.items():
+            for module, count in swapped.items() or [("", 0)]:
+                self.model_transform_swapped_modules.labels(transform=name,
+                                                            module=module).set(count)
 
     def on_cache_config(
         self, *, block_size: int, num_kv_blocks: int, enable_prefix_caching: bool,

@@ -133,6 +133,7 @@ class ServerContext:
         metrics.on_dtypes(weight_dtype=run.dtype, compute_dtype=run.compute_dtype,
                           cache_dtype=run.kv_cache_dtype)
         metrics.on_weights(client.info.weight_bytes)
+        metrics.on_transforms(client.info.transforms)
         if client.state is None:
             metrics.on_ready(cache.num_kv_blocks)
         else:
