@@ -367,7 +367,7 @@ def test_a_prompt_ages_while_it_waits_not_while_it_is_prefilled() -> None:
     assert "short" not in s.requests
     # One that was never served keeps its place: arrival + 600 x 2 ms (the aging bound).
     waiting = req("queued", 600, 0.0)
-    assert s._prefill_key(waiting, 0)[1] == pytest.approx(1.2)
+    assert s.waiting.prefill_key(waiting, 0, clock.t)[1] == pytest.approx(1.2)
 
 
 @pytest.mark.parametrize(("aging", "max_tokens"), [(0.5e-3, 1), (1.0, 1), (0.5e-3, 3)])

@@ -1,10 +1,11 @@
 """Predicted time to first token, from the step-time model, for ``--ttft-slo-ms`` admission.
 
 A new request waits for the prefill of everyone the scheduler serves before it (running
-partial prefills and waiting requests whose place in ``Scheduler._prefill_key`` order comes
-first) and then its own, in chunks of the size the running decodes leave under the step's
-ITL target (``step_target_s``). The prediction is refused at once when over the SLO (429
-with ``Retry-After``), and as a 400 when even an idle engine could not meet it.
+partial prefills and waiting requests that come first in the waiting policy's
+``prefill_key`` order) and then its own, in chunks of the size the running decodes leave
+under the step's ITL target (``step_target_s``). The prediction is refused at once when
+over the SLO (429 with ``Retry-After``), and as a 400 when even an idle engine could not
+meet it.
 Torch-free, like the scheduler.
 """
 

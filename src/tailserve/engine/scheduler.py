@@ -6,9 +6,10 @@ The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens
 1. **Running decodes first.** Every running request that needs exactly one token (a decode)
    gets it, in admission order, so a decode never waits behind anyone's prefill.
 2. **Prefill by time.** Running partial prefills and waiting requests compete for what is
-   left, in ``_prefill_key`` order: the earliest place ``arrival + remaining x aging``
-   (``srpt``: shortest remaining prefill first, and no request that arrives after a prompt's
-   place ever passes it), or arrival order (``fcfs``); priority first under ``priority``.
+   left, in the waiting policy's ``prefill_key`` order (``engine/waiting_queue.py``): the
+   earliest place ``arrival + remaining x aging`` (``srpt``: shortest remaining prefill
+   first, and no request that arrives after a prompt's place ever passes it), or arrival
+   order (``fcfs``); priority first under ``priority``.
    While decodes run (and prompts may be chunked), each chunk is the largest multiple of
    ``PREFILL_ALIGN`` (32), else 16 or 8 tokens, that keeps the step's predicted time
    (``stepcost.StepTimeModel``) within the step's ITL target: ``--itl-target-ms`` when
@@ -58,7 +59,7 @@ from tailserve.config import (
     max_request_tokens,
 )
 from tailserve.data.records import SchedulerSnapshot
-from tailserve.data.step import EngineOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
+from tailserve.data.step import EngineOutput, RunnerOutput, SchedulerOutput
 from tailserve.engine.latency import (
     MIN_PREFILL_CHUNK,
     PREFILL_ALIGN,
@@ -67,9 +68,10 @@ from tailserve.engine.latency import (
     is_decode,
     predict_ttft,
     step_target_s,
-    time_limited_chunk,
 )
-from tailserve.engine.waiting_queue import WaitingQueue
+from tailserve.engine.step_budget import StepBudget
+from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
+from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import Request, RequestStatus, SequenceLimits, check_request_lengths
@@ -105,7 +107,8 @@ class Scheduler:
             enable_kv_cache_events=cache.enable_kv_cache_events,
         )
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.waiting: WaitingQueue = make_waiting_queue(
+            config.scheduling_policy, config.prefill_scheduling, config.prefill_aging_s_per_token)
         self.running: list[Request] = []
         self._admit_counter = itertools.count()
         self._finished_ids: list[str] = []
@@ -166,11 +169,14 @@ class Scheduler:
     # ---------------------------------------------------------------- predicted latency
     def predict_ttft(self, req: Request) -> tuple[float, float]:
         """(predicted TTFT now, on an idle engine) of a request not yet queued: the prefill
-        of every request the budget serves before it (``_prefill_key`` order) plus its own."""
-        mine = self._prefill_key(req, len(self.running) + len(self.waiting))
+        of every request the budget serves before it (the policy's ``prefill_key`` order) plus
+        its own."""
+        now = self._clock()
+        mine = self.waiting.prefill_key(req, len(self.running) + len(self.waiting), now)
         pending = [r for r in self.running if not is_decode(r)]
         pending += list(self.waiting)
-        ahead = [r for i, r in enumerate(pending) if self._prefill_key(r, i) <= mine]
+        ahead = [r for i, r in enumerate(pending)
+                 if self.waiting.prefill_key(r, i, now) <= mine]
         decode = decode_shape(self.running)
         target = self.step_target(decode) if decode.decode_seqs else None
         return predict_ttft(self.step_model, self.config.max_num_batched_tokens, target,
@@ -222,7 +228,7 @@ class Scheduler:
         cfg = self.config
         return req.num_tokens > (cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
 
-    def _partials_full(self, req: Request, partial_ids: set[str]) -> bool:
+    def partials_full(self, req: Request, partial_ids: set[str]) -> bool:
         """Leaving ``req`` part-way would pass ``max_num_partial_prefills``, or, for a long
         prompt, ``max_long_partial_prefills`` (``partial_ids``: those left part-way now)."""
         cfg = self.config
@@ -273,19 +279,35 @@ class Scheduler:
         )
 
     # ---------------------------------------------------------------- schedule
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = req.num_tokens - req.num_computed_tokens
-        threshold = self.config.long_prefill_token_threshold
-        if threshold is not None:
-            n = min(n, threshold)
-        return min(n, budget)
+    def schedule(self) -> SchedulerOutput:
+        """One step: the phases of ``engine/step_phases.py`` over one ``StepBudget``."""
+        b = StepBudget(tokens=self.config.max_num_batched_tokens, now=self._clock())
+        partials = schedule_decodes(self, b)
+        b.target_s = self._step_time_budget(b)
+        schedule_prefills(self, b, partials)
+        finished, self._finished_ids = self._finished_ids, []
+        return build_output(self, b, finished)
 
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.admit_seq))
-        return max(candidates, key=lambda r: r.admit_seq)
+    def _step_time_budget(self, b: StepBudget) -> float | None:
+        """The time the step may take, given the decodes it carries (``b.shape`` holds only
+        them yet). The step's time is budgeted only when prompts may be split (without
+        chunking a prompt is prefilled whole or not at all). While decodes wait on it, by the
+        ITL target; without, by what a budget-sized chunk at a prompt's start takes
+        (``prefill_step_cap``)."""
+        if b.shape.decode_seqs:
+            target = None if self._queue_overdue(b.now) else self.step_target(b.shape)
+            if target is not None:
+                self.itl_target_s = target
+            return target
+        return self.prefill_step_cap()
 
-    def _preempt(self, req: Request, now: float) -> None:
+    def next_admit_seq(self) -> int:
+        return next(self._admit_counter)
+
+    def preempt(self, req: Request, now: float) -> None:
+        """Preemption by recompute: its blocks are freed, it keeps its output tokens and goes
+        back to the front of the queue; its next prefill recomputes prompt + outputs, so its
+        answer does not change."""
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -294,223 +316,6 @@ class Scheduler:
         req.timestamps.preempted.append(now)
         self.num_preemptions_total += 1
         self.waiting.push(req, front=True)
-
-    def _prefill_key(self, req: Request, index: int) -> tuple[float, ...]:
-        """Order of the prefill budget. ``srpt``: the earliest *place* ``arrival + served +
-        remaining x aging`` (shortest remaining prefill first among requests that arrived
-        together; a request is never passed by one that arrived after its place, whose key
-        is at least its arrival + one token's aging: that bounds its wait). ``served`` is
-        the time of the steps that carried its prompt: a request ages while it waits, not
-        while it is being prefilled. Without it a long prompt part-way through its prefill
-        had "waited" its own prefill time, its place came before any new arrival's, and a
-        100-token prompt arriving in the last ~20% of a 4,000-token one waited for all of
-        it (long-mix). A request that gets no tokens keeps its place, so the bound holds.
-        ``fcfs``: running first, then queue order.
-        Under ``priority`` the priority value leads either way."""
-        cfg = self.config
-        lead = float(req.priority) if cfg.scheduling_policy == "priority" else 0.0
-        if cfg.prefill_scheduling == "fcfs":
-            return (lead, float(index))
-        remaining = req.num_tokens - req.num_computed_tokens
-        place = (req.arrival_time + req.timestamps.prefill_time
-                 + remaining * cfg.prefill_aging_s_per_token)
-        return (lead, place, float(index))
-
-    def _time_limited(self, n: int, shape: StepShape, start: int, first_chunk: bool,
-                      target: float, completes: bool) -> int:
-        """``n`` cut so the step's predicted time stays within ``target``
-        (``latency.time_limited_chunk``: the step's first chunk always gets some tokens).
-        One exception, in steps without decodes (nobody's inter-token gap to protect): a
-        prompt whose rest (``completes``) keeps the step within twice ``target`` goes whole.
-        Otherwise a short prompt behind a long one that goes first (an aged place) got what
-        the long chunk left, 8-32 tokens a step, and took 4-8 steps to its first token
-        instead of one; a prompt arriving meanwhile waits at most 2x the cap."""
-        fit = time_limited_chunk(self.step_model, shape, start, n, target, first_chunk)
-        if (fit < n and completes and not shape.decode_seqs
-                and self.step_model.predict(shape.plus_chunk(start, n)) <= 2 * target):
-            return n
-        return fit
-
-    def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        now = self._clock()
-        budget = cfg.max_num_batched_tokens
-        num_new: dict[str, int] = {}
-        preempted: list[str] = []
-
-        decodes: list[Request] = []
-        partials: list[Request] = []
-        for r in self.running:
-            (decodes if is_decode(r) else partials).append(r)
-        decode_seqs = decode_context = 0  # the decodes' part of the step's shape
-        for req in decodes:
-            if budget <= 0 or req.status != RequestStatus.RUNNING:
-                continue
-            if self._allocate_running(req, 1, num_new, preempted, now):
-                num_new[req.request_id] = 1
-                budget -= 1
-                decode_seqs += 1
-                decode_context += req.num_computed_tokens + 1
-        shape = StepShape(0, decode_seqs, decode_context, 0)
-        # The step's time is budgeted only when prompts may be split (without chunking a
-        # prompt is prefilled whole or not at all). While decodes wait on it, by the ITL
-        # target, sized against the decodes just scheduled (shape holds only them yet);
-        # without, by what a budget-sized chunk at a prompt's start takes (prefill_step_cap).
-        if shape.decode_seqs:
-            target = None if self._queue_overdue(now) else self.step_target(shape)
-            if target is not None:
-                self.itl_target_s = target
-        else:
-            target = self.prefill_step_cap()
-
-        # Running partial prefills and waiting requests compete for the prefill budget (a
-        # preemption above may have sent some back to the queue).
-        if preempted:
-            partials = [r for r in partials if r.status == RequestStatus.RUNNING]
-        cands = [(self._prefill_key(r, i), r) for i, r in enumerate(partials)]
-        base = len(cands)
-        cands += [(self._prefill_key(r, base + i), r) for i, r in enumerate(self.waiting)]
-        cands.sort(key=lambda c: c[0])
-        # Requests left part-way through their prompt after this step (max_num_partial_prefills).
-        partial_ids = {r.request_id for r in partials}
-        blocked_by: str | None = None
-        if preempted and len(self.waiting):
-            blocked_by = "preemption"
-        admitting = True
-        for _, req in cands:
-            if req.status == RequestStatus.RUNNING:
-                if req.request_id in num_new or req not in self.running:
-                    continue  # preempted (and re-queued) or already served this step
-                start = req.num_computed_tokens
-                n = self._num_new_tokens(req, budget)
-                if target is not None:
-                    n = self._time_limited(n, shape, start, not shape.prefill_tokens, target,
-                                           completes=start + n >= req.num_tokens)
-                if n <= 0:
-                    blocked_by = blocked_by or ("token_budget" if budget <= 0 else "itl_target")
-                    break
-                if not self._allocate_running(req, n, num_new, preempted, now):
-                    continue
-                num_new[req.request_id] = n
-                budget -= n
-                shape = shape.plus_chunk(start, n)
-                if start + n >= req.num_tokens:
-                    partial_ids.discard(req.request_id)
-                continue
-            # A waiting (or preempted) request. Once one is held back, no later one is
-            # admitted (strict order keeps the aging bound), but running partial prefills
-            # further down still get their chunks: they hold blocks, and only progress
-            # frees them.
-            if not admitting:
-                continue
-            if preempted:
-                blocked_by, admitting = blocked_by or "preemption", False
-                continue
-            if budget <= 0:
-                blocked_by, admitting = "token_budget", False
-                continue
-            if len(self.running) >= cfg.max_num_seqs:
-                blocked_by, admitting = "max_num_seqs", False
-                continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            remaining = req.num_tokens - num_hit_tokens
-            n = remaining
-            if cfg.long_prefill_token_threshold is not None:
-                n = min(n, cfg.long_prefill_token_threshold)
-            if not cfg.enable_chunked_prefill and n > budget:
-                blocked_by, admitting = "token_budget", False
-                continue
-            n = min(n, budget)
-            if target is not None:
-                n = self._time_limited(n, shape, num_hit_tokens, not shape.prefill_tokens,
-                                       target, completes=n >= remaining)
-                if n <= 0:
-                    blocked_by, admitting = "itl_target", False
-                    continue
-            if n < remaining and self._partials_full(req, partial_ids):
-                # It would be left part-way: others may still finish theirs in this step.
-                blocked_by = blocked_by or "partial_prefills"
-                continue
-            reserve = None
-            if cfg.admission_policy == "reserve":
-                reserve = req.num_prompt_tokens + req.max_tokens
-            if not self.kv.allocate_slots(
-                req, n, hits, apply_watermark=True, reserve_up_to=reserve
-            ):
-                blocked_by, admitting = "kv_cache", False
-                continue
-            self.waiting.remove(req)
-            self.kv.record_prefix_query(req.num_tokens, num_hit_tokens)
-            if req.status == RequestStatus.PREEMPTED:
-                req.timestamps.resumed.append(now)
-            elif req.timestamps.first_scheduled is None:
-                req.timestamps.first_scheduled = now
-                req.num_cached_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit_tokens
-            req.admit_seq = next(self._admit_counter)
-            self.running.append(req)
-            num_new[req.request_id] = n
-            budget -= n
-            shape = shape.plus_chunk(num_hit_tokens, n)
-            if n < remaining:
-                partial_ids.add(req.request_id)
-        if blocked_by is None and len(self.waiting) and budget <= 0:
-            blocked_by = "token_budget"
-
-        scheduled = []
-        num_prefill_tokens = 0
-        num_decode_seqs = 0
-        for req in self.running:
-            n = num_new.get(req.request_id, 0)
-            if n == 0:
-                continue
-            start = req.num_computed_tokens
-            is_prefill = not (n == 1 and start == req.num_tokens - 1 and req.num_output_tokens)
-            if is_prefill:
-                num_prefill_tokens += n
-            else:
-                num_decode_seqs += 1
-            scheduled.append(
-                ScheduledRequest(
-                    request_id=req.request_id,
-                    token_ids=req.all_token_ids[start : start + n],
-                    num_computed_tokens=start,
-                    block_ids=self.kv.block_ids(req.request_id),
-                    sample=start + n == req.num_tokens,
-                    is_prefill=is_prefill,
-                    sampling_params=req.sampling_params,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                    eos_token_ids=req.eos_token_ids,
-                )
-            )
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_seqs=num_decode_seqs,
-            preempted_request_ids=preempted,
-            finished_request_ids=finished,
-            admission_blocked_by=blocked_by,
-            num_decode_context_tokens=shape.decode_context_tokens,
-            prefill_attention_pairs=shape.prefill_attention_pairs,
-            predicted_s=self.step_model.predict(shape) if scheduled else None,
-            kv_events=self.kv.take_events(),
-        )
-
-    def _allocate_running(self, req: Request, n: int, num_new: dict[str, int],
-                          preempted: list[str], now: float) -> bool:
-        """Blocks for ``n`` more tokens of a running request, preempting the newest admission
-        not yet scheduled this step until they fit; False when ``req`` itself was the one."""
-        while not self.kv.allocate_slots(req, n):
-            candidates = [r for r in self.running if r.request_id not in num_new]
-            victim = self._pick_victim(candidates)
-            self._preempt(victim, now)
-            preempted.append(victim.request_id)
-            if victim is req:
-                return False
-        return True
 
     # ---------------------------------------------------------------- update
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
