@@ -124,11 +124,15 @@ class StepStats:
     # Engine-process memory sampled at the end of the step (keys as ``EngineState.memory``).
     memory: dict[str, float] = field(default_factory=dict)
     # The step-time model: what it predicted for this step before it ran, the shape it saw,
-    # the ITL target in force, and its coefficients after learning from this step.
+    # the time budget of the last step with decodes (``itl_target_s``: their smallest slack
+    # less the margin), and its coefficients after learning from this step.
     predicted_s: float | None = None
     num_decode_context_tokens: int = 0
     prefill_attention_pairs: int = 0
     itl_target_s: float | None = None
+    # The slack of the tightest decode at the last step with decodes (its next token's
+    # deadline - the step's start); /metrics' tailserve:min_decode_slack_seconds.
+    min_decode_slack_s: float | None = None
     step_model: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

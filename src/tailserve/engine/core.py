@@ -67,13 +67,10 @@ class EngineCore:
         sc = config.scheduler
         calibrate(self.runner, self.scheduler.step_model, config.cache.block_size,
                   config.cache.num_kv_blocks, sc.max_num_batched_tokens, sc.max_model_len)
-        if sc.enable_itl_target and sc.itl_target_s is not None:
-            logger.info("ITL target %.1f ms (fixed)", sc.itl_target_s * 1e3)
-        elif sc.enable_itl_target:
-            one = self.scheduler.step_target(StepShape(0, 1, 512, 0))
-            logger.info("ITL target: %gx the predicted decode-only step of each step's decodes "
-                        "(one decode at 512 tokens of context: %.1f ms)", sc.itl_target_factor,
-                        (one or 0.0) * 1e3)
+        one = self.scheduler.step_model.predict(StepShape(0, 1, 512, 0))
+        logger.info("SLO: TTFT %s, ITL %s, TPOT %s (a decode-only step of one request at 512 "
+                    "tokens of context: %.1f ms predicted)", _ms(sc.slo_ttft_s),
+                    _ms(sc.slo_itl_s), _ms(sc.slo_tpot_s), one * 1e3)
         self._last_queries = 0
         self._last_hits = 0
         cache = config.cache
@@ -261,10 +258,15 @@ class EngineCore:
             num_decode_context_tokens=sched.num_decode_context_tokens,
             prefill_attention_pairs=sched.prefill_attention_pairs,
             itl_target_s=snap.itl_target_s,
+            min_decode_slack_s=snap.min_decode_slack_s,
             step_model=snap.step_model,
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         return stats
+
+
+def _ms(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
 def _kv_event_publisher(config: EngineConfig) -> ZmqKVEventPublisher | None:

@@ -1,58 +1,43 @@
-"""Scheduler: continuous batching under a token budget and a step-time budget, chunked prefill
-in SRPT order with aging, preemption.
+"""Scheduler: continuous batching under a token budget and the requests' SLOs, chunked
+prefill in the waiting policy's order, preemption.
 
-The algorithm of one ``schedule()`` call, with ``budget = max_num_batched_tokens``:
+One ``schedule()`` call runs the phases of ``engine/step_phases.py`` over one ``StepBudget``
+(``max_num_batched_tokens`` tokens):
 
-1. **Running decodes first.** Every running request that needs exactly one token (a decode)
-   gets it, in admission order, so a decode never waits behind anyone's prefill.
-2. **Prefill by time.** Running partial prefills and waiting requests compete for what is
-   left, in the waiting policy's ``prefill_key`` order (``engine/waiting_queue.py``): the
-   earliest place ``arrival + remaining x aging`` (``srpt``: shortest remaining prefill
-   first, and no request that arrives after a prompt's place ever passes it), or arrival
-   order (``fcfs``); priority first under ``priority``.
-   While decodes run (and prompts may be chunked), each chunk is the largest multiple of
-   ``PREFILL_ALIGN`` (32), else 16 or 8 tokens, that keeps the step's predicted time
-   (``stepcost.StepTimeModel``) within the step's ITL target: ``--itl-target-ms`` when
-   given, else ``itl_target_factor`` (1.5) x the predicted decode-only step of the decodes this
-   step carries (``latency.step_target_s``), so prefill gets about a third of every step
-   whatever the concurrency and a step is at most ~1.5x a decode-only one. The step's first
-   chunk always gets tokens, so prefill progresses: ``MIN_PREFILL_CHUNK`` (8) when even that
-   is over the target, ``PREFILL_ALIGN`` when the decodes alone fill a fixed target
-   (``latency.time_limited_chunk``). While a request has waited ``itl_target_max_wait_s``
-   (2 s) unscheduled, the target yields and prefill takes the whole token budget: an
-   overloaded engine serves its queue. With no decode running prefill takes up to the whole
-   token budget, in steps no longer than ``prefill_step_cap`` (8 one-decode steps, at most
-   a budget-sized chunk at a prompt's start): a prompt arriving meanwhile waits for one
-   such step at most, and a long prompt's late chunks, whose attention reads its whole
-   context, are cut to fit (a prompt that completes in the step may take it to twice the
-   cap). At most ``max_num_partial_prefills`` requests are left part-way through their
-   prompt, and of those at most ``max_long_partial_prefills`` longer than the token
-   budget, so a short prompt starts beside a long one instead of queueing behind it; a
-   prompt that finishes in the step always goes.
-3. When a running request cannot get a block, the newest admission not yet scheduled this
-   step (by priority first under ``priority``) is **preempted by recompute**: its blocks are
-   freed, it keeps its output tokens and goes back to the queue, and its next prefill
-   recomputes prompt + outputs, so its answer does not change. No admission follows in
-   that step.
-4. **Admission** of a waiting request needs ``max_num_seqs``, the KV pool and the watermark
-   to allow it. ``optimistic`` admits on the first chunk's blocks; ``reserve`` allocates
-   blocks for prompt + max_tokens up front and therefore never preempts. With
-   ``ttft_slo_s``, ``add_request`` refuses a request whose predicted TTFT is over it
-   (``engine/latency.py``).
+1. **Running decodes first**, in admission order, so a decode never waits behind anyone's
+   prefill. Each decode's next token is due at its last token + its ITL SLO.
+2. **The step's time budget**: the smallest slack among those decodes less a margin from
+   the step-time model's error (``latency.step_time_budget``); prefill takes all of it. With
+   no decode, the tightest ITL SLO caps the step (``prefill_step_cap``) and prefill takes the
+   whole token budget within it (a prompt that completes may take it to twice the cap).
+3. **Partial prefills and admissions** in the waiting policy's ``prefill_key`` order
+   (``engine/waiting_queue.py``: earliest deadline first under ``deadline``, the default;
+   SRPT with aging or arrival order under ``fcfs``; priority first under ``priority``), each
+   chunk the largest multiple of ``PREFILL_ALIGN`` (else 16 or 8 tokens) within the budget
+   (``latency.time_limited_chunk``). At most ``max_num_partial_prefills`` requests are left
+   part-way through their prompt, and of those at most ``max_long_partial_prefills`` longer
+   than the token budget. Admission needs ``max_num_seqs``, the KV pool and the watermark;
+   ``reserve`` allocates prompt + max_tokens up front and never preempts.
+4. When a running request cannot get a block, the policy's victim (the most slack under
+   ``deadline``, else the newest admission, lowest priority first under ``priority``) is
+   **preempted by recompute**; no admission follows in that step.
 
-``update_from_output`` applies the sampled tokens, stamps timestamps, decides who stops and
-feeds the measured step time to the step-time model. Torch-free: tests drive it with a fake
-runner and a fake clock and assert exact block ids and chunk sizes.
+``add_request`` holds a request to its SLO (its own over the server's), bounds the queue by
+what can actually start (``_check_queue_bound``) and, with ``enable_slo_admission``, refuses
+a request predicted to miss its TTFT SLO (``engine/latency.py``). ``update_from_output``
+applies the sampled tokens, stamps timestamps, decides who stops and feeds the measured step
+time to the step-time model. Torch-free: tests drive it with a fake runner and a fake clock
+and assert exact block ids and chunk sizes.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 
 from tailserve.config import (
-    AUTO_PREFILL_STEP_DECODES,
     CacheConfig,
     SchedulerConfig,
     check_pool_fits,
@@ -64,17 +49,22 @@ from tailserve.engine.latency import (
     MIN_PREFILL_CHUNK,
     PREFILL_ALIGN,
     check_slo,
-    decode_shape,
     is_decode,
     predict_ttft,
-    step_target_s,
+    step_time_budget,
 )
 from tailserve.engine.step_budget import StepBudget
 from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
 from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import KVCacheManager, cdiv
-from tailserve.request import Request, RequestStatus, SequenceLimits, check_request_lengths
+from tailserve.request import (
+    SLO,
+    Request,
+    RequestStatus,
+    SequenceLimits,
+    check_request_lengths,
+)
 from tailserve.stepcost import StepShape, StepTimeModel
 
 __all__ = ["MIN_PREFILL_CHUNK", "PREFILL_ALIGN", "Scheduler", "WaitingQueue"]
@@ -89,11 +79,12 @@ class Scheduler:
         # Learned online from every step (update_from_output); the engine seeds it with a
         # calibration at start-up.
         self.step_model = StepTimeModel()
-        # The ITL target of the last step that carried decodes (fixed when --itl-target-ms
-        # was given, else re-derived for every step's decodes: step_target_s); None when
-        # steps are not sized by time.
-        self.itl_target_s: float | None = config.itl_target_s if config.enable_itl_target \
-            else None
+        # The time budget of the last step that carried decodes (their smallest slack less
+        # the margin: latency.step_time_budget) and that slack; None while none was sized.
+        self.itl_target_s: float | None = None
+        self.min_decode_slack_s: float | None = None
+        # The SLO of a request that brings none (per part).
+        self.default_slo = SLO(config.slo_ttft_s, config.slo_itl_s, config.slo_tpot_s)
         self.cache_config = cache
         self._lengths = SequenceLimits(
             config.max_model_len, cache.block_size, cache.num_kv_blocks,
@@ -108,7 +99,8 @@ class Scheduler:
         )
         self.requests: dict[str, Request] = {}
         self.waiting: WaitingQueue = make_waiting_queue(
-            config.scheduling_policy, config.prefill_scheduling, config.prefill_aging_s_per_token)
+            config.scheduling_policy, config.prefill_scheduling, config.prefill_aging_s_per_token,
+            self.own_prefill_s)
         self.running: list[Request] = []
         self._admit_counter = itertools.count()
         self._finished_ids: list[str] = []
@@ -147,26 +139,55 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
-        limit = self.config.max_queue_len
-        if limit is not None:
-            # Waiting requests that free max_num_seqs slots will start at the next step are not
-            # queued: a burst that lands between two steps must not be refused while slots are
-            # free (and max_queue_len 0 must still run max_num_seqs at once). The engine's
-            # bound is max_num_seqs + max_queue_len in all, the same as the API's admission.
-            free_slots = max(0, self.config.max_num_seqs - len(self.running))
-            queued = len(self.waiting) - free_slots
-            if queued >= limit:
-                raise QueueFullError(
-                    f"the waiting queue is full ({queued} of {limit} waiting, "
-                    f"{len(self.running)} of {self.config.max_num_seqs} running)"
-                )
-        if self.config.ttft_slo_s is not None:
-            self._check_slo(req, self.config.ttft_slo_s)
+        req.slo_given_ttft = req.slo.ttft_s is not None
+        req.slo = req.slo.over(self.default_slo)
+        self._check_queue_bound(req)
+        slo_s = req.slo.ttft_s
+        if slo_s is not None and (self.config.enable_slo_admission or req.slo_given_ttft):
+            predicted, idle = self.predict_ttft(req)
+            check_slo(req, slo_s, predicted, idle, len(self.waiting), len(self.running),
+                      refuse=self.config.enable_slo_admission)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
+    def _check_queue_bound(self, req: Request) -> None:
+        """``max_queue_len`` counts the requests that must wait: those the next step could
+        start are not queued, as many, in queue order, as free ``max_num_seqs`` slots *and*
+        free KV blocks (beyond the watermark, whole prompts) allow. Counting slots alone let a
+        burst of 2,000-token prompts queue ``max_num_seqs + max_queue_len`` deep (63 waiting,
+        76 s of queueing at ``--max-queue-len 16``) when 16-31 of them fit the pool. The
+        refusal says the predicted wait, and Retry-After is when it should be over."""
+        limit = self.config.max_queue_len
+        if limit is None:
+            return
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        free = self.kv.pool.num_free_blocks - self.kv.watermark_blocks
+        startable = 0
+        for r in [*self.waiting, req]:
+            need = cdiv(r.num_tokens, self.cache_config.block_size)
+            if startable >= seats or need > free:
+                break
+            free -= need
+            startable += 1
+        # Those that must wait, this one included.
+        queued = len(self.waiting) + 1 - startable
+        if queued > limit:
+            predicted, idle = self.predict_ttft(req)
+            wait = max(predicted - idle, 0.0)
+            raise QueueFullError(
+                f"the waiting queue is full ({queued - 1} of {limit} waiting beyond the "
+                f"{startable} that fit the free KV blocks and slots; {len(self.running)} of "
+                f"{self.config.max_num_seqs} running); predicted wait {wait * 1e3:.0f} ms",
+                retry_after_s=max(1.0, math.ceil(wait)),
+            )
+
     # ---------------------------------------------------------------- predicted latency
+    def own_prefill_s(self, req: Request) -> float:
+        """A request's remaining prefill alone, predicted as one step (a lower bound)."""
+        return self.step_model.predict(StepShape().plus_chunk(
+            req.num_computed_tokens, req.num_tokens - req.num_computed_tokens))
+
     def predict_ttft(self, req: Request) -> tuple[float, float]:
         """(predicted TTFT now, on an idle engine) of a request not yet queued: the prefill
         of every request the budget serves before it (the policy's ``prefill_key`` order) plus
@@ -177,50 +198,29 @@ class Scheduler:
         pending += list(self.waiting)
         ahead = [r for i, r in enumerate(pending)
                  if self.waiting.prefill_key(r, i, now) <= mine]
-        decode = decode_shape(self.running)
-        target = self.step_target(decode) if decode.decode_seqs else None
-        return predict_ttft(self.step_model, self.config.max_num_batched_tokens, target,
+        itl = [r.slo.itl_s for r in self.running if is_decode(r) and r.slo.itl_s is not None]
+        budget = (step_time_budget(self.step_model, min(itl))
+                  if itl and self.config.enable_chunked_prefill else None)
+        return predict_ttft(self.step_model, self.config.max_num_batched_tokens, budget,
                             self.running, ahead, req, self.prefill_step_cap())
 
-    def step_target(self, decode: StepShape) -> float | None:
-        """The ITL target of a step carrying ``decode`` (None: steps are not sized by time)."""
-        cfg = self.config
-        if not (cfg.enable_itl_target and cfg.enable_chunked_prefill):
-            return None
-        return step_target_s(self.step_model, decode, cfg.itl_target_s, cfg.itl_target_factor)
-
-    def _queue_overdue(self, now: float) -> bool:
-        """A request has waited ``itl_target_max_wait_s`` without ever being scheduled: the
-        ITL target yields for this step. Held to it, a full queue starves: with 32 requests
-        in flight, each prompt got 8-16 tokens a step beside the two or three decodes the
-        target was protecting, so the batch never grew (166 output tok/s, first tokens after
-        11 s; benchmarks/RESULTS.md). Preempted requests do not count: they were admitted
-        once, and taking the whole budget for them would only preempt again."""
-        limit = self.config.itl_target_max_wait_s
-        return any(r.timestamps.first_scheduled is None and now - r.arrival_time > limit
-                   for r in self.waiting)
-
     def prefill_step_cap(self) -> float | None:
-        """The time a step with no decode may take: ``prefill_step_target_s`` when given,
-        else AUTO_PREFILL_STEP_DECODES x the predicted one-decode step; never more than a
-        chunk of the whole token budget at a prompt's start is predicted to take. A prompt
-        that arrives while others prefill waits for the step in flight: late chunks of a
-        long prompt read its whole context in attention, and a 512-token chunk 3,000 tokens
-        in took 0.5-1.5 s here, so a short prompt arriving meanwhile waited for all of it
-        and then shared its own step with the next one (the long-mix workload's short
-        requests: P99 TTFT 20-100x their median). Capped, such a chunk is cut to fewer
-        tokens: the same cost per token (a 128-token chunk's prefill costs per token what a
-        512-token one's does), and the prompt's own prefill loses only the extra steps'
-        fixed time. None when steps are not sized by time."""
+        """The time a step with no decode may take: the tightest ITL SLO among the running
+        requests and the server's (less the margin), never more than a chunk of the whole
+        token budget at a prompt's start is predicted to take. It is what a decode would allow
+        right after its token, and what a prompt that arrives meanwhile waits for: late
+        chunks of a long prompt read its whole context in attention, and a 512-token chunk
+        3,000 tokens in took 0.5-1.5 s here, so a short prompt arriving meanwhile waited for
+        all of it. Capped, such a chunk is cut to fewer tokens at about the same cost per
+        token. None when steps are not sized by time (no ITL SLO, or no chunking)."""
         cfg = self.config
-        if not (cfg.enable_itl_target and cfg.enable_chunked_prefill):
+        itl = [r.slo.itl_s for r in self.running if r.slo.itl_s is not None]
+        if cfg.slo_itl_s is not None:
+            itl.append(cfg.slo_itl_s)
+        if not (itl and cfg.enable_chunked_prefill):
             return None
         whole = self.step_model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
-        target = cfg.prefill_step_target_s
-        if target is None:
-            target = AUTO_PREFILL_STEP_DECODES * self.step_model.predict(
-                StepShape().plus_decode(1))
-        return min(whole, target)
+        return min(whole, step_time_budget(self.step_model, min(itl)))
 
     def _is_long(self, req: Request) -> bool:
         """A prompt that counts against ``max_long_partial_prefills``: longer than one step
@@ -236,10 +236,6 @@ class Scheduler:
             return True
         return self._is_long(req) and sum(
             self._is_long(self.requests[i]) for i in partial_ids) >= cfg.max_long_partial_prefills
-
-    def _check_slo(self, req: Request, slo_s: float) -> None:
-        predicted, idle = self.predict_ttft(req)
-        check_slo(req, slo_s, predicted, idle, len(self.waiting), len(self.running))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort or stop requests from outside (client gone, stop string matched)."""
@@ -275,6 +271,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             kv=self.kv.snapshot(),
             itl_target_s=self.itl_target_s,
+            min_decode_slack_s=self.min_decode_slack_s,
             step_model=self.step_model.describe(),
         )
 
@@ -290,15 +287,17 @@ class Scheduler:
 
     def _step_time_budget(self, b: StepBudget) -> float | None:
         """The time the step may take, given the decodes it carries (``b.shape`` holds only
-        them yet). The step's time is budgeted only when prompts may be split (without
-        chunking a prompt is prefilled whole or not at all). While decodes wait on it, by the
-        ITL target; without, by what a budget-sized chunk at a prompt's start takes
-        (``prefill_step_cap``)."""
+        them yet): their smallest slack less the margin (``latency.step_time_budget``);
+        without decodes, ``prefill_step_cap``. Only when prompts may be split (without
+        chunking a prompt is prefilled whole or not at all)."""
+        if not self.config.enable_chunked_prefill:
+            return None
         if b.shape.decode_seqs:
-            target = None if self._queue_overdue(b.now) else self.step_target(b.shape)
-            if target is not None:
-                self.itl_target_s = target
-            return target
+            self.min_decode_slack_s = b.min_slack_s
+            if b.min_slack_s is None:
+                return None  # no decode holds an ITL SLO
+            self.itl_target_s = step_time_budget(self.step_model, b.min_slack_s)
+            return self.itl_target_s
         return self.prefill_step_cap()
 
     def next_admit_seq(self) -> int:
@@ -361,6 +360,9 @@ class Scheduler:
                 req.logprobs.append(out.logprobs[s.request_id])
             if ts.first_token is None:
                 ts.first_token = now
+            if ts.last_token is not None:
+                ts.max_itl = max(ts.max_itl, now - ts.last_token)
+            ts.last_token = now
             status = self._check_stop(req, token)
             eo = EngineOutput(
                 s.request_id, [token], new_logprobs, num_cached_tokens=req.num_cached_tokens

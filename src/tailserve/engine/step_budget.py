@@ -20,6 +20,9 @@ class StepBudget:
     now: float
     # What the step's predicted time may reach (None: not sized by time).
     target_s: float | None = None
+    # The smallest slack (next token's deadline - now) among the decodes taken; None: none
+    # of them holds an ITL SLO.
+    min_slack_s: float | None = None
     # The step as the step-time model sees it, grown with every decode and chunk taken.
     shape: StepShape = field(default_factory=StepShape)
     # request_id -> tokens it gets in this step.

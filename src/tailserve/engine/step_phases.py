@@ -38,6 +38,10 @@ def schedule_decodes(s: Scheduler, b: StepBudget) -> list[Request]:
             continue
         if allocate_running(s, b, req, 1):
             b.take_decode(req.request_id, req.num_computed_tokens + 1)
+            due = req.next_token_deadline()
+            if due is not None:
+                slack = due - b.now
+                b.min_slack_s = slack if b.min_slack_s is None else min(b.min_slack_s, slack)
     if b.preempted:
         partials = [r for r in partials if r.status == RequestStatus.RUNNING]
         if len(s.waiting):

@@ -1,16 +1,17 @@
 """Waiting-queue policies: where a waiting request sits, in what order the prefill budget
 serves requests, and whom preemption picks. One interface, one class per policy
-(``--scheduling-policy``): ``fcfs``, ``priority`` and ``deadline`` (earliest TTFT deadline
-first). The scheduler asks the policy and never branches on its name.
+(``--scheduling-policy``): ``fcfs``, ``priority`` and ``deadline`` (earliest deadline first,
+``DeadlineQueue``). The scheduler asks the policy and never branches on its name.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 from tailserve.request import Request
@@ -126,9 +127,52 @@ class PriorityQueue(FCFSQueue):
         return max(candidates, key=lambda r: (r.priority, r.admit_seq))
 
 
-def make_waiting_queue(policy: str, prefill_order: PrefillOrder,
-                       aging_s_per_token: float) -> WaitingQueue:
-    """The queue of ``--scheduling-policy``."""
+class DeadlineQueue(FCFSQueue):
+    """Earliest deadline first: the prefill budget goes to the request whose next token is
+    due first (``Request.next_token_deadline``: arrival + its TTFT SLO for a first token; a
+    preempted request that already streamed is due by its ITL SLO). EDF meets every deadline
+    that any order would meet when the load allows it, and with one SLO for all it is
+    arrival order.
+
+    A request that can no longer meet its deadline (``now`` + its own remaining prefill,
+    predicted as one step, is past it) yields: its key moves one TTFT SLO later, behind those
+    that still can, best effort after them. Its key never passes ``arrival + 2 x its TTFT
+    SLO``, and every key is at least its request's arrival, so no request that arrives after
+    that passes it: the starvation bound. Preemption takes the running request with the most
+    slack (the newest admission among equals).
+    """
+
+    def __init__(self, own_prefill_s: Callable[[Request], float]) -> None:
+        super().__init__("fcfs")
+        self._own_prefill_s = own_prefill_s
+
+    def deadline(self, req: Request, now: float) -> float:
+        """The request's key: its next token's deadline, one TTFT SLO later when it can no
+        longer meet it; a request without an SLO is due at its arrival."""
+        due = req.next_token_deadline()
+        if due is None:
+            return req.arrival_time
+        if now + self._own_prefill_s(req) > due:
+            due += req.slo.ttft_s or 0.0
+        return due
+
+    def prefill_key(self, req: Request, index: int, now: float) -> tuple[float, ...]:
+        return (self.deadline(req, now), float(index))
+
+    def victim(self, candidates: Sequence[Request], now: float) -> Request:
+        def slack(r: Request) -> float:
+            due = r.next_token_deadline()
+            return math.inf if due is None else due - now
+
+        return max(candidates, key=lambda r: (slack(r), r.admit_seq))
+
+
+def make_waiting_queue(policy: str, prefill_order: PrefillOrder, aging_s_per_token: float,
+                       own_prefill_s: Callable[[Request], float]) -> WaitingQueue:
+    """The queue of ``--scheduling-policy``; ``own_prefill_s`` predicts a request's remaining
+    prefill alone (the deadline policy's feasibility test)."""
+    if policy == "deadline":
+        return DeadlineQueue(own_prefill_s)
     if policy == "priority":
         return PriorityQueue(prefill_order, aging_s_per_token)
     return FCFSQueue(prefill_order, aging_s_per_token)

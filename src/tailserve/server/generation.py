@@ -22,7 +22,7 @@ from tailserve.engine.input_processor import ParentRequest
 from tailserve.engine.messages import AddRequest
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.outputs import CompletionOutput
-from tailserve.request import FinishReason, RequestStatus
+from tailserve.request import SLO, FinishReason, RequestStatus
 from tailserve.sampling_params import SamplingParams
 
 # How often a non-streamed request checks whether its client is still there.
@@ -74,6 +74,7 @@ class Generation:
         priority: int,
         on_choice_finished: Callable[[RequestRecord], None],
         record_id: str,
+        slo: SLO | None = None,
     ) -> None:
         """``parents``: the request's prompts, shaped and validated by the input processor,
         each with its ``n`` engine requests; ``params`` is what the request asked for."""
@@ -84,6 +85,7 @@ class Generation:
         self.params = params
         self.arrival_time = arrival_time
         self.priority = priority
+        self.slo = slo or SLO()
         self.on_choice_finished = on_choice_finished
         self.processor = OutputProcessor(tokenizer)
         self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
@@ -118,7 +120,8 @@ class Generation:
                     self.choices[child_id] = Choice(index, p, child_id, ro.outputs[i])
                     index += 1
                     self.client.add_request(
-                        AddRequest(child_id, ids, child_params, self.arrival_time, self.priority),
+                        AddRequest(child_id, ids, child_params, self.arrival_time, self.priority,
+                                   self.slo.ttft_s, self.slo.itl_s, self.slo.tpot_s),
                         self.queue,
                     )
                     added.append(child_id)
@@ -250,6 +253,7 @@ class Generation:
             first_token_time=wall_from_monotonic(first) if first is not None else None,
             finished_time=wall_from_monotonic(finished),
             itl_s=choice.itl_s,
+            priority=self.priority,
         )
 
     def delta(self, choice: Choice, holdback: bool) -> Delta:

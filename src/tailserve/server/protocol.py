@@ -46,6 +46,8 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Int64 = 0
+    # The request's own SLO (server/slo.py): {"ttft_ms": ..., "itl_ms": ..., "tpot_ms": ...}.
+    slo: Any = None
 
 
 PromptInput = Annotated[
