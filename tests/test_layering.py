@@ -75,6 +75,7 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.waiting_queue",
     "tailserve.engine.step_budget",
     "tailserve.engine.step_phases",
+    "tailserve.engine.admission",
     "tailserve.engine.messages",
     "tailserve.engine.client",
     "tailserve.engine.input_processor",

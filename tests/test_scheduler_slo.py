@@ -17,7 +17,7 @@ from tailserve.data.step import BlockedReason, EngineOutput
 from tailserve.engine.scheduler import Scheduler
 from tailserve.errors import ConfigError, QueueFullError, SLOUnattainableError
 from tailserve.request import SLO
-from test_scheduler_time import COEF, MARGIN, Clock, make, req, step
+from test_scheduler_time import COEF, MARGIN, Clock, _running, make, req, step
 
 
 def test_a_steps_budget_is_the_smallest_slack_of_its_decodes_less_the_margin() -> None:
@@ -59,6 +59,29 @@ def test_without_an_itl_slo_prefill_takes_the_whole_token_budget_beside_decodes(
     s.add_request(req("long", 600, clock.t))
     assert step(s, runner, clock) == [("a", 1), ("long", 511)]
     assert s.min_decode_slack_s is None and s.itl_target_s is None
+
+
+def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget() -> None:
+    # Two decodes with an ITL SLO that budgets 31 ms: 17 ms of prefill, 16 tokens a step.
+    # "late" waits (one long partial prefill at a time). Once it is past its TTFT deadline
+    # unscheduled though its own prefill (610 ms) fits its 1 s SLO, the queue goes first:
+    # the step takes the whole token budget the decodes leave.
+    clock = Clock()
+    s, runner = _running(clock, 2, target_s=0.031, slo_ttft_s=1.0)
+    s.add_request(req("long", 600, clock.t))
+    s.add_request(req("late", 600, clock.t))
+    assert step(s, runner, clock) == [("d0", 1), ("d1", 1), ("long", 16)]
+    assert not s._queue_overdue(clock.t + 0.9)
+    clock.t += 1.0
+    assert s._queue_overdue(clock.t)
+    assert step(s, runner, clock) == [("d0", 1), ("d1", 1), ("long", 510)]
+    # Late by its own size (a 0.5 s SLO under its 610 ms prefill): best effort, no override.
+    s2, _ = _running(Clock(), 2, target_s=0.031, slo_ttft_s=0.5)
+    s2.add_request(req("big", 600, 0.0))
+    assert not s2._queue_overdue(5.0)
+    # Nor a preempted request (scheduled once).
+    s.requests["late"].timestamps.first_scheduled = 0.0
+    assert not s._queue_overdue(clock.t)
 
 
 def _three(policy: str) -> list[list[tuple[str, int]]]:

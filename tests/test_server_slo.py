@@ -1,8 +1,8 @@
-"""A live server with --slo-ttft-ms and --enable-slo-admission: a burst of long prompts is admitted up to what the SLO
-allows and the rest refused at once (429, Retry-After, the prediction in the message, counted
-by reason in /metrics); and the step-time model predicts this machine's steps within a
-generous bound (the median step within a factor of 2, steps with prefill and decode-only steps
-each, though the machine is shared)."""
+"""A live server with --slo-ttft-ms and --enable-slo-admission: a burst of long prompts is
+admitted up to what the SLO allows and the rest refused at once (429, Retry-After, the
+prediction in the message, counted by reason in /metrics); and the step-time model predicts
+this machine's steps within a generous bound (the median step within a factor of 2, steps
+with prefill and decode-only steps each, though the machine is shared)."""
 
 from __future__ import annotations
 

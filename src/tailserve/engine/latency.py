@@ -133,7 +133,7 @@ def check_slo(req: Request, slo_s: float, predicted: float, idle: float, num_wai
         raise SLOUnattainableError(
             f"the prompt's {req.num_prompt_tokens} tokens are predicted to take "
             f"{idle * 1e3:.0f} ms to prefill even on an idle engine, over the TTFT SLO "
-            f"of {slo_s * 1e3:.0f} ms: shorten the prompt or raise the SLO",
+            f"of {slo_s * 1e3:g} ms: shorten the prompt or raise the SLO",
             param="prompt",
         )
     if refuse and predicted > slo_s:
@@ -141,7 +141,7 @@ def check_slo(req: Request, slo_s: float, predicted: float, idle: float, num_wai
         retry = max(1.0, math.ceil(predicted - slo_s))
         raise SLORefusedError(
             f"predicted time to first token {predicted * 1e3:.0f} ms exceeds the TTFT SLO "
-            f"of {slo_s * 1e3:.0f} ms ({num_waiting} waiting, {num_running} running; "
+            f"of {slo_s * 1e3:g} ms ({num_waiting} waiting, {num_running} running; "
             f"{idle * 1e3:.0f} ms of it is this prompt's own prefill); retry in {retry:.0f} s",
             predicted_ttft_s=predicted, retry_after_s=retry,
         )

@@ -33,7 +33,6 @@ and assert exact block ids and chunk sizes.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -45,6 +44,7 @@ from tailserve.config import (
 )
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, SchedulerOutput
+from tailserve.engine.admission import check_admissible, check_queue_bound
 from tailserve.engine.latency import (
     MIN_PREFILL_CHUNK,
     PREFILL_ALIGN,
@@ -56,7 +56,7 @@ from tailserve.engine.latency import (
 from tailserve.engine.step_budget import StepBudget
 from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
 from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
-from tailserve.errors import InvalidRequestError, QueueFullError
+from tailserve.errors import InvalidRequestError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import (
     SLO,
@@ -115,33 +115,13 @@ class Scheduler:
         )
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
-        self._check_admissible(req)
-
-    def _check_admissible(self, req: Request) -> None:
-        """Admission must leave the watermark free: a request whose admission needs more
-        blocks than the pool holds beyond it would wait forever (and, at the head of the
-        queue, hold everyone behind it)."""
-        cfg = self.config
-        tokens = req.num_prompt_tokens
-        if cfg.admission_policy == "reserve":
-            tokens += req.max_tokens
-        elif cfg.enable_chunked_prefill:
-            tokens = min(tokens, cfg.max_num_batched_tokens,
-                         cfg.long_prefill_token_threshold or tokens)
-        need = cdiv(tokens, self.cache_config.block_size)
-        room = self.cache_config.num_kv_blocks - self.kv.watermark_blocks
-        if need > room:
-            raise InvalidRequestError(
-                f"admitting this request needs {need} KV blocks ({tokens} tokens) but the "
-                f"pool holds {room} beyond the watermark ({self.cache_config.num_kv_blocks} "
-                f"blocks, watermark {self.kv.watermark_blocks})", param="max_tokens",
-            )
+        check_admissible(self, req)
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
         req.slo_given_ttft = req.slo.ttft_s is not None
         req.slo = req.slo.over(self.default_slo)
-        self._check_queue_bound(req)
+        check_queue_bound(self, req)
         slo_s = req.slo.ttft_s
         if slo_s is not None and (self.config.enable_slo_admission or req.slo_given_ttft):
             predicted, idle = self.predict_ttft(req)
@@ -150,37 +130,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.push(req)
-
-    def _check_queue_bound(self, req: Request) -> None:
-        """``max_queue_len`` counts the requests that must wait: those the next step could
-        start are not queued, as many, in queue order, as free ``max_num_seqs`` slots *and*
-        free KV blocks (beyond the watermark, whole prompts) allow. Counting slots alone let a
-        burst of 2,000-token prompts queue ``max_num_seqs + max_queue_len`` deep (63 waiting,
-        76 s of queueing at ``--max-queue-len 16``) when 16-31 of them fit the pool. The
-        refusal says the predicted wait, and Retry-After is when it should be over."""
-        limit = self.config.max_queue_len
-        if limit is None:
-            return
-        seats = max(0, self.config.max_num_seqs - len(self.running))
-        free = self.kv.pool.num_free_blocks - self.kv.watermark_blocks
-        startable = 0
-        for r in [*self.waiting, req]:
-            need = cdiv(r.num_tokens, self.cache_config.block_size)
-            if startable >= seats or need > free:
-                break
-            free -= need
-            startable += 1
-        # Those that must wait, this one included.
-        queued = len(self.waiting) + 1 - startable
-        if queued > limit:
-            predicted, idle = self.predict_ttft(req)
-            wait = max(predicted - idle, 0.0)
-            raise QueueFullError(
-                f"the waiting queue is full ({queued - 1} of {limit} waiting beyond the "
-                f"{startable} that fit the free KV blocks and slots; {len(self.running)} of "
-                f"{self.config.max_num_seqs} running); predicted wait {wait * 1e3:.0f} ms",
-                retry_after_s=max(1.0, math.ceil(wait)),
-            )
 
     # ---------------------------------------------------------------- predicted latency
     def own_prefill_s(self, req: Request) -> float:
@@ -290,15 +239,28 @@ class Scheduler:
         them yet): their smallest slack less the margin (``latency.step_time_budget``);
         without decodes, ``prefill_step_cap``. Only when prompts may be split (without
         chunking a prompt is prefilled whole or not at all)."""
+        if b.shape.decode_seqs:
+            self.min_decode_slack_s = b.min_slack_s
         if not self.config.enable_chunked_prefill:
             return None
         if b.shape.decode_seqs:
-            self.min_decode_slack_s = b.min_slack_s
-            if b.min_slack_s is None:
-                return None  # no decode holds an ITL SLO
+            if b.min_slack_s is None or self._queue_overdue(b.now):
+                return None  # no decode holds an ITL SLO, or the queue goes first
             self.itl_target_s = step_time_budget(self.step_model, b.min_slack_s)
             return self.itl_target_s
         return self.prefill_step_cap()
+
+    def _queue_overdue(self, now: float) -> bool:
+        """A waiting request is past its TTFT deadline without ever being scheduled, though
+        its own prefill fits its SLO: the queue, not its size, made it late. The decodes'
+        slack then does not size the step (prefill takes the whole token budget): an
+        overloaded engine serves its queue. Held to the decodes' ITL, a loaded host (steps
+        3-5x slower beside other processes) admitted 5 requests at a time where the token
+        budget admits 29, and first tokens waited 24 s instead of 11 at the median (the
+        mixed load at 0.5 req/s). Preempted requests do not count: they were admitted once."""
+        return any(r.timestamps.first_scheduled is None and r.slo.ttft_s is not None
+                   and now - r.arrival_time > r.slo.ttft_s
+                   and self.own_prefill_s(r) <= r.slo.ttft_s for r in self.waiting)
 
     def next_admit_seq(self) -> int:
         return next(self._admit_counter)
