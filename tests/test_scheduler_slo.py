@@ -63,9 +63,9 @@ def test_without_an_itl_slo_prefill_takes_the_whole_token_budget_beside_decodes(
 
 def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget() -> None:
     # Two decodes with an ITL SLO that budgets 31 ms: 17 ms of prefill, 16 tokens a step.
-    # "late" waits (one long partial prefill at a time). Once it is past its TTFT deadline
-    # unscheduled though its own prefill (610 ms) fits its 1 s SLO, the queue goes first:
-    # the step takes the whole token budget the decodes leave.
+    # "late" waits (one long partial prefill at a time). Once a request still waiting for its
+    # first token is past its TTFT deadline though its own prefill (610 ms) fits its 1 s SLO,
+    # the queue goes first: the step takes the whole token budget the decodes leave.
     clock = Clock()
     s, runner = _running(clock, 2, target_s=0.031, slo_ttft_s=1.0)
     s.add_request(req("long", 600, clock.t))
@@ -79,9 +79,13 @@ def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget() -> None:
     s2, _ = _running(Clock(), 2, target_s=0.031, slo_ttft_s=0.5)
     s2.add_request(req("big", 600, 0.0))
     assert not s2._queue_overdue(5.0)
-    # Nor a preempted request (scheduled once).
-    s.requests["late"].timestamps.first_scheduled = 0.0
-    assert not s._queue_overdue(clock.t)
+    # Nor does the ITL SLO cap a step without decodes while the queue is overdue.
+    clock = Clock()
+    s3 = make(clock, target_s=0.031, slo_ttft_s=1.0)
+    s3.add_request(req("a", 600, 0.0))
+    assert step(s3, FakeRunner(), clock) == [("a", 16)]  # 10 + 16 ms within the 31 ms cap
+    clock.t = 1.5
+    assert step(s3, FakeRunner(), clock) == [("a", 512)]
 
 
 def _three(policy: str) -> list[list[tuple[str, int]]]:

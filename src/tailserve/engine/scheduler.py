@@ -132,6 +132,10 @@ class Scheduler:
         self.waiting.push(req)
 
     # ---------------------------------------------------------------- predicted latency
+    def idle_prefill_s(self, req: Request) -> float:
+        """A request's whole prompt prefilled alone, predicted as one step."""
+        return self.step_model.predict(StepShape().plus_chunk(0, req.num_tokens))
+
     def own_prefill_s(self, req: Request) -> float:
         """A request's remaining prefill alone, predicted as one step (a lower bound)."""
         return self.step_model.predict(StepShape().plus_chunk(
@@ -237,30 +241,35 @@ class Scheduler:
     def _step_time_budget(self, b: StepBudget) -> float | None:
         """The time the step may take, given the decodes it carries (``b.shape`` holds only
         them yet): their smallest slack less the margin (``latency.step_time_budget``);
-        without decodes, ``prefill_step_cap``. Only when prompts may be split (without
-        chunking a prompt is prefilled whole or not at all)."""
+        without decodes, ``prefill_step_cap``; neither while the queue is overdue. Only when
+        prompts may be split (without chunking a prompt is prefilled whole or not at all)."""
         if b.shape.decode_seqs:
             self.min_decode_slack_s = b.min_slack_s
         if not self.config.enable_chunked_prefill:
             return None
+        if self._queue_overdue(b.now):
+            return None  # the queue goes first
         if b.shape.decode_seqs:
-            if b.min_slack_s is None or self._queue_overdue(b.now):
-                return None  # no decode holds an ITL SLO, or the queue goes first
+            if b.min_slack_s is None:
+                return None  # no decode holds an ITL SLO
             self.itl_target_s = step_time_budget(self.step_model, b.min_slack_s)
             return self.itl_target_s
         return self.prefill_step_cap()
 
     def _queue_overdue(self, now: float) -> bool:
-        """A waiting request is past its TTFT deadline without ever being scheduled, though
-        its own prefill fits its SLO: the queue, not its size, made it late. The decodes'
-        slack then does not size the step (prefill takes the whole token budget): an
-        overloaded engine serves its queue. Held to the decodes' ITL, a loaded host (steps
-        3-5x slower beside other processes) admitted 5 requests at a time where the token
-        budget admits 29, and first tokens waited 24 s instead of 11 at the median (the
-        mixed load at 0.5 req/s). Preempted requests do not count: they were admitted once."""
-        return any(r.timestamps.first_scheduled is None and r.slo.ttft_s is not None
-                   and now - r.arrival_time > r.slo.ttft_s
-                   and self.own_prefill_s(r) <= r.slo.ttft_s for r in self.waiting)
+        """A request still waiting for its first token (queued or part-way through its
+        prompt) is past its TTFT deadline though its whole prompt alone would fit its SLO:
+        the queue, not its size, made it late. Then neither the decodes' slack nor the ITL
+        cap sizes the step: prefill takes the whole token budget, and an overloaded engine
+        serves its queue. Held to the ITL, a loaded host (steps 3-5x slower beside other
+        processes) admitted 5 requests at a time where the token budget admits 29, and first
+        tokens waited 24 s instead of 11 at the median (the mixed load at 0.5 req/s).
+        Preempted requests do not count: taking the whole budget for them would only
+        preempt again."""
+        pending = [r for r in self.running if not is_decode(r)] + list(self.waiting)
+        return any(r.num_output_tokens == 0 and r.status != RequestStatus.PREEMPTED
+                   and r.slo.ttft_s is not None and now - r.arrival_time > r.slo.ttft_s
+                   and self.idle_prefill_s(r) <= r.slo.ttft_s for r in pending)
 
     def next_admit_seq(self) -> int:
         return next(self._admit_counter)
