@@ -25,6 +25,7 @@ from server_util import ServerProcess
 
 TOKENS = 12
 PROMPT = "Write one sentence about the sea."
+MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def _stream(client: openai.OpenAI, headers: dict[str, str] | None = None,
     t0 = time.monotonic()
     times: list[float] = []
     timing: dict[str, Any] = {}
-    for chunk in client.completions.create(model="default", prompt=PROMPT, max_tokens=TOKENS,
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS,
                                            temperature=0, stream=True, extra_headers=headers,
                                            extra_body={"ignore_eos": True, **(body or {})}):
         if chunk.choices and chunk.choices[0].text:
@@ -85,7 +86,7 @@ def test_slo_per_request_in_timing_and_metrics(server: ServerProcess) -> None:
     assert [s["tpot_met"] for s in slos] == [None, None, False]
 
     # A non-streamed request says the same in its body.
-    resp = client.completions.create(model="default", prompt=PROMPT, max_tokens=TOKENS,
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS,
                                      temperature=0, extra_headers={"x-slo-tpot-ms": "5000"},
                                      extra_body={"ignore_eos": True})
     body_slo = (resp.model_extra or {})["tailserve_timing"]["slo"]
@@ -106,7 +107,7 @@ def test_slo_per_request_in_timing_and_metrics(server: ServerProcess) -> None:
 
 
 def test_bad_and_unattainable_slos_are_400s_naming_them(server: ServerProcess) -> None:
-    body = {"model": "default", "prompt": PROMPT, "max_tokens": 4}
+    body = {"prompt": PROMPT, "max_tokens": 4}
     r = httpx.post(server.url + "/v1/completions", json=body, headers={"x-slo-ttft-ms": "-3"})
     assert r.status_code == 400
     err = r.json()["error"]
