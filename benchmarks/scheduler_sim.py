@@ -14,7 +14,7 @@ them): TTFT P50 / P99 (and the short requests' apart for long-mix), the engine-s
 between a request's tokens (ITL) P50 / P99 and their ratio, and the goodput share.
 
     python benchmarks/scheduler_sim.py --workload mixed --variant base= \\
-        --variant "f1.5=--itl-target-factor 1.5" --seeds 5
+        --variant "itl50=--slo-itl-ms 50" --seeds 5
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def test_defaults_on_cpu() -> None:
     assert c.scheduler == SchedulerConfig(
         max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
         enable_chunked_prefill=True, long_prefill_token_threshold=None,
-        admission_policy="optimistic", scheduling_policy="fcfs", max_queue_len=None,
+        admission_policy="optimistic", scheduling_policy="deadline", max_queue_len=None,
+        slo_ttft_s=1.0, slo_itl_s=0.1, slo_tpot_s=None, enable_slo_admission=False,
     )
     # 2 GiB of float32 blocks of 8192 bytes.
     assert c.cache == CacheConfig(block_size=16, num_kv_blocks=262144, block_bytes=8192,

@@ -331,8 +331,7 @@ def test_a_too_large_itl_target_is_named() -> None:
     d = diagnose(run_from_result(_with_target(result_of("interference"), 0.5)))
     itl = d.tails["itl"].causes[0]
     assert itl.cause == "prefill_interference"
-    assert "--itl-target-ms 500" in itl.advice and "too large" in itl.advice, itl.advice
-    assert "--itl-target-factor 1.5" in itl.advice  # the default rule, relative to the batch
+    assert "--slo-itl-ms 500" in itl.advice and "too large" in itl.advice, itl.advice
     base = itl.evidence["median_decode_only_step_ms"]
     assert itl.evidence["itl_target_ms"] == 500 and 0 < base < 500 / 3
     # A target the prefill steps overran: the prediction, not the target, is to blame.
@@ -347,13 +346,13 @@ def test_a_first_token_behind_prefill_only_steps_names_their_cap() -> None:
     d = diagnose(run_from_result(_with_target(result_of("interference"), 0.5)))
     ttft = d.tails["ttft"].causes[0]
     assert ttft.cause == "prefill_interference"
-    assert "--prefill-step-target-ms" in ttft.advice, ttft.advice
+    assert "--slo-itl-ms (it caps steps without decodes" in ttft.advice, ttft.advice
     ev = ttft.evidence
     assert 0 < ev["median_prefill_only_step_ms"] <= ev["max_prefill_only_step_ms"]
-    assert "--prefill-step-target-ms" not in d.tails["itl"].causes[0].advice
+    assert "--slo-itl-ms (it caps steps without decodes" not in d.tails["itl"].causes[0].advice
     # Not sized by time: the token budget is the knob, as before.
     plain = diagnose(run_from_result(result_of("interference"))).tails["ttft"].causes[0]
-    assert "--prefill-step-target-ms" not in plain.advice
+    assert "--slo-itl-ms (it caps steps without decodes" not in plain.advice
 
 
 def test_closed_loop_queueing_advice_is_about_the_client() -> None:

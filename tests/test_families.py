@@ -57,7 +57,7 @@ def test_family_matches_transformers(tmp_path: Path, builder: Any) -> None:
     # sized by the token budget alone: sized by time, a loaded host batches (and so rounds)
     # otherwise, and a random tiny model's near-ties flip.
     llm = LLM(folder, dtype="float32", num_kv_blocks=200, max_num_batched_tokens=64,
-              enable_itl_target=False)
+              slo_itl_ms=None, scheduling_policy="fcfs")
     assert ts_greedy(llm, prompts, NEW_TOKENS) == want
     # A prefix-cache hit: the same prompts again start from their cached blocks.
     again = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -66,7 +66,8 @@ def test_family_matches_transformers(tmp_path: Path, builder: Any) -> None:
     assert again[2].num_cached_tokens >= 288
     # Preemption: a pool too small for all three at once recomputes one; answers unchanged.
     small = LLM(folder, dtype="float32", num_kv_blocks=24, max_num_batched_tokens=64,
-                max_model_len=340, enable_prefix_caching=False, enable_itl_target=False)
+                max_model_len=340, enable_prefix_caching=False, slo_itl_ms=None,
+                scheduling_policy="fcfs")
     assert ts_greedy(small, prompts, NEW_TOKENS) == want
     assert small.engine.scheduler.num_preemptions_total > 0
 

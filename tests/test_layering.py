@@ -63,7 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     "tailserve": {"config", "engine", "envs", "outputs", "sampling_params"},
     # tools
     "bench": {"errors", "model", "tailserve"},
-    "analyze": {"bench", "config", "errors", "model", "stepcost"},
+    "analyze": {"bench", "config", "data", "errors", "model", "stepcost"},
     "cli_flags": set(),  # argparse flags from dataclass fields; knows no tailserve type
     "cli": {
         "analyze", "bench", "cli_flags", "config", "engine", "envs", "sampling_params", "server",
@@ -79,6 +79,9 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.scheduler",
     "tailserve.engine.latency",
     "tailserve.engine.waiting_queue",
+    "tailserve.engine.step_budget",
+    "tailserve.engine.step_phases",
+    "tailserve.engine.admission",
     "tailserve.engine.messages",
     "tailserve.engine.client",
     "tailserve.engine.input_processor",

@@ -17,11 +17,11 @@ sys.modules["scheduler_sim"] = sim  # its dataclasses look their module up
 spec.loader.exec_module(sim)
 
 
-def test_every_request_gets_its_tokens_and_the_itl_target_steadies_the_gaps() -> None:
+def test_every_request_gets_its_tokens_and_the_itl_slo_bounds_the_gaps() -> None:
     w = sim.Workload("small", 40, 512, 16, range_ratio=0.9, request_rate=1.0)
     runs = {label: [sim.simulate(w, flags, sim.MEASURED_COEF, sim.MEASURED_SIGMA, seed)
                     for seed in range(2)]
-            for label, flags in (("default", []), ("off", ["--no-enable-itl-target"]))}
+            for label, flags in (("default", []), ("off", ["--slo-itl-ms", "none"]))}
     for traces in runs["default"]:
         assert len(traces) == 40
         assert all(len(t.token_times) == 16 and t.token_times[0] > t.arrival

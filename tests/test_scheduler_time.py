@@ -1,5 +1,8 @@
-"""Time-budgeted steps, SRPT with aging, max_num_partial_prefills and TTFT-SLO admission,
-with a fake runner, a fake clock and a given step-time model (exact chunk sizes and bounds)."""
+"""Time-budgeted steps (under the ITL SLO), SRPT with aging, max_num_partial_prefills and
+TTFT-SLO admission, with a fake runner, a fake clock and a given step-time model (exact chunk
+sizes and bounds). A step's budget is the smallest slack of its decodes less the margin:
+here the model's error is 0, so the margin is SLACK_FLOOR_S, and right after a step every
+decode's slack is its whole ITL SLO: an SLO of ``target + MARGIN`` budgets ``target``."""
 
 from __future__ import annotations
 
@@ -10,24 +13,19 @@ import zlib
 import pytest
 
 from fake_runner import EOS, FakeRunner
-from tailserve.config import (
-    AUTO_ITL_FACTOR,
-    AUTO_ITL_MIN_MS,
-    CacheConfig,
-    EngineArgs,
-    SchedulerConfig,
-)
+from tailserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from tailserve.engine.calibrate import PLAN
-from tailserve.engine.latency import chunk_under_load, time_limited_chunk
+from tailserve.engine.latency import SLACK_FLOOR_S, chunk_under_load, time_limited_chunk
 from tailserve.engine.scheduler import MIN_PREFILL_CHUNK, PREFILL_ALIGN, Scheduler
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
-from tailserve.request import Request
+from tailserve.request import SLO, Request
 from tailserve.sampling_params import SamplingParams
 from tailserve.stepcost import StepShape, StepTimeModel, prefill_attention_pairs
 
 # The engine these tests pretend to run: 10 ms a step + 1 ms a prefill token + 2 ms a decode
 # (seconds per scaled feature: base, per 1k prefill tokens, per 10 decodes, context, pairs).
 COEF = (0.010, 1.0, 0.020, 0.0, 0.0)
+MARGIN = SLACK_FLOOR_S
 
 
 class Clock:
@@ -38,10 +36,12 @@ class Clock:
         return self.t
 
 
-def make(clock: Clock, itl_target_s: float | None = None, **kw: object) -> Scheduler:
+def make(clock: Clock, target_s: float | None = None, **kw: object) -> Scheduler:
+    """``target_s``: the budget of a step right after the one before (ITL SLO - MARGIN)."""
     base: dict[str, object] = dict(
         max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, block_size=16,
-        num_kv_blocks=512, watermark=0.0, itl_target_s=itl_target_s,
+        num_kv_blocks=512, watermark=0.0,
+        slo_itl_s=None if target_s is None else target_s + MARGIN,
     )
     base.update(kw)
     cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -54,10 +54,12 @@ def make(clock: Clock, itl_target_s: float | None = None, **kw: object) -> Sched
 
 
 def req(rid: str, n_prompt: int, arrival: float, max_tokens: int = 1,
-        priority: int = 0) -> Request:
+        priority: int = 0, slo_ttft_s: float | None = None,
+        slo_itl_s: float | None = None) -> Request:
     prompt = [(zlib.crc32(rid.encode()) + i) % 40 + 1 for i in range(n_prompt)]
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   arrival_time=arrival, priority=priority, eos_token_ids=(EOS,))
+                   arrival_time=arrival, priority=priority, eos_token_ids=(EOS,),
+                   slo=SLO(slo_ttft_s, slo_itl_s))
 
 
 def step(s: Scheduler, runner: FakeRunner, clock: Clock) -> list[tuple[str, int]]:
@@ -74,7 +76,7 @@ def step(s: Scheduler, runner: FakeRunner, clock: Clock) -> list[tuple[str, int]
 def test_with_decodes_each_chunk_is_the_largest_aligned_one_within_the_target() -> None:
     clock = Clock()
     # 2 decodes: 10 + 2x2 = 14 ms; 80 ms leaves 66 tokens -> 64 (a multiple of 32).
-    s = make(clock, itl_target_s=0.080)
+    s = make(clock, target_s=0.080)
     runner = FakeRunner()
     for rid in ("a", "b"):
         s.add_request(req(rid, 8, 0.0, max_tokens=50))
@@ -85,7 +87,7 @@ def test_with_decodes_each_chunk_is_the_largest_aligned_one_within_the_target() 
                                                                   ("long", 8)]]
     assert all(s.step_model.predict(s.shape_of(o)) <= 0.080 for o in runner.steps)
     # Without the target the same prompt is one chunk of the token budget left.
-    s2 = make(Clock(), enable_itl_target=False)
+    s2 = make(Clock())
     for rid in ("a", "b"):
         s2.add_request(req(rid, 8, 0.0, max_tokens=50))
     step(s2, FakeRunner(), Clock())
@@ -93,15 +95,10 @@ def test_with_decodes_each_chunk_is_the_largest_aligned_one_within_the_target() 
     assert step(s2, FakeRunner(), Clock()) == [("a", 1), ("b", 1), ("long", 200)]
 
 
-# Prefill cheaper than a decode's share, so the default rule's chunks are visible: 10 ms a
-# step + 0.1 ms a prefill token + 2 ms a decode.
-CHEAP_PREFILL = (0.010, 0.1, 0.020, 0.0, 0.0)
-
-
-def _running(clock: Clock, decodes: int, coef: tuple[float, ...] = CHEAP_PREFILL,
+def _running(clock: Clock, decodes: int, coef: tuple[float, ...] = COEF,
              **kw: object) -> tuple[Scheduler, FakeRunner]:
-    """A scheduler with the default target rule and ``decodes`` requests decoding."""
-    s = make(clock, **{"max_num_seqs": 32, **kw})
+    """A scheduler with ``decodes`` requests decoding."""
+    s = make(clock, **{"max_num_seqs": 32, **kw})  # type: ignore[arg-type]
     s.step_model = StepTimeModel(coef)
     runner = FakeRunner()
     for i in range(decodes):
@@ -110,80 +107,22 @@ def _running(clock: Clock, decodes: int, coef: tuple[float, ...] = CHEAP_PREFILL
     return s, runner
 
 
-@pytest.mark.parametrize(("decodes", "chunks"), [
-    # decode-only step 10 + 2 x decodes ms; 1.5x that leaves half of it again for prefill,
-    # at 0.1 ms a token, in multiples of 32: 2 -> 7 ms -> 70 -> 64; 8 -> 13 ms -> 128;
-    # 16 -> 21 ms -> 192, then the 600-token prompt's rest (within the target).
-    (2, [64] * 9 + [24]),
-    (8, [128] * 4 + [88]),
-    (16, [192] * 3 + [24]),
-])
-def test_default_target_is_1_5x_the_decode_only_step_of_the_running_batch(
-        decodes: int, chunks: list[int]) -> None:
+def test_no_decodes_means_the_whole_token_budget_within_the_itl_slo() -> None:
     clock = Clock()
-    s, runner = _running(clock, decodes)
-    s.add_request(req("long", 600, clock.t))
-    got = []
-    for _ in range(len(chunks)):
-        out = step(s, runner, clock)
-        assert out[:decodes] == [(f"d{i}", 1) for i in range(decodes)]
-        got += [n for rid, n in out if rid == "long"]
-    assert got == chunks
-    # Every mixed step within 1.5x the decode-only step of its decodes (prefill gets a third).
-    assert AUTO_ITL_FACTOR == 1.5
-    for o in runner.steps[1:]:
-        decode_only = s.step_model.predict(StepShape(0, o.num_decode_seqs,
-                                                     o.num_decode_context_tokens, 0))
-        assert s.step_model.predict(s.shape_of(o)) <= 1.5 * decode_only + 1e-12
-        assert s.itl_target_s == pytest.approx(1.5 * decode_only)
-
-
-def test_a_fixed_target_is_filled_by_many_decodes_the_relative_one_is_not() -> None:
-    # 16 decodes: 42 ms alone (10 + 16 x 2). A fixed 60 ms target leaves prefill 18 ms, and
-    # less with every decode more, down to the 32-token minimum (the old default's
-    # starvation at high concurrency); the relative one (1.5 x 42 ms) leaves 21 ms.
-    clock = Clock()
-    fixed, runner = _running(clock, 16, itl_target_s=0.060)
-    fixed.add_request(req("long", 600, clock.t))
-    assert step(fixed, runner, clock)[-1] == ("long", 160)  # 60 - 42 = 18 ms -> 180 -> 160
-    clock = Clock()
-    rel, runner = _running(clock, 16)
-    rel.add_request(req("long", 600, clock.t))
-    assert step(rel, runner, clock)[-1] == ("long", 192)  # 210 -> 192
-
-
-def test_target_factor_and_floor() -> None:
-    clock = Clock()
-    # Factor 3: 2 decodes, 14 ms alone -> 42 ms, 28 ms of prefill -> 280 -> 256.
-    s, runner = _running(clock, 2, itl_target_factor=3.0)
-    s.add_request(req("long", 600, clock.t))
-    assert step(s, runner, clock)[-1] == ("long", 256)
-    # A decode step of 1.5 ms: 1.5x is 2.25 ms, the floor AUTO_ITL_MIN_MS (10 ms) leaves 8.5 ms
-    # for prefill at 0.1 ms a token -> 85 -> 64.
-    clock = Clock()
-    s, runner = _running(clock, 1, coef=(0.001, 0.1, 0.005, 0.0, 0.0))
-    s.add_request(req("long", 600, clock.t))
-    assert AUTO_ITL_MIN_MS == 10.0
-    assert step(s, runner, clock)[-1] == ("long", 64)
-    assert s.itl_target_s == pytest.approx(0.010)
-
-
-def test_no_decodes_means_the_whole_token_budget_within_the_prefill_step_target() -> None:
-    clock = Clock()
-    s = make(clock, itl_target_s=0.020, max_num_batched_tokens=256, prefill_step_target_s=1.0)
+    s = make(clock, target_s=1.0, max_num_batched_tokens=256)
     s.add_request(req("long", 600, 0.0))
     assert step(s, FakeRunner(), clock) == [("long", 256)]
 
 
-def test_by_default_a_step_without_decodes_takes_eight_one_decode_steps() -> None:
-    # COEF: a one-decode step is 10 + 2 = 12 ms, so a prefill-only step may take 96 ms:
-    # 86 prompt tokens -> 64 (aligned), not the 256 of the budget (266 ms). A short prompt
-    # arriving meanwhile waits for one such step, then goes first; the long one takes what
-    # the short one's step leaves within the same 96 ms.
+def test_a_step_without_decodes_is_capped_by_the_itl_slo() -> None:
+    # An ITL SLO that budgets 96 ms: a prefill-only step may take that (what a decode would
+    # allow right after its token): 86 prompt tokens -> 64 (aligned), not the 256 of the
+    # budget (266 ms). A short prompt arriving meanwhile waits for one such step, then goes
+    # first; the long one takes what the short one's step leaves within the same 96 ms.
     clock = Clock()
-    s = make(clock, max_num_batched_tokens=256)
+    s = make(clock, target_s=0.096, max_num_batched_tokens=256)
     runner = FakeRunner()
-    assert s.prefill_step_cap() == pytest.approx(8 * 0.012)
+    assert s.prefill_step_cap() == pytest.approx(0.096)
     s.add_request(req("long", 600, 0.0))
     assert step(s, runner, clock) == [("long", 64)]
     arrived = clock.t - 0.050  # mid-step
@@ -191,15 +130,19 @@ def test_by_default_a_step_without_decodes_takes_eight_one_decode_steps() -> Non
     assert step(s, runner, clock) == [("long", 32), ("short", 40)]
     assert "short" not in s.requests and clock.t - arrived <= 0.050 + 0.096  # its first token
     assert all(s.step_model.predict(s.shape_of(o)) <= 0.096 + 1e-12 for o in runner.steps)
-    # A fixed --prefill-step-target-ms; never more than a budget-sized first chunk (266 ms).
-    assert make(Clock(), prefill_step_target_s=0.050).prefill_step_cap() == 0.050
+    # Never more than a budget-sized first chunk (266 ms); a running request's own, tighter
+    # ITL SLO caps it too; no ITL SLO, no cap.
     assert make(Clock(), max_num_batched_tokens=256,
-                prefill_step_target_s=5.0).prefill_step_cap() == pytest.approx(0.266)
+                target_s=5.0).prefill_step_cap() == pytest.approx(0.266)
+    tight = make(Clock(), target_s=5.0)
+    tight.running.append(req("t", 8, 0.0, slo_itl_s=0.030 + MARGIN))
+    assert tight.prefill_step_cap() == pytest.approx(0.030)
+    assert make(Clock()).prefill_step_cap() is None
 
 
 def test_prefill_progresses_when_decodes_alone_fill_the_target() -> None:
     clock = Clock()
-    s = make(clock, itl_target_s=0.012)  # one decode step is 12 ms: nothing is left
+    s = make(clock, target_s=0.012)  # one decode step is 12 ms: nothing is left
     runner = FakeRunner()
     s.add_request(req("a", 8, 0.0, max_tokens=50))
     step(s, runner, clock)
@@ -219,7 +162,7 @@ def test_prefill_progresses_when_decodes_alone_fill_the_target() -> None:
 def test_below_the_aligned_sizes_the_chunk_is_16_or_8_tokens(target_ms: float,
                                                               chunk: int) -> None:
     clock = Clock()
-    s = make(clock, itl_target_s=target_ms / 1e3)
+    s = make(clock, target_s=target_ms / 1e3)
     runner = FakeRunner()
     s.add_request(req("a", 8, 0.0, max_tokens=50))
     step(s, runner, clock)
@@ -253,7 +196,7 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     # more context and are cut (multiples of 32, then 16 / 8) so no step passes it.
     coef = (0.010, 1.0, 0.020, 0.0, 3.0)
     clock = Clock()
-    s = make(clock, max_num_batched_tokens=64, max_num_seqs=16)
+    s = make(clock, target_s=1.0, max_num_batched_tokens=64, max_num_seqs=16)
     s.step_model = StepTimeModel(coef)
     runner = FakeRunner()
     s.add_request(req("long", 1000, 0.0))
@@ -272,7 +215,7 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     # A short prompt arriving meanwhile goes first in the next step (its place is earlier
     # than the long one's: arrival + 1,000 x 2 ms of aging), and the long one takes the rest.
     clock = Clock()
-    s = make(clock, max_num_batched_tokens=64, max_num_seqs=16)
+    s = make(clock, target_s=1.0, max_num_batched_tokens=64, max_num_seqs=16)
     s.step_model = StepTimeModel(coef)
     s.add_request(req("long", 1000, 0.0))
     for _ in range(3):
@@ -283,7 +226,7 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     assert s.step_model.predict(s.shape_of(runner.steps[-1])) <= cap + 1e-12
     # Steps not sized by time: every chunk is the token budget.
     clock = Clock()
-    s = make(clock, max_num_batched_tokens=64, enable_itl_target=False)
+    s = make(clock, max_num_batched_tokens=64)
     s.step_model = StepTimeModel(coef)
     assert s.prefill_step_cap() is None
     s.add_request(req("long", 1000, 0.0))
@@ -297,42 +240,18 @@ def test_without_decodes_a_prompt_that_completes_may_take_the_step_to_twice_the_
     # tokens (42 ms). A short prompt that completes goes whole while the step stays within
     # 100 ms (30 or 50 more tokens); one that would not (70) gets what the cap leaves (8).
     clock = Clock()
-    s = make(clock, max_num_batched_tokens=256, prefill_step_target_s=0.050,
-             prefill_scheduling="fcfs")
+    s = make(clock, target_s=0.050, max_num_batched_tokens=256, prefill_scheduling="fcfs")
     runner = FakeRunner()
     s.add_request(req("long", 600, 0.0))
     assert step(s, runner, clock) == [("long", 32)]
     s.add_request(req("short", short_len, clock.t))
     assert step(s, runner, clock) == [("long", 32), ("short", chunk)]
-    # With decodes running the ITL target has no such exception.
+    # With decodes running their slack has no such exception.
     # (Two decodes: 14 ms; 31 ms leaves 17 tokens: 16, and the short prompt does not complete.)
     clock = Clock()
-    s, runner = _running(clock, 2, coef=COEF, itl_target_s=0.031)
+    s, runner = _running(clock, 2, coef=COEF, target_s=0.031)
     s.add_request(req("short", 30, clock.t))
     assert step(s, runner, clock)[-1] == ("short", 16)
-
-
-def test_the_target_yields_once_a_request_has_waited_too_long() -> None:
-    # Two decodes (14 ms alone, CHEAP_PREFILL): a relative target of 2x gives a 600-token
-    # prompt 128 tokens a step. Once a request has waited itl_target_max_wait_s unscheduled, the
-    # step takes the whole token budget; after it is admitted, the target holds again.
-    clock = Clock()
-    s, runner = _running(clock, 2, itl_target_max_wait_s=0.5, itl_target_factor=2.0)
-    s.add_request(req("long", 600, clock.t))
-    s.add_request(req("late", 600, clock.t))
-    assert step(s, runner, clock)[-1] == ("long", 128)
-    clock.t += 0.5  # "late" has now waited over 0.5 s (max_long_partial_prefills = 1)
-    sizes = dict(step(s, runner, clock))
-    # The whole token budget the decodes leave (510): the rest of "long", then "late".
-    assert (sizes["long"], sizes["late"]) == (600 - 128, 510 - 472)
-    assert s.step_model.predict(s.shape_of(runner.steps[-1])) > 2 * 0.014
-    # Requests that were scheduled once (preempted ones) do not count.
-    again = req("again", 600, 0.0)
-    again.timestamps.first_scheduled = 0.0
-    s.waiting.push(again)
-    assert not s._queue_overdue(clock.t)
-    s.add_request(req("new", 600, clock.t))
-    assert not s._queue_overdue(clock.t + 0.5) and s._queue_overdue(clock.t + 0.51)
 
 
 def test_srpt_serves_the_shortest_remaining_prefill_first() -> None:
@@ -356,7 +275,7 @@ def test_a_prompt_ages_while_it_waits_not_while_it_is_prefilled() -> None:
     # which would wait for all of it. Its place counts the 0.444 s it was being served too
     # (0.876 s), so the short prompt goes first; the long one keeps the rest of the budget.
     clock = Clock()
-    s = make(clock, max_num_batched_tokens=64, prefill_step_target_s=1.0)
+    s = make(clock, target_s=1.0, max_num_batched_tokens=64)
     runner = FakeRunner()
     s.add_request(req("long", 600, 0.0))
     for _ in range(6):
@@ -367,7 +286,7 @@ def test_a_prompt_ages_while_it_waits_not_while_it_is_prefilled() -> None:
     assert "short" not in s.requests
     # One that was never served keeps its place: arrival + 600 x 2 ms (the aging bound).
     waiting = req("queued", 600, 0.0)
-    assert s._prefill_key(waiting, 0)[1] == pytest.approx(1.2)
+    assert s.waiting.prefill_key(waiting, 0, clock.t)[1] == pytest.approx(1.2)
 
 
 @pytest.mark.parametrize(("aging", "max_tokens"), [(0.5e-3, 1), (1.0, 1), (0.5e-3, 3)])
@@ -376,10 +295,10 @@ def test_aging_bounds_the_wait_of_a_long_prompt(aging: float, max_tokens: int) -
     its place is 0 + 400 x aging; no prompt that arrived after place - 32 x aging passes it.
     With aging that slow (1 s a token: pure SRPT for these 8 s) it is starved for as long as
     short prompts keep coming. With outputs of 3 tokens decodes run beside the prefills and
-    the default relative ITL target sizes the chunks: the order, and so the bound, holds."""
+    their slack under the ITL SLO sizes the chunks: the order, and so the bound, holds."""
     clock = Clock()
     # No prefix cache: a short prompt sharing a block with an earlier one would cost less.
-    s = make(clock, max_num_batched_tokens=32, prefill_aging_s_per_token=aging,
+    s = make(clock, target_s=0.060, max_num_batched_tokens=32, prefill_aging_s_per_token=aging,
              enable_prefix_caching=False)
     runner = FakeRunner()
     s.add_request(req("long", 400, 0.0))
@@ -435,7 +354,7 @@ def test_a_short_prompt_starts_beside_a_long_partial_prefill() -> None:
     # (4 in all, 1 long) it goes first (its SRPT place is earlier) and the long one waits.
     def steps(**kw: object) -> tuple[list[list[tuple[str, int]]], Scheduler]:
         clock = Clock()
-        s = make(clock, itl_target_s=0.046, **kw)
+        s = make(clock, target_s=0.046, **kw)
         runner = FakeRunner()
         s.add_request(req("a", 8, 0.0, max_tokens=100))
         step(s, runner, clock)
@@ -455,12 +374,14 @@ def test_a_short_prompt_starts_beside_a_long_partial_prefill() -> None:
 def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> None:
     clock = Clock()
     # Steps without decodes capped at 1 s: a prompt goes in one step.
-    s = make(clock, ttft_slo_s=0.100, scheduling_policy="priority", prefill_step_target_s=1.0)
+    s = make(clock, target_s=1.0, slo_ttft_s=0.100, enable_slo_admission=True,
+             scheduling_policy="priority")
     # On an idle engine 200 tokens take 10 + 200 = 210 ms: never within 100 ms.
     with pytest.raises(SLOUnattainableError, match=r"200 tokens .* 210 ms .* idle engine"):
         s.add_request(req("big", 200, 0.0))
-    # With the default cap (8 x 12 ms) they go in chunks of 64: 3 x 74 + 18 = 240 ms.
-    assert make(Clock()).predict_ttft(req("big", 200, 0.0)) == pytest.approx((0.240, 0.240))
+    # Capped at 96 ms they go in chunks of 64: 3 x 74 + 18 = 240 ms.
+    assert make(Clock(), target_s=0.096).predict_ttft(req("big", 200, 0.0)) == \
+        pytest.approx((0.240, 0.240))
     s.add_request(req("first", 50, 0.0))  # 60 ms: admitted
     with pytest.raises(SLORefusedError, match=r"predicted time to first token 120 ms exceeds "
                        r"the TTFT SLO of 100 ms") as exc:
@@ -474,14 +395,11 @@ def test_ttft_slo_refuses_with_the_prediction_and_admits_priority_ahead() -> Non
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("itl_target_ms", 0.0), ("itl_target_ms", -5.0), ("itl_target_ms", 1e9),
-    ("itl_target_ms", float("nan")), ("ttft_slo_ms", 0.0), ("ttft_slo_ms", -1.0),
-    ("ttft_slo_ms", 1e12), ("max_num_partial_prefills", 0), ("max_long_partial_prefills", 0),
-    ("max_long_partial_prefills", 5), ("prefill_step_target_ms", 0.0),
-    ("prefill_step_target_ms", -3.0), ("prefill_step_target_ms", 1e9),
-    ("prefill_aging_s_per_1k_tokens", 0.0), ("itl_target_factor", 0.5),
-    ("itl_target_factor", 1e6), ("itl_target_factor", float("nan")),
-    ("itl_target_max_wait_ms", 0.0), ("itl_target_max_wait_ms", float("nan")),
+    ("slo_itl_ms", 0.0), ("slo_itl_ms", -5.0), ("slo_itl_ms", 1e9),
+    ("slo_itl_ms", float("nan")), ("slo_ttft_ms", 0.0), ("slo_ttft_ms", -1.0),
+    ("slo_ttft_ms", 1e12), ("slo_tpot_ms", 0.0), ("slo_tpot_ms", float("inf")),
+    ("max_num_partial_prefills", 0), ("max_long_partial_prefills", 0),
+    ("max_long_partial_prefills", 5), ("prefill_aging_s_per_1k_tokens", 0.0),
 ])
 def test_bad_flag_values_fail_at_start_up_with_the_numbers(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=rf"{field} must be .*got {value}"):
@@ -494,7 +412,7 @@ def test_the_engines_model_follows_a_throttled_runner() -> None:
     (the host's multiplier moves at most 7.5% a step, so a 2x change takes ~10 to be seen)."""
     FOLLOW_STEPS = 40
     clock = Clock()
-    s = make(clock, itl_target_s=0.200)
+    s = make(clock, target_s=0.200)
     # Seeded as the engine seeds it: the calibration plan's shapes, timed on this "host".
     s.step_model = StepTimeModel()
     plan = [StepShape(c, d, d * ctx, prefill_attention_pairs(st, c)) for d, ctx, c, st in PLAN]

@@ -14,7 +14,7 @@ from typing import Any
 
 from tailserve import envs
 from tailserve.cli_flags import add_flags, from_namespace
-from tailserve.config import QUANTIZATIONS, EngineArgs
+from tailserve.config import QUANTIZATIONS, REMOVED_ENGINE_ARGS, EngineArgs, check_removed_args
 
 # generate: the SamplingParams fields it has flags for, and where its defaults differ from
 # SamplingParams' own (one prompt from a terminal: greedy, with room for a paragraph).
@@ -31,9 +31,16 @@ GENERATE_SAMPLING_HELP = {"seed": "per-request sampling seed", "stop": "stop str
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per EngineArgs field: ``max_num_seqs`` -> ``--max-num-seqs``."""
     add_flags(parser, EngineArgs, skip=("model",), group="engine")
+    # Removed flags are still recognized, so their error names what replaced them.
+    for name in REMOVED_ENGINE_ARGS:
+        flag = "--" + name.replace("_", "-")
+        names = [flag] + (["--no-" + flag[2:]] if name.startswith("enable_") else [])
+        parser.add_argument(*names, dest=f"removed__{name}", nargs="?", const=True,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    check_removed_args(k.removeprefix("removed__") for k in vars(ns) if k.startswith("removed__"))
     return from_namespace(EngineArgs, ns)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -30,28 +31,48 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# The default ITL target, re-derived every step (engine/latency.py step_target_s): AUTO_ITL_FACTOR
-# x the predicted decode-only step of the decodes that step carries, at least AUTO_ITL_MIN_MS
-# (below it no prefill chunk fits next to a very fast decode step, e.g. on a GPU). 1.5, not 2:
-# on 2 cores a decode-only stream's own ITL P99 is already ~1.9x its median (the API process
-# and the client share the cores with the step's threads), and 2x steps on top read 2.6-2.8x
-# on the mixed workload; 1.5 read 2.3x there, at no loss of TTFT or saturated throughput
-# (benchmarks/notes/scheduling.md, A/B and benchmarks/scheduler_sim.py).
-AUTO_ITL_FACTOR = 1.5
-AUTO_ITL_MIN_MS = 10.0
-# ... unless a request has waited AUTO_ITL_MAX_WAIT_MS unscheduled: the queue then goes first.
-AUTO_ITL_MAX_WAIT_MS = 2000.0
-# A step with no running decode may take AUTO_PREFILL_STEP_DECODES x the predicted one-decode
-# step (at most a budget-sized chunk at a prompt's start): a prompt that arrives while a long
-# one prefills waits for the step in flight, so that step is what its TTFT can lose. 8 x ~4.5
-# ms on this CPU is ~36 ms, about one 128-token chunk, whose prefill costs per token what a
-# 512-token chunk's do (benchmarks/notes/scheduling.md): a long prompt loses only the extra steps'
-# fixed cost, and a short one arriving meanwhile no longer waits ~0.5-1.5 s.
-AUTO_PREFILL_STEP_DECODES = 8.0
-MAX_ITL_TARGET_FACTOR = 100.0
-# What a target may be: beyond these the flag is a typo (a second, not a millisecond, value).
-MAX_ITL_TARGET_MS = 60_000.0
+# The SLO a request is held to unless it brings its own (docs/slo.md says why these): the first
+# token within 1 s, every next one within 100 ms. A reader takes ~4-8 tokens a second, so 100 ms
+# a token keeps a stream ahead of a fast reader; a decode step here is ~5-7 ms, so 100 ms leaves
+# a step ~90 ms of prefill beside the decodes (~200 prompt tokens), and a 1,000-token prompt's
+# idle prefill (~0.5 s) fits the 1 s TTFT with room for a queue.
+DEFAULT_SLO_TTFT_MS = 1000.0
+DEFAULT_SLO_ITL_MS = 100.0
+# What an SLO may be: beyond these the value is a typo (seconds, not milliseconds).
+MAX_ITL_SLO_MS = 60_000.0
 MAX_TTFT_SLO_MS = 3_600_000.0
+# Engine arguments that are gone, and what replaced them (a clear error instead of "unknown").
+REMOVED_ENGINE_ARGS: dict[str, str] = {
+    "enable_itl_target": "--slo-itl-ms (steps with decodes are sized by the decodes' slack "
+                         "under it; --slo-itl-ms none sizes them by tokens alone)",
+    "itl_target_ms": "--slo-itl-ms (a per-token deadline, not a per-step target)",
+    "itl_target_factor": "--slo-itl-ms (a step may take the smallest slack of its decodes "
+                         "under their ITL SLO, not a multiple of a decode step)",
+    "itl_target_max_wait_ms": "--slo-ttft-ms (waiting requests go by their TTFT deadline "
+                              "with --scheduling-policy deadline)",
+    "prefill_step_target_ms": "--slo-itl-ms (a step without decodes is capped by it too)",
+    "ttft_slo_ms": "--slo-ttft-ms with --enable-slo-admission",
+}
+
+
+def check_removed_args(names: Iterable[str]) -> None:
+    """A ``ConfigError`` naming the replacement of the first removed engine argument."""
+    for name in names:
+        if name in REMOVED_ENGINE_ARGS:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} ({name}) was removed; use {REMOVED_ENGINE_ARGS[name]}")
+
+
+def parse_optional_ms(value: str | float | None) -> float | None:
+    """A millisecond flag that may be turned off: ``none`` (or ``off``) is None."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    if value.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"expected milliseconds or 'none', got {value!r}") from None
 # Default token budget per step (max_num_batched_tokens) by device type.
 DEFAULT_BATCHED_TOKENS: dict[DeviceType, int] = {"cpu": 512, "cuda": 4096}
 
@@ -292,42 +313,35 @@ class EngineArgs:
         default=None, metadata={"help": "most prompt tokens one request may take in one step"}
     )
     admission_policy: Literal["optimistic", "reserve"] = "optimistic"
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    enable_itl_target: bool = field(
-        default=True,
-        metadata={"help": "size each step's prefill so the predicted step time (the online "
-                  "step-time model) stays within --itl-target-ms while decodes run"},
+    scheduling_policy: Literal["fcfs", "priority", "deadline"] = field(
+        default="deadline",
+        metadata={"help": "the order of the prefill budget: deadline: earliest TTFT deadline "
+                  "first (a request that can no longer meet it yields to those that can), "
+                  "preemption by slack; fcfs: by --prefill-scheduling; priority: the lowest "
+                  "priority value first, then as fcfs"},
     )
-    itl_target_ms: float | None = field(
+    slo_ttft_ms: float = field(
+        default=DEFAULT_SLO_TTFT_MS,
+        metadata={"help": "time to first token each request is held to unless it brings its "
+                  "own (header x-slo-ttft-ms, body slo.ttft_ms), ms"},
+    )
+    slo_itl_ms: float | None = field(
+        default=DEFAULT_SLO_ITL_MS,
+        metadata={"help": "the most any gap between two of a request's tokens may take, ms "
+                  "(x-slo-itl-ms, slo.itl_ms): each step may take the smallest slack of the "
+                  "decodes it carries, and prefill the rest; 'none': steps are sized by "
+                  "tokens alone", "parse": parse_optional_ms, "metavar": "MS"},
+    )
+    slo_tpot_ms: float | None = field(
         default=None,
-        metadata={"help": "a fixed inter-token target for every step with running decodes, "
-                  "ms; default: --itl-target-factor x the predicted decode-only step of the "
-                  f"decodes each step carries, at least {AUTO_ITL_MIN_MS:g} ms"},
+        metadata={"help": "the mean gap after the first token each request is held to, ms "
+                  "(x-slo-tpot-ms, slo.tpot_ms); reported per request, not scheduled on",
+                  "parse": parse_optional_ms, "metavar": "MS"},
     )
-    itl_target_factor: float = field(
-        default=AUTO_ITL_FACTOR,
-        metadata={"help": "without --itl-target-ms: a step with running decodes may take this "
-                  "many times their predicted decode-only step (1.5: prefill gets about a "
-                  "third of every step's time)"},
-    )
-    itl_target_max_wait_ms: float = field(
-        default=AUTO_ITL_MAX_WAIT_MS,
-        metadata={"help": "while a request has waited this long without being scheduled, "
-                  "steps are not sized by the ITL target and prefill takes the whole token "
-                  "budget: an overloaded engine serves its queue (the target would keep the "
-                  "batch small, and the queue would only grow); 2 s, the goodput TTFT bound"},
-    )
-    prefill_step_target_ms: float | None = field(
-        default=None,
-        metadata={"help": "the most a step with no running decode may take, ms (a prompt "
-                  "arriving meanwhile waits for it); default: "
-                  f"{AUTO_PREFILL_STEP_DECODES:g} x the predicted one-decode step, at most "
-                  "what a budget-sized chunk at a prompt's start takes"},
-    )
-    ttft_slo_ms: float | None = field(
-        default=None,
-        metadata={"help": "refuse (429) a request whose predicted time to first token exceeds "
-                  "this, and (400) one that exceeds it even on an idle engine"},
+    enable_slo_admission: bool = field(
+        default=False,
+        metadata={"help": "refuse (429 with Retry-After) a request predicted to miss its TTFT "
+                  "SLO, and (400) one that would miss it even on an idle engine"},
     )
     prefill_scheduling: Literal["srpt", "fcfs"] = field(
         default="srpt",
@@ -437,18 +451,13 @@ class EngineArgs:
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         KVEventsConfig.parse(self.kv_events_config)
-        for name, value, top in (("itl_target_ms", self.itl_target_ms, MAX_ITL_TARGET_MS),
-                                 ("prefill_step_target_ms", self.prefill_step_target_ms,
-                                  MAX_ITL_TARGET_MS),
-                                 ("itl_target_max_wait_ms", self.itl_target_max_wait_ms,
-                                  MAX_TTFT_SLO_MS),
-                                 ("ttft_slo_ms", self.ttft_slo_ms, MAX_TTFT_SLO_MS)):
+        for name, value, top in (("slo_ttft_ms", self.slo_ttft_ms, MAX_TTFT_SLO_MS),
+                                 ("slo_itl_ms", self.slo_itl_ms, MAX_ITL_SLO_MS),
+                                 ("slo_tpot_ms", self.slo_tpot_ms, MAX_ITL_SLO_MS)):
             # ``not a < v <= b`` also catches NaN.
-            if value is not None and not 0.0 < value <= top:
-                raise ConfigError(f"{name} must be in (0, {top:.0f}] ms, got {value}")
-        if not 1.0 <= self.itl_target_factor <= MAX_ITL_TARGET_FACTOR:
-            raise ConfigError(f"itl_target_factor must be in [1, {MAX_ITL_TARGET_FACTOR:g}], "
-                              f"got {self.itl_target_factor}")
+            if value is not None and not (isinstance(value, (int, float))
+                                          and 0.0 < value <= top):
+                raise ConfigError(f"{name} must be in (0, {top:.0f}] ms, got {value!r}")
         if not 0.0 < self.prefill_aging_s_per_1k_tokens <= 3600.0:
             raise ConfigError("prefill_aging_s_per_1k_tokens must be in (0, 3600] s, got "
                               f"{self.prefill_aging_s_per_1k_tokens}")
@@ -503,13 +512,10 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             max_queue_len=self.max_queue_len,
             max_request_tokens=self.max_request_tokens,
-            enable_itl_target=self.enable_itl_target,
-            itl_target_s=None if self.itl_target_ms is None else self.itl_target_ms / 1e3,
-            itl_target_factor=self.itl_target_factor,
-            itl_target_max_wait_s=self.itl_target_max_wait_ms / 1e3,
-            prefill_step_target_s=None if self.prefill_step_target_ms is None
-            else self.prefill_step_target_ms / 1e3,
-            ttft_slo_s=None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1e3,
+            slo_ttft_s=self.slo_ttft_ms / 1e3,
+            slo_itl_s=None if self.slo_itl_ms is None else self.slo_itl_ms / 1e3,
+            slo_tpot_s=None if self.slo_tpot_ms is None else self.slo_tpot_ms / 1e3,
+            enable_slo_admission=self.enable_slo_admission,
             prefill_scheduling=self.prefill_scheduling,
             prefill_aging_s_per_token=self.prefill_aging_s_per_1k_tokens / 1e3,
             max_num_partial_prefills=self.max_num_partial_prefills,
@@ -668,19 +674,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
     admission_policy: Literal["optimistic", "reserve"] = "optimistic"
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority", "deadline"] = "fcfs"
     max_queue_len: int | None = None
     # None: the pool's total tokens (CacheConfig), see ``request_limits``.
     max_request_tokens: int | None = None
-    # Time-budgeted steps (engine/scheduler.py); itl_target_s None: itl_target_factor x the
-    # predicted decode-only step of each step's decodes.
-    enable_itl_target: bool = True
-    itl_target_s: float | None = None
-    itl_target_factor: float = AUTO_ITL_FACTOR
-    itl_target_max_wait_s: float = AUTO_ITL_MAX_WAIT_MS / 1e3
-    # None: AUTO_PREFILL_STEP_DECODES x the predicted one-decode step (Scheduler.prefill_step_cap).
-    prefill_step_target_s: float | None = None
-    ttft_slo_s: float | None = None
+    # The SLO of a request that brings none (None: not held to that part). slo_itl_s sizes
+    # the steps (engine/latency.py step_time_budget); None: by tokens alone.
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
+    slo_tpot_s: float | None = None
+    enable_slo_admission: bool = False
     prefill_scheduling: Literal["srpt", "fcfs"] = "srpt"
     prefill_aging_s_per_token: float = 2e-3
     max_num_partial_prefills: int = 4

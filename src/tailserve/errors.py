@@ -29,23 +29,26 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_queue_len``: shed load (HTTP 429) instead of queueing."""
 
     reason = "queue_full"
-    retry_after_s: float | None = None
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class SLORefusedError(QueueFullError):
-    """The predicted time to first token exceeds ``--ttft-slo-ms`` (HTTP 429): refused at once
+    """The predicted time to first token exceeds the request's TTFT SLO under
+    ``--enable-slo-admission`` (HTTP 429): refused at once
     rather than queued to miss it; ``retry_after_s`` is when the queue ahead should be gone."""
 
     reason = "ttft_slo"
 
     def __init__(self, message: str, predicted_ttft_s: float, retry_after_s: float) -> None:
-        super().__init__(message)
+        super().__init__(message, retry_after_s)
         self.predicted_ttft_s = predicted_ttft_s
-        self.retry_after_s = retry_after_s
 
 
 class SLOUnattainableError(InvalidRequestError):
-    """A request whose own prefill, on an idle engine, is predicted over ``--ttft-slo-ms``:
+    """A request whose own prefill, on an idle engine, is predicted over its TTFT SLO:
     no amount of waiting admits it (HTTP 400, never a 429 a client would retry)."""
 
 

@@ -49,6 +49,27 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class SLO:
+    """The latency a request is held to (seconds; None: not held to that one). ``ttft_s``: its
+    first token within that of its arrival; ``itl_s``: every next token within that of the one
+    before (the per-token deadline the scheduler serves); ``tpot_s``: the mean gap after the
+    first token within that."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    tpot_s: float | None = None
+
+    def over(self, default: SLO) -> SLO:
+        """These values where given, ``default``'s elsewhere (a per-request override over the
+        server's SLO)."""
+        return SLO(
+            self.ttft_s if self.ttft_s is not None else default.ttft_s,
+            self.itl_s if self.itl_s is not None else default.itl_s,
+            self.tpot_s if self.tpot_s is not None else default.tpot_s,
+        )
+
+
 @dataclass
 class RequestTimestamps:
     """Engine-stamped, ``time.monotonic()`` seconds. Lists grow once per preemption."""
@@ -65,6 +86,10 @@ class RequestTimestamps:
     time_in_steps_with_prefill: float = 0.0
     # Sum of the steps in which this request was computing its prompt (own prefill).
     prefill_time: float = 0.0
+    # The latest output token, and the longest gap between two consecutive ones (the ITL SLO
+    # is met when that is within it).
+    last_token: float | None = None
+    max_itl: float = 0.0
 
 
 @dataclass
@@ -97,6 +122,10 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     # The order in which requests were admitted; preemption picks the newest admission.
     admit_seq: int = 0
+    # What the request asked for (headers, body); the scheduler puts the server's SLO under
+    # it when the request is added. ``slo_given_ttft``: the TTFT SLO came with the request.
+    slo: SLO = field(default_factory=SLO)
+    slo_given_ttft: bool = field(init=False, default=False)
     # The output budget: ``sampling_params.max_tokens``; a None there is resolved to the room
     # left under max_model_len when the scheduler adds the request (it is 0 until then). Kept
     # here because ``SamplingParams`` is frozen: it stays what the caller asked for.
@@ -157,6 +186,30 @@ class Request:
             "prompt_tokens": self.num_prompt_tokens,
             "cached_prompt_tokens": self.num_cached_tokens,
             "output_tokens": self.num_output_tokens,
+            **({"slo": self.slo_attainment(ttft_s)} if self.slo.ttft_s is not None else {}),
+        }
+
+    def next_token_deadline(self) -> float | None:
+        """When the next output token is due: the first by the TTFT SLO, every later one by
+        the ITL SLO after the one before (None: no SLO on it)."""
+        ts = self.timestamps
+        if ts.last_token is None:
+            return None if self.slo.ttft_s is None else ts.arrival + self.slo.ttft_s
+        return None if self.slo.itl_s is None else ts.last_token + self.slo.itl_s
+
+    def slo_attainment(self, ttft_s: float | None) -> dict[str, Any]:
+        """The SLO this request was held to and whether it met each part (``tailserve_timing``'s
+        ``slo``): ITL met = every gap between consecutive output tokens within ``itl_s``;
+        TPOT met = their mean within ``tpot_s``. With one output token there is no gap: met."""
+        slo, ts = self.slo, self.timestamps
+        gaps = self.num_output_tokens - 1
+        tpot = ((ts.last_token - ts.first_token) / gaps
+                if gaps > 0 and ts.last_token is not None and ts.first_token is not None else 0.0)
+        return {
+            "ttft_s": slo.ttft_s, "itl_s": slo.itl_s, "tpot_s": slo.tpot_s,
+            "ttft_met": ttft_s is not None and slo.ttft_s is not None and ttft_s <= slo.ttft_s,
+            "itl_met": None if slo.itl_s is None else ts.max_itl <= slo.itl_s,
+            "tpot_met": None if slo.tpot_s is None else tpot <= slo.tpot_s,
         }
 
 

@@ -16,7 +16,6 @@ from tailserve.analyze.attribution import NONE_FACTOR, CauseShare, MetricTail, t
 from tailserve.analyze.data import BLOCKED_KV, RunData, Steps
 from tailserve.analyze.samples import Samples
 from tailserve.analyze.stepmodel import StepModel
-from tailserve.config import AUTO_ITL_FACTOR
 
 # An ITL target more than this many times the decode-only step is too large to call steady.
 TARGET_TOO_LARGE = 3.0
@@ -52,7 +51,7 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
              "(--enable-chunked-prefill) and/or lower --long-prefill-token-threshold or "
              "--max-num-batched-tokens so a prompt is split across steps")
     if steps is None or not len(steps) or np.all(np.isnan(steps.itl_target)):
-        return split + ", or size steps by time (--itl-target-ms)."
+        return split + ", or size steps by time (--slo-itl-ms)."
     alone = (steps.prefill > 0) & (steps.decode == 0)
     if metric == "ttft" and alone.any():
         med = float(np.median(steps.step_s[alone])) * 1e3
@@ -61,8 +60,8 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
                "max_prefill_only_step_ms": round(top, 3)}
         return (f"a prompt that arrives while others prefill waits for the step in flight: "
                 f"steps without decodes took {med:.0f} ms at the median and up to {top:.0f} "
-                "ms; a lower --prefill-step-target-ms (default: 8 one-decode steps) makes "
-                "that wait shorter, at a few more steps' fixed cost for long prompts.")
+                "ms; a lower --slo-itl-ms (it caps steps without decodes too) makes that "
+                "wait shorter, at a few more steps' fixed cost for long prompts.")
     target = float(np.nanmedian(steps.itl_target))
     mixed = (steps.prefill > 0) & (steps.decode > 0)
     decode_only = (steps.prefill == 0) & (steps.decode > 0)
@@ -76,17 +75,14 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
         return (f"steps with prefill took {mixed_ms:.0f} ms at the median, over the ITL target "
                 f"of {target * 1e3:.0f} ms: the step-time model under-predicted them (compare "
                 "predicted_s with step_s in the timeline) or a prompt was not split "
-                "(--enable-chunked-prefill); a lower --itl-target-ms leaves more headroom.")
+                "(--enable-chunked-prefill); a lower --slo-itl-ms leaves more headroom.")
     if base_ms > 0 and target * 1e3 > TARGET_TOO_LARGE * base_ms:
-        return (f"steps with prefill are sized to the ITL target (--itl-target-ms "
+        return (f"steps with prefill are sized to the ITL SLO (--slo-itl-ms "
                 f"{target * 1e3:.0f}), {target * 1e3 / base_ms:.1f}x the decode-only step of "
-                f"{base_ms:.0f} ms: that target is too large for a steady ITL; lower "
-                f"--itl-target-ms toward {AUTO_ITL_FACTOR * base_ms:.0f} ms, or drop it for the "
-                f"default relative target (--itl-target-factor {AUTO_ITL_FACTOR:g}: "
-                f"{AUTO_ITL_FACTOR:g}x each batch's decode-only step); prefill then takes "
-                "more, smaller steps: TTFT rises.")
+                f"{base_ms:.0f} ms: that is too large for a steady ITL; a lower --slo-itl-ms "
+                "makes prefill take more, smaller steps: TTFT rises.")
     return (f"prefill steps stay near the ITL target ({target * 1e3:.0f} ms), which the tail "
-            "is made of: lower --itl-target-ms to trade TTFT for a steadier ITL.")
+            "is made of: lower --slo-itl-ms to trade TTFT for a steadier ITL.")
 
 
 def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,

@@ -17,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from tailserve.data.step import BlockedReason
 from tailserve.stepcost import prefill_attention_pairs
 
 # Admission reasons as the scheduler writes them in step records.
-BLOCKED_KV = "kv_cache"
-BLOCKED_PREEMPTION = "preemption"
+BLOCKED_KV = BlockedReason.KV_CACHE
+BLOCKED_PREEMPTION = BlockedReason.PREEMPTION
 FIRST_CHUNK_EXTRA_S = 0.005
 
 

@@ -33,6 +33,9 @@ class SchedulerSnapshot:
     num_preemptions_total: int
     kv: KVCacheSnapshot
     itl_target_s: float | None = None
+    # The slack of the tightest decode of the last step with decodes (its next token's
+    # deadline - the step's start).
+    min_decode_slack_s: float | None = None
     step_model: dict[str, float] = field(default_factory=dict)
 
 
@@ -95,3 +98,4 @@ class RequestRecord:
     model: str | None = None
     # One of ABORT_REASONS when the API ended the engine request early, else None.
     abort_reason: str | None = None
+    priority: int = 0

@@ -10,6 +10,7 @@ import them without importing one another (``tests/test_layering.py``).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,21 @@ from typing import Any
 from tailserve.data.kv_events import KVCacheEvent
 from tailserve.request import FinishReason, RequestTimestamps
 from tailserve.sampling_params import SamplingParams
+
+
+class BlockedReason(str, enum.Enum):
+    """Why the head of the waiting queue was not admitted in a step. The values are what the
+    timeline and ``StepStats`` carry (``tailserve diagnose`` reads them back through this enum)."""
+
+    KV_CACHE = "kv_cache"  # free blocks / watermark
+    MAX_NUM_SEQS = "max_num_seqs"
+    TOKEN_BUDGET = "token_budget"
+    PREEMPTION = "preemption"  # the step preempted a running request: no admission follows
+    STEP_TIME = "itl_target"  # the step's time budget (the decodes' slack) is spent
+    PARTIAL_PREFILLS = "partial_prefills"  # max_num_partial_prefills / max_long_...
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -48,10 +64,8 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that finished or were aborted since the previous step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
-    # Why the head of the waiting queue was not admitted this step, if it was not:
-    # "kv_cache" (free blocks / watermark), "max_num_seqs", "token_budget", "preemption",
-    # "itl_target" (the step's predicted time is spent), "partial_prefills" or None.
-    admission_blocked_by: str | None = None
+    # Why the head of the waiting queue was not admitted this step, if it was not.
+    admission_blocked_by: BlockedReason | None = None
     # The step's shape as the step-time model sees it (stepcost.py) and its prediction.
     num_decode_context_tokens: int = 0
     prefill_attention_pairs: int = 0
@@ -106,15 +120,19 @@ class StepStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_finished: int
-    admission_blocked_by: str | None = None
+    admission_blocked_by: BlockedReason | None = None
     # Engine-process memory sampled at the end of the step (keys as ``EngineState.memory``).
     memory: dict[str, float] = field(default_factory=dict)
     # The step-time model: what it predicted for this step before it ran, the shape it saw,
-    # the ITL target in force, and its coefficients after learning from this step.
+    # the time budget of the last step with decodes (``itl_target_s``: their smallest slack
+    # less the margin), and its coefficients after learning from this step.
     predicted_s: float | None = None
     num_decode_context_tokens: int = 0
     prefill_attention_pairs: int = 0
     itl_target_s: float | None = None
+    # The slack of the tightest decode at the last step with decodes (its next token's
+    # deadline - the step's start); /metrics' tailserve:min_decode_slack_seconds.
+    min_decode_slack_s: float | None = None
     step_model: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -155,16 +155,17 @@ class EngineBuilder:
         return core.release_checkpoint() if owned else core
 
 
+def _ms(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
 def _log_ready(core: EngineCore, seconds: float) -> None:
     config = core.config
     sc = config.scheduler
-    if sc.enable_itl_target and sc.itl_target_s is not None:
-        log.info("ITL target %.1f ms (fixed)", sc.itl_target_s * 1e3)
-    elif sc.enable_itl_target:
-        one = core.scheduler.step_target(StepShape(0, 1, 512, 0))
-        log.info("ITL target: %gx the predicted decode-only step of each step's decodes "
-                 "(one decode at 512 tokens of context: %.1f ms)", sc.itl_target_factor,
-                 (one or 0.0) * 1e3)
+    one = core.scheduler.step_model.predict(StepShape(0, 1, 512, 0))
+    log.info("SLO: TTFT %s, ITL %s, TPOT %s (a decode-only step of one request at 512 tokens "
+             "of context: %.1f ms predicted)", _ms(sc.slo_ttft_s), _ms(sc.slo_itl_s),
+             _ms(sc.slo_tpot_s), one * 1e3)
     cache = config.cache
     run = config.runner
     log.info(

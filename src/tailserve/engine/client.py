@@ -472,7 +472,7 @@ class InprocEngineClient(EngineClient):
 def _rejection(msg: Rejected) -> Exception:
     """The engine's refusal as the error the edge maps (429 with Retry-After, or 400)."""
     if msg.kind == "queue_full":
-        return QueueFullError(msg.message)
+        return QueueFullError(msg.message, msg.retry_after_s)
     if msg.kind == "ttft_slo":
         return SLORefusedError(msg.message, msg.predicted_ttft_s or 0.0, msg.retry_after_s or 1.0)
     if msg.kind == "ttft_slo_unattainable":

@@ -165,6 +165,7 @@ class EngineCore:
             num_decode_context_tokens=sched.num_decode_context_tokens,
             prefill_attention_pairs=sched.prefill_attention_pairs,
             itl_target_s=snap.itl_target_s,
+            min_decode_slack_s=snap.min_decode_slack_s,
             step_model=snap.step_model,
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits

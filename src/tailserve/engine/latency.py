@@ -1,10 +1,22 @@
-"""Predicted time to first token, from the step-time model, for ``--ttft-slo-ms`` admission.
+"""Step time budgets from the requests' SLOs, and predicted time to first token.
 
-A new request waits for the prefill of everyone the scheduler serves before it (running
-partial prefills and waiting requests whose place in ``Scheduler._prefill_key`` order comes
-first) and then its own, in chunks of the size the running decodes leave under the step's
-ITL target (``step_target_s``). The prediction is refused at once when over the SLO (429
-with ``Retry-After``), and as a 400 when even an idle engine could not meet it.
+**A step's time budget** (``step_time_budget``): each running decode's next token is due at
+its last token's time + its ITL SLO (``Request.next_token_deadline``); a step may take the
+smallest slack among the decodes it carries (deadline - now), less a margin of
+``SLACK_SIGMAS`` robust deviations of the step-time model's own error (``sigma_s``) and
+``SLACK_FLOOR_S`` for the host's time between steps. Prefill takes what that leaves, all of
+it. A step without decodes is capped by the ITL SLO itself (less the margin): that is what
+a decode would allow right after its token, and what a prompt arriving meanwhile waits.
+
+**Chunks** (``time_limited_chunk``): the largest multiple of PREFILL_ALIGN, else one of
+SMALL_CHUNKS, that keeps the step's predicted time within its budget.
+
+**Predicted TTFT** (``predict_ttft``): a new request waits for the prefill of everyone the
+scheduler serves before it (running partial prefills and waiting requests that come first
+in the waiting policy's ``prefill_key`` order) and then its own, in chunks of the size the
+running decodes leave under their budget. With ``--enable-slo-admission`` a prediction over
+the request's TTFT SLO is refused at once (429 with ``Retry-After``); one that even an idle
+engine could not meet is a 400 (also without it, when the request brought its own TTFT SLO).
 Torch-free, like the scheduler.
 """
 
@@ -13,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tailserve.config import AUTO_ITL_MIN_MS
 from tailserve.errors import SLORefusedError, SLOUnattainableError
 from tailserve.request import Request
 from tailserve.stepcost import StepShape, StepTimeModel
@@ -30,19 +41,26 @@ SMALL_CHUNKS = (16, 8)
 MIN_PREFILL_CHUNK = SMALL_CHUNKS[-1]
 
 
-def step_target_s(model: StepTimeModel, decode: StepShape, fixed_s: float | None,
-                  factor: float) -> float:
-    """The time a step carrying the decodes ``decode`` may take: ``fixed_s`` when given
-    (``--itl-target-ms``), else ``factor`` x their predicted decode-only step, at least
-    AUTO_ITL_MIN_MS. Relative to the batch actually running, so prefill gets about
-    (factor - 1) / factor of every step's time at any concurrency (a fixed target is filled
-    by the decodes alone once enough run, and prefill starves at the minimum chunk), and a
-    step is at most ~factor x a decode-only step of the same batch: the ITL a decode sees
-    while prompts prefill stays within factor x the ITL it sees when none do. The model
-    follows the host, so the target follows a host that turns slower."""
-    if fixed_s is not None:
-        return fixed_s
-    return max(factor * model.predict(decode), AUTO_ITL_MIN_MS / 1e3)
+# The margin a step's budget keeps below the smallest slack: SLACK_SIGMAS robust deviations of
+# the step-time model's error (1.25 x its mean absolute residual: ~2.4 standard deviations of
+# a normal error, ~1% of steps over), and SLACK_FLOOR_S for what happens between two steps
+# (the token's way out, the next schedule), ~1 ms here. Never more than MAX_MARGIN_SHARE of the
+# slack: on a host shared with busy processes the model's deviation reached 173 ms, a margin
+# of 350 ms that left no 100 ms SLO any prefill: every prompt crawled in 8-24-token steps of
+# 70-90 ms, and first tokens took tens of seconds while the ITL was missed anyway.
+SLACK_SIGMAS = 2.0
+SLACK_FLOOR_S = 2e-3
+MAX_MARGIN_SHARE = 0.25
+
+
+def slack_margin_s(model: StepTimeModel) -> float:
+    return SLACK_SIGMAS * model.sigma_s + SLACK_FLOOR_S
+
+
+def step_time_budget(model: StepTimeModel, min_slack_s: float) -> float:
+    """The time a step may take when the tightest decode it carries has ``min_slack_s``
+    left before its next token is due."""
+    return min_slack_s - min(slack_margin_s(model), MAX_MARGIN_SHARE * abs(min_slack_s))
 
 
 def is_decode(r: Request) -> bool:
@@ -81,29 +99,29 @@ def time_limited_chunk(model: StepTimeModel, shape: StepShape, start: int, n: in
     return min(n, floor)
 
 
-def chunk_under_load(model: StepTimeModel, budget: int, itl_target_s: float | None,
+def chunk_under_load(model: StepTimeModel, budget: int, step_budget_s: float | None,
                      decode: StepShape, prefill_cap_s: float | None = None) -> int:
     """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them, for
-    a chunk at the start of a prompt), ``itl_target_s`` the step's target (``step_target_s``
-    of ``decode``); with no decodes, ``prefill_cap_s`` (``Scheduler.prefill_step_cap``)."""
+    a chunk at the start of a prompt), ``step_budget_s`` the step's budget with ``decode``;
+    with no decodes, ``prefill_cap_s`` (``Scheduler.prefill_step_cap``)."""
     left = max(budget - decode.decode_seqs, 1)
-    target = itl_target_s if decode.decode_seqs else prefill_cap_s
+    target = step_budget_s if decode.decode_seqs else prefill_cap_s
     if target is None:
         return left
     return time_limited_chunk(model, decode, 0, left, target, first_chunk=True)
 
 
-def predict_ttft(model: StepTimeModel, budget: int, itl_target_s: float | None,
+def predict_ttft(model: StepTimeModel, budget: int, step_budget_s: float | None,
                  running: Sequence[Request], ahead: Sequence[Request],
                  req: Request, prefill_cap_s: float | None = None) -> tuple[float, float]:
     """(predicted TTFT now, predicted TTFT on an idle engine) of ``req``, which waits for
-    the rest of every prompt in ``ahead``; ``itl_target_s`` is the target of a step carrying
+    the rest of every prompt in ``ahead``; ``step_budget_s`` is the budget of a step carrying
     the running decodes, ``prefill_cap_s`` the most a step without decodes may take."""
     own = req.num_prompt_tokens
     idle = model.prefill_time(own, 0, StepShape(),
                               chunk_under_load(model, budget, None, StepShape(), prefill_cap_s))
     decode = decode_shape(running)
-    chunk = chunk_under_load(model, budget, itl_target_s, decode, prefill_cap_s)
+    chunk = chunk_under_load(model, budget, step_budget_s, decode, prefill_cap_s)
     t = model.prefill_time(own, 0, decode, chunk)
     for r in ahead:
         t += model.prefill_time(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens,
@@ -112,20 +130,22 @@ def predict_ttft(model: StepTimeModel, budget: int, itl_target_s: float | None,
 
 
 def check_slo(req: Request, slo_s: float, predicted: float, idle: float, num_waiting: int,
-              num_running: int) -> None:
+              num_running: int, refuse: bool) -> None:
+    """400 when even an idle engine misses ``slo_s``; with ``refuse``, 429 when the queue
+    ahead makes the prediction miss it."""
     if idle > slo_s:
         raise SLOUnattainableError(
             f"the prompt's {req.num_prompt_tokens} tokens are predicted to take "
             f"{idle * 1e3:.0f} ms to prefill even on an idle engine, over the TTFT SLO "
-            f"of {slo_s * 1e3:.0f} ms (--ttft-slo-ms): shorten the prompt",
+            f"of {slo_s * 1e3:g} ms: shorten the prompt or raise the SLO",
             param="prompt",
         )
-    if predicted > slo_s:
+    if refuse and predicted > slo_s:
         # The queue ahead should have drained by then (and the SLO be met again).
         retry = max(1.0, math.ceil(predicted - slo_s))
         raise SLORefusedError(
             f"predicted time to first token {predicted * 1e3:.0f} ms exceeds the TTFT SLO "
-            f"of {slo_s * 1e3:.0f} ms ({num_waiting} waiting, {num_running} running; "
+            f"of {slo_s * 1e3:g} ms ({num_waiting} waiting, {num_running} running; "
             f"{idle * 1e3:.0f} ms of it is this prompt's own prefill); retry in {retry:.0f} s",
             predicted_ttft_s=predicted, retry_after_s=retry,
         )

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tailserve.config import EngineArgs
+from tailserve.config import EngineArgs, check_removed_args
 from tailserve.data.step import StepStats
 from tailserve.engine.core import EngineCore
 from tailserve.engine.input_processor import (
@@ -34,11 +34,13 @@ class LLM:
                  **engine_args: Any) -> None:
         """``keep_checkpoint``: keep the loaded tensors in ``engine.loaded.weights`` after
         the runner is built (by default they go: the runner holds what it serves)."""
+        check_removed_args(engine_args)
         self._setup(EngineArgs(model=model, **engine_args), None, keep_checkpoint)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, **engine_args: Any) -> LLM:
         """An LLM over weights already in memory (several engines, one load)."""
+        check_removed_args(engine_args)
         llm = cls.__new__(cls)
         llm._setup(EngineArgs(model=loaded.source, **engine_args), loaded)
         return llm

@@ -46,7 +46,7 @@ from tailserve.engine.messages import (
 from tailserve.errors import QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.obs.memory import MemoryMonitor, SteadyMemoryCheck
 from tailserve.obs.profiling import ProfileCapture
-from tailserve.request import Request
+from tailserve.request import SLO, Request
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class EngineLoop:
                         msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                         arrival_time=msg.arrival_time, priority=msg.priority,
                         cache_salt=msg.cache_salt,
+                        slo=SLO(msg.slo_ttft_s, msg.slo_itl_s, msg.slo_tpot_s),
                     )
                     self.core.add_request(req)
                 except SLORefusedError as exc:
@@ -123,7 +124,8 @@ class EngineLoop:
                     self._send(Rejected(msg.request_id, "ttft_slo_unattainable", str(exc),
                                         exc.param))
                 except QueueFullError as exc:
-                    self._send(Rejected(msg.request_id, "queue_full", str(exc)))
+                    self._send(Rejected(msg.request_id, "queue_full", str(exc),
+                                        retry_after_s=exc.retry_after_s))
                 except ValueError as exc:
                     param = getattr(exc, "param", None)
                     self._send(Rejected(msg.request_id, "invalid_request", str(exc), param))

@@ -29,6 +29,10 @@ class AddRequest(msgspec.Struct, tag="add"):
     # queue_s covers parsing, tokenization and the hop to the engine too.
     arrival_time: float
     priority: int = 0
+    # The request's own SLO, seconds (headers x-slo-*, body "slo"); None: the server's.
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
+    slo_tpot_s: float | None = None
     cache_salt: str | None = None  # Request.cache_salt
 
 
@@ -100,7 +104,8 @@ class Rejected(msgspec.Struct, tag="rejected"):
     kind: Literal["invalid_request", "queue_full", "ttft_slo", "ttft_slo_unattainable"]
     message: str
     param: str | None = None
-    # ttft_slo: the prediction that refused it, and when the queue ahead should be gone.
+    # ttft_slo: the prediction that refused it; ttft_slo and queue_full: when the queue
+    # ahead should be gone.
     predicted_ttft_s: float | None = None
     retry_after_s: float | None = None
 

@@ -59,6 +59,11 @@ SUCCESS_REASONS = ("stop", "length", "abort")
 # vllm:cache_config_info's labels that tailserve knows truthfully; vLLM's others (swap space,
 # CPU offload, sliding window, ...) describe features tailserve does not have.
 CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
+# SLO attainment by part (tailserve_timing's slo: ttft_met, itl_met, tpot_met) and by priority:
+# the priority value as given within PRIORITY_LABEL_RANGE, else "other" (a label per value a
+# client may send would be unbounded).
+SLO_KINDS = ("ttft", "itl", "tpot")
+PRIORITY_LABEL_RANGE = range(-3, 4)
 REJECT_REASONS = (
     "queue_full", "invalid_request", "draining", "engine_dead", "unauthorized", "too_large",
     "ttft_slo", "ttft_slo_unattainable",
@@ -267,8 +272,23 @@ class ServerMetrics:
             ("term",),
         )
         self.itl_target_seconds = gauge(
-            "itl_target_seconds", "The ITL target steps are sized to (0: none)."
+            "itl_target_seconds", "The time budget of the latest step with decodes: their "
+            "smallest slack under the ITL SLO less the margin (0: none)."
         )
+        # The SLO (server defaults, per-request overrides) and who met it.
+        self._gauge = gauge
+        self.slo_ttft_seconds: Gauge | None = None
+        self.slo_itl_seconds: Gauge | None = None
+        self.slo_attained = counter(
+            "slo_attained_total", "Finished requests that met an SLO, by part (ttft, itl: every "
+            "gap, tpot: the mean gap) and priority.", ("slo", "priority"))
+        self.slo_missed = counter(
+            "slo_missed_total", "Finished requests that missed an SLO, by part and priority.",
+            ("slo", "priority"))
+        self.min_decode_slack_seconds = gauge(
+            "min_decode_slack_seconds", "The slack of the tightest running decode at the latest "
+            "step with decodes (its next token's deadline - the step's start; < 0: late).")
+        self._min_slack_s: float | None = None
         # The newest engine report's gauge values, set on the gauges when the page is
         # rendered (_flush). Every step delivered two reports (its state and its stats) and
         # each set ~25 gauges under prometheus_client's per-value locks: 12% of the API
@@ -329,6 +349,18 @@ class ServerMetrics:
             cache_dtype=cache_dtype,
         ).set(1)
 
+    def on_slo_config(self, *, ttft_s: float | None, itl_s: float | None) -> None:
+        """The server's SLO (what a request that brings none is held to), once at start-up;
+        a part that is unset has no gauge."""
+        if ttft_s is not None:
+            self.slo_ttft_seconds = self._gauge(
+                "slo_ttft_seconds", "The server's TTFT SLO (--slo-ttft-ms).")
+            self.slo_ttft_seconds.set(ttft_s)
+        if itl_s is not None:
+            self.slo_itl_seconds = self._gauge(
+                "slo_itl_seconds", "The server's ITL SLO (--slo-itl-ms).")
+            self.slo_itl_seconds.set(itl_s)
+
     def on_dtypes(self, *, weight_dtype: str, compute_dtype: str, cache_dtype: str) -> None:
         """The resolved dtypes (``RunnerConfig``), once at start-up."""
         self.dtype_info.labels(weight_dtype=weight_dtype, compute_dtype=compute_dtype,
@@ -347,6 +379,8 @@ class ServerMetrics:
             self.step_time_prediction_abs_error.inc(abs(stats.step_s - stats.predicted_s))
         self._step_model = stats.step_model
         self._itl_target_s = stats.itl_target_s or 0.0
+        if stats.min_decode_slack_s is not None:
+            self._min_slack_s = stats.min_decode_slack_s
         # A decode sequence contributes exactly one token to the step.
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_seqs)
         # StepStats carries per-step deltas, so they add straight into the counters (a zero
@@ -390,6 +424,16 @@ class ServerMetrics:
         self.request_generation_tokens.observe(rec.output_tokens)
         for gap in rec.itl_s:
             self.inter_token_latency.observe(gap)
+        slo = timing.get("slo")
+        if isinstance(slo, Mapping) and rec.abort_reason != "client_disconnect":
+            # A client that left ended it, not the server's latency: not counted.
+            p = rec.priority
+            priority = str(p) if p in PRIORITY_LABEL_RANGE else "other"
+            for kind in SLO_KINDS:
+                met = slo.get(f"{kind}_met")
+                if met is not None:
+                    (self.slo_attained if met else self.slo_missed).labels(
+                        slo=kind, priority=priority).inc()
 
     def on_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(reason=reason).inc()
@@ -414,6 +458,9 @@ class ServerMetrics:
                 self.step_time_model.labels(term=term).set(value)
             self.itl_target_seconds.set(self._itl_target_s)
             self._step_model = None
+        if self._min_slack_s is not None:
+            self.min_decode_slack_seconds.set(self._min_slack_s)
+            self._min_slack_s = None
 
     def _set_memory(self, memory: Mapping[str, float]) -> None:
         # Absent keys (CPU engine, CUDA not yet initialized) leave the gauges as they were.

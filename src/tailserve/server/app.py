@@ -60,7 +60,7 @@ from tailserve.server.tenants import load_api_keys
 logger = logging.getLogger("tailserve.server")
 
 _REJECT_REASONS = {400: "invalid_request", 404: "invalid_request", 429: "queue_full"}
-_SLO_REASONS = ("ttft_slo", "ttft_slo_unattainable")  # --ttft-slo-ms refusals (429 / 400)
+_SLO_REASONS = ("ttft_slo", "ttft_slo_unattainable")  # TTFT SLO refusals (429 / 400)
 
 
 def create_app(ctx: ServerContext) -> Any:

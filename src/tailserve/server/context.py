@@ -134,6 +134,8 @@ class ServerContext:
                           cache_dtype=run.kv_cache_dtype)
         metrics.on_weights(client.info.weight_bytes)
         metrics.on_transforms(client.info.transforms)
+        metrics.on_slo_config(ttft_s=self.config.scheduler.slo_ttft_s,
+                              itl_s=self.config.scheduler.slo_itl_s)
         if client.state is None:
             metrics.on_ready(cache.num_kv_blocks)
         else:

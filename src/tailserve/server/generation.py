@@ -22,7 +22,7 @@ from tailserve.engine.input_processor import ParentRequest
 from tailserve.engine.messages import AddRequest
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.outputs import CompletionOutput
-from tailserve.request import FinishReason, RequestStatus
+from tailserve.request import SLO, FinishReason, RequestStatus
 from tailserve.sampling_params import SamplingParams
 
 # How often a non-streamed request checks whether its client is still there.
@@ -74,6 +74,7 @@ class Generation:
         priority: int,
         on_choice_finished: Callable[[RequestRecord], None],
         record_id: str,
+        slo: SLO | None = None,
         cache_salt: str | None = None,
     ) -> None:
         """``parents``: the request's prompts, shaped and validated by the input processor,
@@ -85,6 +86,7 @@ class Generation:
         self.params = params
         self.arrival_time = arrival_time
         self.priority = priority
+        self.slo = slo or SLO()
         self.cache_salt = cache_salt
         self.on_choice_finished = on_choice_finished
         self.processor = OutputProcessor(tokenizer)
@@ -121,6 +123,7 @@ class Generation:
                     index += 1
                     self.client.add_request(
                         AddRequest(child_id, ids, child_params, self.arrival_time, self.priority,
+                                   self.slo.ttft_s, self.slo.itl_s, self.slo.tpot_s,
                                    cache_salt=self.cache_salt),
                         self.queue,
                     )
@@ -253,6 +256,7 @@ class Generation:
             first_token_time=wall_from_monotonic(first) if first is not None else None,
             finished_time=wall_from_monotonic(finished),
             itl_s=choice.itl_s,
+            priority=self.priority,
         )
 
     def delta(self, choice: Choice, holdback: bool) -> Delta:

@@ -49,6 +49,8 @@ class _SamplingFields(_Base):
     # vLLM's prefix-cache isolation: cached KV blocks are shared only among requests with the
     # same salt (kv.block_pool.hash_block mixes it into the chain's root).
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    # The request's own SLO (server/slo.py): {"ttft_ms": ..., "itl_ms": ..., "tpot_ms": ...}.
+    slo: Any = None
 
 
 PromptInput = Annotated[

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tailserve.engine.client import EngineDeadError
 from tailserve.engine.input_processor import Prompt
 from tailserve.errors import InvalidRequestError, QueueFullError, SLOUnattainableError
+from tailserve.request import SLO
 from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from tailserve.server.context import ServerContext
 from tailserve.server.errors import APIError, bad_request, engine_error, error_body
@@ -30,6 +31,7 @@ from tailserve.server.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from tailserve.server.slo import request_slo
 from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
 
 
@@ -58,8 +60,8 @@ class OpenAIServing:
         fmt = CompletionFormatter(
             self.tokenizer, self.ctx.model_name(), params.logprobs or 0
         )
-        gen = self._start(http, prompts, params, arrival, body.priority,
-                          body.cache_salt)
+        slo = request_slo(http.headers, body.slo)
+        gen = self._start(http, prompts, params, arrival, body.priority, slo, body.cache_salt)
         return await self._respond(gen, http, body, fmt)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -93,7 +95,8 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         params = self._sampling_params(body, max_tokens, logprobs)
         fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0)
-        gen = self._start(http, [prompt], params, arrival, body.priority,
+        slo = request_slo(http.headers, body.slo)
+        gen = self._start(http, [prompt], params, arrival, body.priority, slo,
                           body.cache_salt)  # as in completions
         return await self._respond(gen, http, body, fmt)
 
@@ -161,6 +164,7 @@ class OpenAIServing:
         params: SamplingParams,
         arrival: float,
         priority: int,
+        slo: SLO,
         cache_salt: str | None = None,
     ) -> Generation:
         """Validate the lengths and fan ``n`` out (input processor), admit, then submit."""
@@ -181,7 +185,7 @@ class OpenAIServing:
             cache_salt = tenant_salt(tenant.name if tenant else DEFAULT_TENANT, cache_salt)
         gen = Generation(
             ctx.client, self.tokenizer, parents, params, arrival, priority,
-            ctx.on_choice_finished(http, params), record_id=http.state.request_id,
+            ctx.on_choice_finished(http, params), record_id=http.state.request_id, slo=slo,
             cache_salt=cache_salt,
         )
         try:
