@@ -40,7 +40,6 @@ FALLBACK_HELP: dict[str, str] = {
     "enable_chunked_prefill": "split long prompts into chunks that fit the step's token budget",
     "admission_policy": "optimistic: admit on the first chunk, may preempt later; reserve: "
                         "admit only when prompt + max_tokens fits, never preempt",
-    "scheduling_policy": "fcfs, or priority (a request's lower priority value goes first)",
     "seed": "the sampling seed of requests without their own",
 }
 
