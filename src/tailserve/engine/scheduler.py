@@ -10,6 +10,8 @@ One ``schedule()`` call runs the phases of ``engine/step_phases.py`` over one ``
    the step-time model's error (``latency.step_time_budget``); prefill takes all of it. With
    no decode, the tightest ITL SLO caps the step (``prefill_step_cap``) and prefill takes the
    whole token budget within it (a prompt that completes may take it to twice the cap).
+   Neither binds while the queue is overdue (``_queue_overdue``): prefill then takes the
+   whole token budget.
 3. **Partial prefills and admissions** in the waiting policy's ``prefill_key`` order
    (``engine/waiting_queue.py``: earliest deadline first under ``deadline``, the default;
    SRPT with aging or arrival order under ``fcfs``; priority first under ``priority``), each
