@@ -149,12 +149,11 @@ class EngineBuilder:
                 if kv_events is not None:
                     kv_events.close()
                 raise
-            core = EngineCore(config, loaded, runner, scheduler, kv_events, workers)
+            core = EngineCore(config, loaded, runner, scheduler, kv_events, workers, self.steps)
         except BaseException:
             if workers is not None:
                 workers.shutdown(graceful=False)
             raise
-        core.startup_steps = list(self.steps)
         _log_ready(core, time.perf_counter() - t0)
         return core.release_checkpoint() if owned else core
 
