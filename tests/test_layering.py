@@ -94,7 +94,8 @@ TORCH_NAMES = {"torch", "triton"}
 # start-up path would have to import one of them and lands here first.
 BUILD_MODULES: dict[str, set[str]] = {
     "tailserve.model.build": {"tailserve.model.runner"},
-    "tailserve.model.runner": {"tailserve.engine.build", "tailserve.engine.core"},
+    "tailserve.model.runner": {"tailserve.engine.build", "tailserve.engine.core",
+                               "tailserve.model.runner_setup"},
     "tailserve.engine.build": {"tailserve.engine.core", "tailserve.engine.tensor_parallel"},
 }
 
@@ -287,7 +288,8 @@ def test_start_up_is_built_in_one_place() -> None:
     # A planted second path is seen.
     planted = [*_all_imports(), _planted("tailserve.engine.llm", "tailserve.model.runner")]
     assert build_importers(planted)["tailserve.model.runner"] == {
-        "tailserve.engine.build", "tailserve.engine.core", "tailserve.engine.llm"}
+        "tailserve.engine.build", "tailserve.engine.core", "tailserve.engine.llm",
+        "tailserve.model.runner_setup"}
 
 
 def test_allowed_table_has_no_cycle() -> None:

@@ -6,8 +6,8 @@ tensor-parallel worker also reports each one as its phase, which rank 0 names wh
 fails):
 
 1. ``load``: the checkpoint, read as ``EngineArgs.resolve_load`` says (packed GGUF blocks or
-   dequantized, ``--quantization`` checked against the runner that will serve it); skipped
-   when the caller hands one in (``LLM.from_loaded``).
+   dequantized, ``--quantization`` checked against the runner that will serve it), or the one
+   the caller hands in as it is (``LLM.from_loaded``).
 2. ``resolve``: the arguments against the model: an ``UnsizedEngineConfig``.
 3. ``build_runner``: the ``ModelRunner``, whose model ``model/build.py`` builds (this rank's
    shards under tensor parallelism). Under tensor parallelism every rank then waits for all
@@ -52,7 +52,6 @@ class EngineBuilder:
         self.args = args
         self.rank = rank
         self.platform = detect_platform() if platform is None else platform
-        self.load_config: LoadConfig = args.resolve_load(self.platform)
         self.steps: list[str] = []
         self._report = report
 
@@ -63,13 +62,18 @@ class EngineBuilder:
             self._report(phase)
 
     # ------------------------------------------------------------------ the steps
+    def resolve_load(self) -> LoadConfig:
+        """What to ask the loader for (``EngineArgs.resolve_load``: ``gguf_weights`` and the
+        quantization check against the runner that will serve it)."""
+        return self.args.resolve_load(self.platform)
+
     def load(self, loaded: LoadedModel | None = None, *,
              with_tokenizer: bool = True) -> LoadedModel:
         """``loaded`` when given (weights already in memory), else read from disk."""
-        lc = self.load_config
         if loaded is not None:
             self._step("load", f"using the model loaded already ({loaded.source})")
             return loaded
+        lc = self.resolve_load()
         self._step("load", f"loading the model ({lc.model or 'the bundled GGUF'})")
         return load_model(lc.model, gguf_weights=lc.gguf_weights, quantization=lc.quantization,
                           quantization_group_size=lc.quantization_group_size,
@@ -145,12 +149,11 @@ class EngineBuilder:
                 if kv_events is not None:
                     kv_events.close()
                 raise
-            core = EngineCore(config, loaded, runner, scheduler, kv_events, workers)
+            core = EngineCore(config, loaded, runner, scheduler, kv_events, workers, self.steps)
         except BaseException:
             if workers is not None:
                 workers.shutdown(graceful=False)
             raise
-        core.startup_steps = list(self.steps)
         _log_ready(core, time.perf_counter() - t0)
         return core.release_checkpoint() if owned else core
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import zmq
@@ -39,7 +40,7 @@ class EngineCore:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner,
         scheduler: Scheduler, kv_events: ZmqKVEventPublisher | None = None,
-        tp_workers: TensorParallelWorkers | None = None,
+        tp_workers: TensorParallelWorkers | None = None, startup_steps: Sequence[str] = (),
     ) -> None:
         self.config = config
         self.model_config = config.model
@@ -53,7 +54,7 @@ class EngineCore:
         self.weight_bytes: dict[str, int] = dict(runner.weight_bytes)
         self.transforms: dict[str, dict[str, int]] = {
             name: dict(report.swapped) for name, report in runner.built.reports.items()}
-        self.startup_steps: list[str] = []  # EngineBuilder.steps, in order
+        self.startup_steps = list(startup_steps)  # EngineBuilder.steps, in order
         self._last_queries = 0
         self._last_hits = 0
 

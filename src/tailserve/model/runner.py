@@ -1,31 +1,28 @@
 """ModelRunner: one forward per step over a flattened mix of prefill chunks and decodes.
 
-It owns everything on the device: the weights, the KV pool (allocated once, here, at start-up),
-the rope table and the per-request sampling generators. Input: a ``SchedulerOutput``
-(flattened into the forward's inputs by ``step_batch.py``); output: a ``RunnerOutput`` of
-sampled token ids. Nothing here decides who runs.
+It owns everything on the device: the model (``model/build.py`` builds it), the KV pool
+(allocated once at start-up, by ``engine/build.py``'s builder; on CUDA sized and prepared by
+``runner_setup.py``), the rope table and the per-request sampling generators. Input: a
+``SchedulerOutput`` (flattened into the forward's inputs by ``step_batch.py``); output: a
+``RunnerOutput`` of sampled token ids. Nothing here decides who runs.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from tailserve.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from tailserve.data.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tailserve.model.build import build_model
-from tailserve.model.cuda_graphs import CudaDecodeGraphs, graph_batch_sizes, wants_cuda_graphs
+from tailserve.model.cuda_graphs import CudaDecodeGraphs
 from tailserve.model.device import torch_dtype
-from tailserve.model.memory_profile import MemoryProfile, profile_memory
+from tailserve.model.memory_profile import MemoryProfile
 from tailserve.model.parallel import TensorParallelGroup
+from tailserve.model.runner_setup import prepare_cuda_steps, profile_kv_cache
 from tailserve.model.sampler import Sampler, SamplingRow
-from tailserve.model.sampling_buffers import SamplingBuffers, sampling_buffer_bytes
 from tailserve.model.step_batch import StepBatch, prepare_batch
-from tailserve.model.step_buffers import StepInputBuffers, step_buffer_bytes
+from tailserve.model.step_buffers import StepInputBuffers
 from tailserve.obs import profiling
-
-log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -78,39 +75,11 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
 
     def prepare_steps(self, scheduler: SchedulerConfig) -> None:
-        """After the KV pool: on CUDA, the persistent step buffers sized by the scheduler's
-        bounds, and the decode CUDA graphs (not with ``enforce_eager``, and only over a
-        backend that can be captured). Nothing on CPU (its counterpart is CpuDecodeGraph)."""
-        if self.device.type != "cuda":
-            return
-        cache = self.cache
-        self.sampler.buffers = SamplingBuffers(scheduler.max_num_seqs, self.device,
-                                               self._penalty_capacity(scheduler.max_num_seqs))
-        self.step_buffers = StepInputBuffers(
-            scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
-            -(-self.max_model_len // cache.block_size), cache.num_kv_blocks * cache.block_size,
-            self.device,
-        )
-        if not wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend):
-            return
-        if self.tp is not None:
-            log.info("CUDA graphs off under tensor parallelism: decode steps run eagerly")
-            return
-        graphs = CudaDecodeGraphs(graph_batch_sizes(scheduler.max_num_seqs))
-        try:
-            with torch.inference_mode():
-                graphs.capture(self.model, self.step_buffers, self.kv_caches, self.backend,
-                               cache.block_size, self.scale, self.max_model_len)
-        except Exception as exc:  # refuse with the reason, serve eagerly (DESIGN rule 6)
-            log.warning("CUDA graphs off, decode steps run eagerly: capture failed with "
-                        "%s: %s", type(exc).__name__, exc)
-            torch.cuda.synchronize(self.device)
-            return
-        self.cuda_graphs = graphs
-
-    def _penalty_capacity(self, max_num_seqs: int) -> int:
-        """The bound on the penalties' distinct (row, token) keys in a step."""
-        return max_num_seqs * min(self.model_config.vocab_size, self.max_model_len)
+        """After the KV pool: on CUDA the step buffers and decode graphs
+        (``runner_setup.prepare_cuda_steps``); nothing on CPU (its counterpart is
+        CpuDecodeGraph)."""
+        if self.device.type == "cuda":
+            prepare_cuda_steps(self, scheduler)
 
     @property
     def cuda_graph_bytes(self) -> int:
@@ -137,22 +106,9 @@ class ModelRunner:
     def profile_kv_cache_bytes(
         self, num_tokens: int, block_size: int, utilization: float, max_num_seqs: int = 1
     ) -> int:
-        """CUDA: run one forward of ``num_tokens`` (the token budget) and return the bytes
-        left for the KV pool under ``utilization`` of the device's memory
-        (``memory_profile.py``; the figures stay in ``self.memory_profile``)."""
-        cfg = self.model_config
-        graphs = wants_cuda_graphs(self.device.type, self.config.enforce_eager, self.backend)
-        self.memory_profile = profile_memory(
-            self.model, self.backend, self.device, self.kv_cache_dtype, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.num_hidden_layers, num_tokens, max_num_seqs, block_size,
-            self.scale, utilization, cuda_graphs=graphs,
-            buffers_bytes=step_buffer_bytes(num_tokens, max_num_seqs,
-                                            -(-self.max_model_len // block_size))
-            + sampling_buffer_bytes(max_num_seqs, self._penalty_capacity(max_num_seqs)),
-        )
-        if self.tp is not None:  # every rank's pool has the same blocks: the smallest fits
-            return self.tp.min_over_ranks(self.memory_profile.kv_cache_bytes)
-        return self.memory_profile.kv_cache_bytes
+        """CUDA: the bytes a profiling forward of ``num_tokens`` leaves for the KV pool
+        (``runner_setup.profile_kv_cache``)."""
+        return profile_kv_cache(self, num_tokens, block_size, utilization, max_num_seqs)
 
     # ------------------------------------------------------------------ one step
     def _prepare(self, sched: SchedulerOutput) -> StepBatch:
