@@ -216,3 +216,37 @@ def test_live_sweep_finds_capacity_on_the_bundled_model(bundled: ServerProcess,
     assert "capacity at >= 90% meeting TTFT <= 60000 ms and every gap <= 60000 ms" in text
     assert "no rate tried missed it (a lower bound)" in text
     assert capacities([Point(1.0, 1.0)])[0].rate == 1.0
+
+
+def test_bench_judges_by_the_servers_published_slos(tmp_path: Path) -> None:
+    """A server that publishes its default SLOs on /metrics (and no client SLO): every step
+    reports goodput against them; a 300 ms gap misses the 50 ms ITL SLO."""
+    from aiohttp import web
+
+    from tailserve.cli import main
+    from test_bench import DONE, FakeServer, cmpl_chunk, sse
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="tailserve:slo_ttft_seconds 0.5\n"
+                            'tailserve:slo_itl_seconds{model_name="m"} 0.05\n')
+
+    stream = sse([cmpl_chunk("a"), 0.3, cmpl_chunk("b", "length"), DONE])
+    path = tmp_path / "r.json"
+    with FakeServer({("GET", "/v1/models"): models, ("GET", "/metrics"): metrics,
+                     ("POST", "/v1/completions"): stream}) as srv:
+        assert main(["bench", "--base-url", srv.url, "--num-prompts", "3", "--input-len", "8",
+                     "--no-progress", "--no-observe", "--save-result", str(path)]) == 0
+        g = json.loads(path.read_text())["tailserve"]["goodput"]
+        assert (g["source"], g["ttft_ms"], g["itl_ms"], g["tpot_ms"]) == (
+            "server", 500.0, 50.0, None)
+        assert (g["num_sent"], g["num_good"], g["missed"]) == (3, 0, {"ttft": 0, "itl": 3})
+        # The client's own SLO wins: a 1 s ITL SLO, and the server's TTFT is not used.
+        assert main(["bench", "--base-url", srv.url, "--num-prompts", "3", "--input-len", "8",
+                     "--no-progress", "--no-observe", "--save-result", str(path),
+                     "--slo-itl-ms", "1000"]) == 0
+        g = json.loads(path.read_text())["tailserve"]["goodput"]
+        assert (g["source"], g["ttft_ms"], g["itl_ms"], g["goodput_share"]) == (
+            "client", None, 1000.0, 1.0)

@@ -150,9 +150,11 @@ def _add_bench(sub: Any) -> None:
     b = sub.add_parser(
         "bench", help="open-loop load test of any OpenAI-compatible server",
         description="Send a precomputed open-loop load and report TTFT, TPOT, ITL, E2EL, "
-        "throughput and goodput (vLLM's definitions), with the server's own view when it is "
-        "tailserve. Ctrl-C stops sending and still reports what was sent. Exit status: 0; 1 if "
-        "a step completed no request; 2 on a usage error; 130 when interrupted.",
+        "throughput (vLLM's definitions) and, with SLOs given or published by the server, "
+        "goodput (the share and req/s of requests meeting every SLO; --sweep then finds the "
+        "capacity: docs/goodput.md), with the server's own view when it is tailserve. Ctrl-C "
+        "stops sending and still reports what was sent. Exit status: 0; 1 if a step "
+        "completed no request; 2 on a usage error; 130 when interrupted.",
     )
     groups = {title: b.add_argument_group(title) for title in ("target", "dataset", "load",
                                                                "SLOs", "output")}
