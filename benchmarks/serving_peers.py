@@ -194,6 +194,17 @@ def best_vllm_dtype(flags: set[str]) -> tuple[str, str]:
     return "float32", "the CPU has neither AVX512-BF16 nor AMX-BF16"
 
 
+def best_llama_flags(flags: set[str]) -> tuple[list[str], str]:
+    """(extra llama-server flags, why): its best working setting on this CPU. b11434 built
+    with GGML_NATIVE=ON segfaults at start on AMX CPUs while repacking the weights for AMX
+    (shared/PEERS.md, 2026-12-03); --no-repack starts it (Q4_1 has no other repacked layout).
+    Elsewhere its defaults (repacked CPU layouts where it has them)."""
+    amx = sorted(flags & {"amx_int8", "amx_bf16", "amx_tile"})
+    if amx:
+        return ["--no-repack"], f"the CPU has {', '.join(amx)}: its AMX repack segfaults"
+    return [], "no AMX: llama-server's defaults"
+
+
 def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int | None,
                variant: Variant | None = None, vllm_dtype: str = "float32") -> Server:
     port = free_port()
@@ -484,10 +495,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="serving_peers-")
     os.makedirs(out_dir, exist_ok=True)
     extra = {"tailserve": args.tailserve_arg or [], "vllm": args.vllm_arg or [],
-             "llama.cpp": args.llama_arg or []}
+             "llama.cpp": [*args.llama_auto_flags, *(args.llama_arg or [])]}
     report: dict[str, Any] = {
         "machine": machine(), "smoke": args.smoke, "client": args.client,
         "vllm_dtype": {"dtype": args.vllm_dtype, "why": args.vllm_dtype_why},
+        "llama_flags": {"flags": args.llama_auto_flags, "why": args.llama_auto_why},
         "slos_ms": asdict(slos), "workloads": [asdict(w) for w in workloads],
         "load_average_before": load_average(), "servers": {}, "rows": [],
         "warnings": [], "out_dir": out_dir, "argv": sys.argv,
@@ -700,6 +712,10 @@ def print_table(report: dict[str, Any]) -> None:
     if report.get("vllm_dtype"):
         d = report["vllm_dtype"]
         console.print(f"vLLM dtype: {d['dtype']} ({d['why']})")
+    if report.get("llama_flags"):
+        d = report["llama_flags"]
+        console.print(f"llama-server flags: {' '.join(d['flags']) or '(defaults)'} "
+                      f"({d['why']})")
     console.print("latencies in ms; load average before "
                   f"{report['load_average_before']}, after {report['load_average_after']}")
     for s, e in report["servers"].items():
@@ -805,6 +821,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.capacity = w
         if args.capacity_start <= 0 or args.capacity_steps < 1 or args.capacity_prompts < 1:
             p.error("--capacity-start, --capacity-steps and --capacity-prompts must be > 0")
+    args.llama_auto_flags, args.llama_auto_why = best_llama_flags(cpu_flags())
     if args.vllm_dtype == "auto":
         args.vllm_dtype, args.vllm_dtype_why = best_vllm_dtype(cpu_flags())
     else:

@@ -175,6 +175,10 @@ def test_vllm_dtype_from_the_cpu_flags(sp: ModuleType) -> None:
     assert s.env["VLLM_DTYPE"] == "bfloat16"
     args = sp.parse_args(["--client", "tailserve", "--vllm-dtype", "float32"])
     assert (args.vllm_dtype, args.vllm_dtype_why) == ("float32", "--vllm-dtype")
+    # llama-server: --no-repack where its AMX repack would segfault, else its defaults.
+    assert sp.best_llama_flags({"avx512_bf16", "amx_int8", "amx_tile"}) == (
+        ["--no-repack"], "the CPU has amx_int8, amx_tile: its AMX repack segfaults")
+    assert sp.best_llama_flags({"avx512_bf16"}) == ([], "no AMX: llama-server's defaults")
 
 
 def test_capacity_sweep_against_a_fake_server(sp: ModuleType, tmp_path: Path,
