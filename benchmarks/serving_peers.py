@@ -218,9 +218,9 @@ def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int 
         if variant is not None:
             cmd += list(variant.args)
             if variant.tree is not None:
+                # The kernel cache is shared: builds are keyed by the sources' bytes, flags,
+                # torch, compiler and CPU, never by the checkout's path (kernels/__init__.py).
                 env["PYTHONPATH"] = os.path.join(variant.tree, "src")
-                # Kernels are built per source path: another tree keeps its own cache.
-                env["TAILSERVE_KERNEL_CACHE"] = os.path.join(variant.tree, ".kernel-cache")
             return Server(name, cmd, env, port, f"tailserve[{variant.label}]")
     elif name == "vllm":
         cmd = ["bash", os.path.join(HERE, "peers", "start_vllm.sh"), str(port), *extra]
