@@ -224,7 +224,7 @@ def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int 
             return Server(name, cmd, env, port, f"tailserve[{variant.label}]")
     elif name == "vllm":
         cmd = ["bash", os.path.join(HERE, "peers", "start_vllm.sh"), str(port), *extra]
-        env["VLLM_DTYPE"] = vllm_dtype
+        env["PEERS_VLLM_DTYPE"] = vllm_dtype
     else:
         cmd = ["bash", os.path.join(HERE, "peers", "start_llamacpp.sh"), str(port), *extra]
     return Server(name, cmd, env, port, name)

@@ -172,7 +172,7 @@ def test_vllm_dtype_from_the_cpu_flags(sp: ModuleType) -> None:
     assert sp.best_vllm_dtype({"avx2", "fma"}) == (
         "float32", "the CPU has neither AVX512-BF16 nor AMX-BF16")
     s = sp.server_for("vllm", [], "/peers", None, None, "bfloat16")
-    assert s.env["VLLM_DTYPE"] == "bfloat16"
+    assert s.env["PEERS_VLLM_DTYPE"] == "bfloat16"
     args = sp.parse_args(["--client", "tailserve", "--vllm-dtype", "float32"])
     assert (args.vllm_dtype, args.vllm_dtype_why) == ("float32", "--vllm-dtype")
     # llama-server: --no-repack where its AMX repack would segfault, else its defaults.
