@@ -250,3 +250,8 @@ def test_bench_judges_by_the_servers_published_slos(tmp_path: Path) -> None:
         g = json.loads(path.read_text())["tailserve"]["goodput"]
         assert (g["source"], g["ttft_ms"], g["itl_ms"], g["goodput_share"]) == (
             "client", None, 1000.0, 1.0)
+        # --no-server-slos: no SLO at all, no goodput.
+        assert main(["bench", "--base-url", srv.url, "--num-prompts", "3", "--input-len", "8",
+                     "--no-progress", "--no-observe", "--save-result", str(path),
+                     "--no-server-slos"]) == 0
+        assert json.loads(path.read_text())["tailserve"]["goodput"] is None

@@ -407,7 +407,7 @@ def _add_plan(sub: Any) -> None:
 TUNE_BENCH_SKIP = (
     "base_url", "model", "api_key", "request_rates", "sweep", "sweep_steps", "goodput",
     "percentiles", "save_result", "save_detailed", "label", "progress", "base_url_b", "split",
-    "users", "replicas", "slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms",
+    "users", "replicas", "slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms", "server_slos",
 )
 TUNE_DATASET_DEFAULTS = {"num_prompts": 100}
 TUNE_BENCH_DEFAULTS = {"request_rate": 1.0}

@@ -157,6 +157,10 @@ class BenchConfig:
     slo_tpot_ms: float | None = field(
         default=None,
         metadata=_slo("TPOT SLO: the most a request's mean gap after its first token may be"))
+    server_slos: bool = field(
+        default=True,
+        metadata={"group": "SLOs", "help": "with no SLO given, judge by the SLOs the server "
+                  "publishes on /metrics (tailserve:slo_ttft_seconds, slo_itl_seconds)"})
     percentiles: list[float] = field(
         default_factory=lambda: [50.0, 90.0, 99.0, 99.9],
         metadata=_output(parse=parse_percentiles))

@@ -126,7 +126,7 @@ def run_bench(cfg: BenchConfig, console: Any = None) -> list[dict[str, Any]]:
             http_b.close()
     counter = make_counter(cfg.tokenizer, http, info.model, info.has_tokenize)
     slos = resolve_slos(cfg.slo_ttft_ms, cfg.slo_itl_ms, cfg.slo_tpot_ms, cfg.goodput,
-                        info.published_slos)
+                        info.published_slos if cfg.server_slos else None)
     console.print(f"[bold]tailserve bench[/] → {base} model [bold]{info.model}[/] "
                   f"({cfg.endpoint}); lengths from {counter.source}")
     if slos:
