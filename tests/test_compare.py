@@ -215,3 +215,76 @@ def test_cli_reads_vllm_detailed_results_and_rejects_summaries(
     assert main(["compare", str(summary), str(vllm)]) == 2
     assert main(["compare", str(vllm), str(vllm), "--metric", "ttft,nope"]) == 2
     assert "--metric" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- goodput and capacity gates
+def _slo_result(path: Path, ttfts: list[float], slos: dict[str, float] | None = None,
+                stamped: dict[str, float] | None = None) -> str:
+    """A bench result whose requests have these TTFTs (s), one 10 ms gap each, and optionally
+    the SLOs the bench judged (its goodput block) or the server's per-request stamp."""
+    reqs = [{"send_s": 0.0, "error_type": None, "ttft_s": t, "itl_s": [0.01], "e2el_s": t + 0.01,
+             "output_tokens": 2,
+             "server_timing": None if stamped is None else {"slo": stamped}} for t in ttfts]
+    good = None if slos is None else {f"{k}_ms": v for k, v in slos.items()}
+    path.write_text(json.dumps({"label": path.stem, "tailserve": {"requests": reqs,
+                                                                  "goodput": good}}))
+    return str(path)
+
+
+def test_goodput_gate_from_the_flags_the_run_or_the_server(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A: 95 of 100 within 1 s; B: 70 of 100.
+    a = _slo_result(tmp_path / "a.json", [0.5] * 95 + [2.0] * 5, slos={"ttft": 1000.0})
+    b = _slo_result(tmp_path / "b.json", [0.5] * 70 + [2.0] * 30, slos={"ttft": 1000.0})
+    assert main(["compare", a, b, "--json", "--metric", "ttft"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    g = out["goodput"]
+    assert (g["a"], g["b"], g["source"], g["slos_ms"]) == (0.95, 0.70, "A's bench run",
+                                                           {"ttft": 1000.0})
+    assert g["diff"] == pytest.approx(-0.25) and g["pct"] == pytest.approx(-25 / 0.95)
+    assert g["verdict"] == WORSE and g["gate"] == "fail" and g["ci"][1] < 0
+    # The P99 TTFT is 2 s on both sides: only the goodput gate fails.
+    assert out["metrics"]["ttft"]["gate"] == "pass" and out["passed"] is False
+    # Flags win over the run's SLOs: at 3 s everyone is good on both sides.
+    assert main(["compare", a, b, "--json", "--metric", "ttft", "--slo-ttft-ms", "3000"]) == 0
+    g = json.loads(capsys.readouterr().out)["goodput"]
+    assert (g["a"], g["b"], g["source"], g["verdict"]) == (1.0, 1.0, "flags", SAME)
+    # No SLO in the files: each request's own, as the server stamped it.
+    stamp = {"ttft_s": 1.0, "itl_s": 0.005, "tpot_s": None}
+    a2 = _slo_result(tmp_path / "a2.json", [0.5] * 10, stamped=stamp)
+    assert main(["compare", a2, a2, "--json", "--metric", "ttft"]) == 0
+    g = json.loads(capsys.readouterr().out)["goodput"]
+    assert (g["a"], g["source"]) == (0.0, "server timing")  # every 10 ms gap misses 5 ms
+    plain = _write_result(tmp_path / "plain.json", np.random.default_rng(1), 1.0, n=20)
+    assert main(["compare", plain, plain, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["goodput"] is None  # no SLO anywhere
+    assert main(["compare", a, b, "--slo-itl-ms", "-3"]) == 2
+    assert "--slo-itl-ms must be a positive number of milliseconds, got -3" in \
+        capsys.readouterr().err
+
+
+def _sweep(path: Path, targets: list[tuple[float, float | None, float | None]]) -> str:
+    path.write_text(json.dumps({"steps": [], "capacity": {"targets": [
+        {"target": t, "capacity_req_s": r, "lowest_missing_rate": m, "resolved": True}
+        for t, r, m in targets]}}))
+    return str(path)
+
+
+def test_capacity_gate_compares_the_brackets(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    a = _sweep(tmp_path / "a.json", [(0.9, 4.0, 4.4), (0.99, 2.0, 2.2)])
+    # B missed 90% at 3.5 req/s, where A was measured to meet it; 99%: brackets overlap.
+    b = _sweep(tmp_path / "b.json", [(0.9, 3.2, 3.5), (0.99, 2.1, 2.3)])
+    assert main(["compare", a, b, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    c90, c99 = out["capacity"]
+    assert (c90["verdict"], c90["gate"], c90["ratio"]) == (WORSE, "fail", pytest.approx(0.8))
+    assert (c99["verdict"], c99["gate"]) == (SAME, "pass")
+    # With a 25% threshold B's miss at 3.5 is above 0.75 x 4: within it.
+    assert main(["compare", a, b, "--threshold", "25"]) == 0
+    assert "capacity at >= 90%: A 4 (missed at 4.4) req/s, B 3.2 (missed at 3.5)" in \
+        capsys.readouterr().out
+    # The mirror: B better at 90% (A missed at 4.4, below B's 5.0).
+    better = _sweep(tmp_path / "c.json", [(0.9, 5.0, None), (0.99, 2.0, 2.2)])
+    assert main(["compare", a, better, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity"][0]["verdict"] == BETTER

@@ -366,3 +366,103 @@ def test_closed_loop_queueing_advice_is_about_the_client() -> None:
     res = {**result_of("queueing"), "max_concurrency": 8}
     q = diagnose(run_from_result(res)).tails["ttft"].causes[0]
     assert "--max-concurrency 8" in q.advice, q.advice
+
+
+# ---------------------------------------------------------------- SLO misses
+def _constructed() -> tuple[Any, dict[str, Any]]:
+    """Seven requests with planted parts (worked out in the test below)."""
+    from tailserve.analyze.data import Req, RunData
+    from tailserve.analyze.samples import Samples
+
+    ttft = [0.1, 0.1, 0.1, 0.1, 1.5, 2.0]
+    gaps = [[0.01, 0.5], [0.01, 0.01], [0.3], [0.01], [0.01], [0.01]]
+    slo = {"ttft_s": 1.0, "itl_s": 0.2, "tpot_s": None, "ttft_met": None, "itl_met": None,
+           "tpot_met": None}
+    reqs = [Req(f"r{i}", True, None, 100 * (i + 1), 1 + len(g), float(i), t, t + sum(g), g,
+                timing={"slo": slo}) for i, (t, g) in enumerate(zip(ttft, gaps, strict=True))]
+    reqs.append(Req("r6", False, "timeout", 50, 0, 6.0, None, None, []))
+    zeros = np.zeros(8)
+    samples = {
+        "ttft": Samples("ttft", np.array(ttft), np.arange(6.0), np.arange(6), {
+            "queueing": np.array([0, 0, 0, 0, 1.2, 0.4]),
+            "own_prefill": np.array([0.05, 0.05, 0.05, 0.05, 0.05, 1.5])}),
+        "itl": Samples("itl", np.array([0.01, 0.5, 0.01, 0.01, 0.3, 0.01, 0.01, 0.01]), zeros,
+                       np.array([0, 0, 1, 1, 2, 3, 4, 5]), {
+                           "prefill_interference": np.array([0, 0.45, 0, 0, 0, 0, 0, 0]),
+                           "engine_stall": np.array([0, 0, 0, 0, 0.25, 0, 0, 0])}),
+    }
+    run = RunData(requests=reqs, steps=None, samples=[], start_time=0.0, duration_s=10.0,
+                  source="tailserve", has_timing=True)
+    return run, samples
+
+
+def test_slo_misses_name_each_request_and_split_the_misses_by_cause() -> None:
+    from tailserve.analyze.slo_misses import slo_misses
+
+    run, samples = _constructed()
+    m = slo_misses(run, samples)
+    assert m is not None and m.source == "server timing" and m.slos_ms is None
+    assert (m.num_requests, m.num_good, m.num_failed) == (7, 2, 1)
+    # TTFT: r4 and r5 missed 1 s. Reference: the median 0.1 s (the clean median 0.05 s is not
+    # below half of it); excesses 1.4 and 1.9 s; queueing 1.2 + 0.4 s, own prefill
+    # 0 + (1.5 - its median 0.05) s, of 3.3 s.
+    ttft = m.kinds["ttft"]
+    assert (ttft.num_requests, ttft.num_samples) == (2, 2)
+    assert [(c.cause, round(c.share, 4)) for c in ttft.causes] == [
+        ("queueing", round(1.6 / 3.3, 4)), ("own_prefill", round(1.45 / 3.3, 4))]
+    assert ttft.unexplained_share == pytest.approx(0.25 / 3.3)
+    # ITL: r0's 0.5 s gap and r2's 0.3 s gap exceed 0.2 s: excesses 0.49 and 0.29 s over the
+    # 0.01 s median; prefill interference 0.45 s, a stall 0.25 s.
+    itl = m.kinds["itl"]
+    assert (itl.num_requests, itl.num_samples) == (2, 2)
+    assert [(c.cause, round(c.share, 4)) for c in itl.causes] == [
+        ("prefill_interference", round(0.45 / 0.78, 4)), ("engine_stall", round(0.25 / 0.78, 4))]
+    by_id = {r["request_id"]: r for r in m.requests}
+    assert sorted(by_id) == ["r0", "r2", "r4", "r5", "r6"]
+    assert by_id["r0"]["causes"] == {"itl": "prefill_interference"}
+    assert by_id["r2"]["causes"] == {"itl": "engine_stall"}
+    assert by_id["r4"]["causes"] == {"ttft": "queueing"}
+    assert by_id["r5"]["causes"] == {"ttft": "own_prefill"}
+    assert by_id["r4"]["ttft_ms"] == 1500.0 and by_id["r0"]["max_itl_ms"] == 500.0
+    # A failed request has no timing (no SLOs of its own): it is listed as failed.
+    assert by_id["r6"] == {"request_id": "r6", "missed": ["failed"], "slos_ms": {},
+                           "prompt_tokens": 50, "error_type": "timeout"}
+    assert m.sentence() == (
+        "SLOs (each request's own SLOs, from the server timing): 2 of 7 requests met every one "
+        "(29%): 2 missed TTFT (queueing 48%, own_prefill 44%); 2 missed ITL "
+        "(prefill_interference 58%, engine_stall 32%); 1 failed.")
+
+
+def test_slo_misses_take_the_flags_then_the_bench_run_then_the_timing() -> None:
+    from tailserve.analyze.slo_misses import slo_misses
+
+    run, samples = _constructed()
+    m = slo_misses(run, samples, {"ttft": 1600.0})  # flags: TTFT only, looser
+    assert m is not None and m.source == "flags" and list(m.kinds) == ["ttft"]
+    assert m.num_good == 5 and [r["request_id"] for r in m.requests] == ["r5", "r6"]
+    run.slos_ms = {"itl": 400.0}  # what the bench judged: only r0's 0.5 s gap misses
+    m = slo_misses(run, samples)
+    assert m is not None and m.source == "bench run" and m.slos_ms == {"itl": 400.0}
+    assert [r["request_id"] for r in m.requests] == ["r0", "r6"]
+    assert [(c.cause, c.share) for c in m.kinds["itl"].causes] == [
+        ("prefill_interference", pytest.approx(0.45 / 0.49))]
+    for q in run.requests:
+        q.timing = None
+    run.slos_ms = None
+    assert slo_misses(run, samples) is None  # no SLO anywhere: no section
+
+
+def test_diagnose_names_the_slo_misses_of_a_simulated_run(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    res = result_of("interference")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    assert main(["diagnose", str(path), "--json", "--slo-itl-ms", "100"]) == 0
+    slo = json.loads(capsys.readouterr().out)["slo"]
+    assert slo["source"] == "flags" and slo["slos_ms"] == {"itl": 100.0}
+    itl = slo["missed"]["itl"]
+    assert itl["num_requests"] > 0 and itl["causes"][0]["cause"] == "prefill_interference"
+    assert slo["num_good"] + itl["num_requests"] + slo["num_failed"] == slo["num_requests"]
+    assert main(["diagnose", str(path), "--slo-ttft-ms", "0"]) == 2
+    assert "--slo-ttft-ms must be a positive number of milliseconds, got 0" in \
+        capsys.readouterr().err

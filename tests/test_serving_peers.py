@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -73,7 +75,7 @@ def test_variant_parsing(sp: ModuleType) -> None:
     assert (before.label, before.tree, before.args) == ("before", "/tmp/old", ())
     s = sp.server_for("tailserve", [], "/peers", None, before)
     assert s.label == "tailserve[before]" and s.env["PYTHONPATH"] == "/tmp/old/src"
-    assert s.env["TAILSERVE_KERNEL_CACHE"] == "/tmp/old/.kernel-cache"
+    assert "TAILSERVE_KERNEL_CACHE" not in s.env  # builds are keyed by source bytes: shared
     with pytest.raises(ValueError, match="LABEL"):
         sp.Variant.parse("=--x")
 
@@ -113,3 +115,98 @@ def test_single_stream_roofline_counts_plans_bytes_over_the_best_bandwidth(
     peer = sp.roofline_row({"median_tpot_ms": 6.0}, w, [40.0],
                            sp.Server("llama.cpp", ["bash"], {}, 1, "llama.cpp"))
     assert peer == {"read_gbps": [40.0]}
+
+
+# ---------------------------------------------------------------- chat, agent, capacity
+def test_chat_lengths_follow_the_published_sharegpt_statistics(sp: ModuleType) -> None:
+    import numpy as np
+    from peer_workloads import SHAREGPT_OUTPUT, SHAREGPT_PROMPT, chat_lengths, lognormal_params
+
+    mu_p, s_p = lognormal_params(*SHAREGPT_PROMPT)
+    assert (round(mu_p, 3), round(s_p, 3)) == (2.645, 1.951)
+    mu_o, s_o = lognormal_params(*SHAREGPT_OUTPUT)
+    assert (round(mu_o, 3), round(s_o, 3)) == (5.618, 0.686)
+    # A lognormal with those parameters has the published mean and standard deviation.
+    assert math.exp(mu_o + s_o ** 2 / 2) == pytest.approx(348.45)
+    assert math.sqrt((math.exp(s_o ** 2) - 1) * math.exp(2 * mu_o + s_o ** 2)) == \
+        pytest.approx(269.93)
+    pairs = chat_lengths(20000, 0)
+    p = np.array([a for a, _ in pairs])
+    o = np.array([b for _, b in pairs])
+    # Seeded: these exact figures (medians near exp(mu): 14 and 275 tokens; the clips at
+    # 2,048 and 512 tokens cut the tails, so the means sit below the published ones).
+    assert (float(np.median(p)), float(p.mean())) == (14.0, 80.04065)
+    assert (float(np.median(o)), float(o.mean())) == (275.0, 297.89755)
+    assert (int((p == 2048).sum()), int((o == 512).sum())) == (107, 3658)
+    assert p.min() == 4 and o.min() >= 4
+    assert chat_lengths(3, 0) == [(13, 196), (4, 286), (10, 511)] == chat_lengths(3, 0)
+
+
+def test_agent_sessions_share_growing_prefixes(sp: ModuleType, tmp_path: Path) -> None:
+    from peer_workloads import AgentShape, agent_sessions, write_agent
+
+    shape = AgentShape()
+    turns = agent_sessions(0, shape)
+    assert len(turns) == 32 and [(t.session, t.turn) for t in turns[:9]] == [
+        *((s, 0) for s in range(8)), (0, 1)]  # turn-major: every session's turn 1 first
+    mine = [t for t in turns if t.session == 0]
+    assert [t.prompt_len(shape) for t in mine] == [452, 607, 781, 1068]
+    assert mine[3].user_lens[:3] == mine[2].user_lens  # the history only grows
+    small = AgentShape(sessions=2, turns=3, system_len=40, user_median=10, output_len=8)
+    path = tmp_path / "agent.jsonl"
+    lens = write_agent(1, str(path), small)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == len(lens) == 6 and all(x["max_tokens"] == 8 for x in lines)
+    system = lines[0]["prompt"].split("\nUser:")[0]
+    for i, x in enumerate(lines):
+        assert x["prompt"].startswith(system)  # one prefix shared by every request
+        if i >= 2:  # a session's next turn extends its previous prompt (and its reply)
+            assert x["prompt"].startswith(lines[i - 2]["prompt"])
+            assert lens[i] > lens[i - 2]
+
+
+def test_vllm_dtype_from_the_cpu_flags(sp: ModuleType) -> None:
+    assert sp.best_vllm_dtype({"avx2", "avx512f", "avx512_bf16"}) == (
+        "bfloat16", "the CPU has avx512_bf16")
+    assert sp.best_vllm_dtype({"amx_bf16", "avx512_bf16"})[0] == "bfloat16"
+    assert sp.best_vllm_dtype({"avx2", "fma"}) == (
+        "float32", "the CPU has neither AVX512-BF16 nor AMX-BF16")
+    s = sp.server_for("vllm", [], "/peers", None, None, "bfloat16")
+    assert s.env["PEERS_VLLM_DTYPE"] == "bfloat16"
+    args = sp.parse_args(["--client", "tailserve", "--vllm-dtype", "float32"])
+    assert (args.vllm_dtype, args.vllm_dtype_why) == ("float32", "--vllm-dtype")
+    # llama-server: --no-repack where its AMX repack would segfault, else its defaults.
+    assert sp.best_llama_flags({"avx512_bf16", "amx_int8", "amx_tile"}) == (
+        ["--no-repack"], "the CPU has amx_int8, amx_tile: its AMX repack segfaults")
+    assert sp.best_llama_flags({"avx512_bf16"}) == ([], "no AMX: llama-server's defaults")
+
+
+def test_capacity_sweep_against_a_fake_server(sp: ModuleType, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness's rate sweep: each rate is one client run; a fake client whose requests
+    all meet the SLOs up to 2 req/s and none above."""
+    seen: list[tuple[float, int]] = []
+
+    def fake_client(client: str, args: Any, server: Any, w: Any, seed: int, out_dir: str,
+                    tag: str) -> tuple[dict[str, Any], str]:
+        seen.append((w.request_rate, seed))
+        ttft = 0.2 if w.request_rate <= 2.0 else 5.0
+        n = w.num_prompts
+        return {"errors": [""] * n, "ttfts": [ttft] * n, "itls": [[0.01]] * n,
+                "completed": n, "p99_ttft_ms": 1e3 * ttft, "duration": 10.0}, "cmd"
+
+    monkeypatch.setattr(sp, "run_client", fake_client)
+    args = sp.parse_args(["--client", "tailserve", "--capacity", "chat", "--capacity-start",
+                          "1", "--capacity-steps", "5", "--capacity-prompts", "10"])
+    cap = sp.capacity_sweep(args, sp.Server("x", [], {}, 1, "x"), "x", str(tmp_path),
+                            sp.Slos(ttft_ms=1000.0, itl_ms=100.0))
+    rates = [1.0, 2.0, 4.0, 2 * 2 ** 0.5, 2 * 2 ** 0.25]
+    assert [r for r, _ in seen] == pytest.approx(rates)
+    assert [s for _, s in seen] == [100, 101, 102, 103, 104]  # new prompts at every rate
+    c90 = cap["targets"][0]
+    assert (c90["capacity_req_s"], c90["lowest_missing_rate"]) == (
+        2.0, pytest.approx(2 * 2 ** 0.25))
+    assert [p["goodput_share"] for p in cap["points"]] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert cap["points"][0]["request_goodput"] == pytest.approx(1.0)  # 10 good in 10 s
+    with pytest.raises(SystemExit):
+        sp.parse_args(["--client", "tailserve", "--capacity", "single"])  # closed loop

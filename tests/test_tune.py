@@ -12,6 +12,7 @@ import pytest
 from tailserve.analyze.sweep import step_goodput_share
 from tailserve.analyze.tradeoff import (
     Slos,
+    goodput_front,
     goodput_share,
     pareto_front,
     recommend,
@@ -76,18 +77,48 @@ def test_pareto_front_exact() -> None:
     assert pareto_front([]) == []
 
 
-def test_recommend_best_goodput_among_settings_that_meet_the_slos() -> None:
+def test_goodput_front_trades_attainment_for_throughput() -> None:
     rows = [
-        row(500, 300, good=1.0),  # ITL misses the SLO
-        row(800, 90, good=0.8),
-        row(950, 95, good=0.9),  # meets both, best goodput
+        row(500, 300, good=0.95, tput=10),  # 0: front (best share)
+        row(800, 200, good=0.80, tput=20),  # 1: front
+        row(900, 250, good=0.80, tput=15),  # 2: dominated by 1
+        row(800, 200, good=0.80, tput=20),  # 3: equal to 1: both on the front
+        row(100, 50, good=0.50, tput=30),  # 4: front (best throughput)
+        row(100, 50, good=None, tput=40),  # 5: no goodput figure sorts lowest: front on tput
+        {"max-num-seqs": "8", "error": "the server exited with status 1"},  # 6: ignored
+        row(10, 10, completed=0),  # 7: completed nothing: ignored
+    ]
+    assert goodput_front(rows) == [0, 1, 3, 4, 5]
+    assert goodput_front([]) == []
+
+
+def test_goodput_front_over_capacities() -> None:
+    rows = [row(500, 90, capacity_90=4.0, capacity_99=1.0),  # 0: front (best 90%)
+            row(500, 90, capacity_90=3.0, capacity_99=2.5),  # 1: front (best 99%)
+            row(500, 90, capacity_90=3.0, capacity_99=2.0),  # 2: dominated by 1
+            row(500, 90, capacity_90=None, capacity_99=None)]  # 3: no rate met: dominated
+    assert goodput_front(rows) == [0, 1]
+    rec = recommend(rows, SLOS)
+    assert rec is not None and rec.index == 0 and rec.meets_slos
+    assert rec.reason == ("the highest capacity: 4 req/s with >= 90% of requests within TTFT "
+                          "<= 1000 ms and every gap <= 100 ms (>= 99%: 1 req/s), of 4 settings")
+    rec = recommend([row(1, 1, good=0.2, capacity_90=None, capacity_99=None),
+                     row(1, 1, good=0.3, capacity_90=None, capacity_99=None)], SLOS)
+    assert rec is not None and rec.index == 1 and not rec.meets_slos  # best share breaks it
+    assert "at any rate tried" in rec.reason
+
+
+def test_recommend_the_highest_goodput_share() -> None:
+    rows = [
+        row(500, 300, good=0.8),
+        row(800, 90, good=0.92),  # the best share
+        row(950, 95, good=0.9),
         row(400, 50, good=0.85),
     ]
     rec = recommend(rows, SLOS)
-    assert rec is not None and rec.index == 2 and rec.meets_slos
-    assert "goodput share 90%, the highest of the 3 that do" in rec.reason
-    rec = recommend(rows[:2], SLOS)
-    assert rec is not None and rec.index == 1 and "the only setting that does" in rec.reason
+    assert rec is not None and rec.index == 1 and rec.meets_slos
+    assert rec.reason == ("the highest goodput share: 92% of requests within TTFT <= 1000 ms "
+                          "and every gap <= 100 ms, of 4 settings")
 
 
 def test_recommend_ties_go_to_throughput_then_headroom_then_grid_order() -> None:
@@ -100,14 +131,12 @@ def test_recommend_ties_go_to_throughput_then_headroom_then_grid_order() -> None
     assert rec is not None and rec.index == 1
 
 
-def test_recommend_when_none_meets_the_slos_is_the_closest() -> None:
-    rows = [row(3000, 50, good=0.5),  # ratio 3.0
-            row(1500, 150, good=0.1),  # ratio 1.5
-            row(1200, 180, good=0.2)]  # ratio 1.8
+def test_recommend_when_none_keeps_90_percent_is_the_closest() -> None:
+    rows = [row(3000, 50, good=0.5), row(1500, 150, good=0.1), row(1200, 180, good=0.2)]
     assert [slo_ratio(r, SLOS) for r in rows] == [3.0, 1.5, 1.8]
     rec = recommend(rows, SLOS)
-    assert rec is not None and rec.index == 1 and not rec.meets_slos
-    assert "1.50x as loose" in rec.reason
+    assert rec is not None and rec.index == 0 and not rec.meets_slos
+    assert rec.reason.endswith("this one comes closest with 50%")
     assert recommend([{"error": "x"}], SLOS) is None
 
 
@@ -148,7 +177,13 @@ def test_html_page_has_both_plots_the_table_and_the_recommendation() -> None:
     assert page.count("data:image/png;base64,") == 2
     assert "<b>Recommended:</b> max-num-seqs=16" in page
     assert "&lt;boom&gt;" in page and "<boom>" not in page  # the server's log is escaped
-    assert "<td>recommended</td><td>16</td>" in page and "<td>front</td><td>4</td>" in page
+    # 16 has the best share, 4 nothing better on throughput (equal): 4 is dominated by 16.
+    assert "<td>recommended</td><td>16</td>" in page and "<td></td><td>4</td>" in page
+    rows[0]["output_throughput"] = 30.0  # now 4 trades share for throughput: on the front
+    t = analyze_rows(rows, ["max-num-seqs"], SLOS, "10 random prompts")
+    assert t.front == [1, 0]
+    page = render_tune_html(t.rows, t.keys, SLOS, t.recommended, t.workload)
+    assert "<td>front</td><td>4</td>" in page
     rows[0] |= {"failed": 2, "failure": "http: HTTP 500 <oops>"}
     page = render_tune_html(rows, ["max-num-seqs"], SLOS, t.recommended, t.workload)
     assert "<td>http: HTTP 500 &lt;oops&gt;</td>" in page

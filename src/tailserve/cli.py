@@ -157,12 +157,14 @@ def _add_bench(sub: Any) -> None:
     b = sub.add_parser(
         "bench", help="open-loop load test of any OpenAI-compatible server",
         description="Send a precomputed open-loop load and report TTFT, TPOT, ITL, E2EL, "
-        "throughput and goodput (vLLM's definitions), with the server's own view when it is "
-        "tailserve. Ctrl-C stops sending and still reports what was sent. Exit status: 0; 1 if "
-        "a step completed no request; 2 on a usage error; 130 when interrupted.",
+        "throughput (vLLM's definitions) and, with SLOs given or published by the server, "
+        "goodput (the share and req/s of requests meeting every SLO; --sweep then finds the "
+        "capacity: docs/goodput.md), with the server's own view when it is tailserve. Ctrl-C "
+        "stops sending and still reports what was sent. Exit status: 0; 1 if a step "
+        "completed no request; 2 on a usage error; 130 when interrupted.",
     )
     groups = {title: b.add_argument_group(title) for title in ("target", "dataset", "load",
-                                                               "output")}
+                                                               "SLOs", "output")}
     add_flags(b, DatasetOptions, group="dataset", groups=groups)
     add_flags(b, BenchConfig, groups=groups)
     b.set_defaults(func=_cmd_bench)
@@ -171,10 +173,16 @@ def _add_bench(sub: Any) -> None:
 def _cmd_diagnose(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tailserve.analyze.data import load_run
+    from tailserve.analyze.data import DiagnoseError, load_run
     from tailserve.analyze.diagnose import diagnose, print_summary
 
-    d = diagnose(load_run(ns.result, ns.timeline), ns.percentile)
+    slos = {k: v for k in ("ttft", "itl", "tpot")
+            if (v := getattr(ns, f"slo_{k}_ms")) is not None}
+    for k, v in slos.items():
+        if not 0 < v < float("inf"):
+            raise DiagnoseError(f"--slo-{k}-ms must be a positive number of milliseconds, "
+                                f"got {v:g}")
+    d = diagnose(load_run(ns.result, ns.timeline), ns.percentile, slos or None)
     if ns.html:
         from tailserve.analyze.report import write_html
 
@@ -207,18 +215,42 @@ def _add_diagnose(sub: Any) -> None:
     d.add_argument("--html", default=None, metavar="FILE",
                    help="also write a self-contained HTML report")
     d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    slo = d.add_argument_group("SLOs", "which requests missed which SLO, and why (default: the "
+                               "SLOs the bench run judged, else each request's own from the "
+                               "server's timing)")
+    for kind, what in (("ttft", "time to first token"), ("itl", "every gap between chunks"),
+                       ("tpot", "mean gap after the first token")):
+        slo.add_argument(f"--slo-{kind}-ms", type=float, default=None, metavar="MS",
+                         help=f"{kind.upper()} SLO: the most a request's {what} may be")
     d.set_defaults(func=_cmd_diagnose)
 
 
 def _cmd_compare(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tailserve.analyze.compare import CompareOptions, compare_runs, load_run, render, to_json
+    from tailserve.analyze.compare import (
+        CompareError,
+        CompareOptions,
+        compare_runs,
+        load_run,
+        render,
+        to_json,
+    )
+    from tailserve.analyze.compare_goodput import compare_capacity, load_capacity
 
+    slos = {k: v for k in ("ttft", "itl", "tpot")
+            if (v := getattr(ns, f"slo_{k}_ms")) is not None}
+    for k, v in slos.items():
+        if not 0 < v < float("inf"):
+            raise CompareError(f"--slo-{k}-ms must be a positive number of milliseconds, "
+                               f"got {v:g}")
+    cap_a, cap_b = load_capacity(ns.a), load_capacity(ns.b)
+    if cap_a is not None and cap_b is not None:
+        return _compare_capacity(ns, compare_capacity(cap_a, cap_b, ns.threshold))
     opts = CompareOptions(
         metrics=tuple(m.strip() for m in ns.metric.split(",") if m.strip()),
         percentile=ns.percentile, confidence=ns.confidence, threshold_pct=ns.threshold,
-        num_resamples=ns.resamples, seed=ns.seed,
+        num_resamples=ns.resamples, seed=ns.seed, slos_ms=slos or None,
     )
     a = [load_run(p) for p in [ns.a, *(ns.replicate_a or [])]]
     b = [load_run(p) for p in [ns.b, *(ns.replicate_b or [])]]
@@ -230,12 +262,32 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     return 0 if c.passed else 1
 
 
+def _compare_capacity(ns: argparse.Namespace, caps: list[Any]) -> int:
+    """Two ``bench --sweep`` summaries: their capacities, gated (analyze/compare_goodput.py)."""
+    from rich.console import Console
+
+    from tailserve.analyze.compare_goodput import render_slo_gates
+
+    passed = not any(c.gate_failed for c in caps)
+    if ns.json:
+        print(json.dumps({"a": ns.a, "b": ns.b, "threshold_pct": ns.threshold,
+                          "capacity": [c.as_json() for c in caps], "passed": passed},
+                         indent=1))
+    else:
+        console = Console()
+        render_slo_gates(None, caps, ns.confidence, console)
+        console.print("[bold green]PASS[/]" if passed else
+                      "[bold red]FAIL[/]: B missed a capacity target at a rate A met")
+    return 0 if passed else 1
+
+
 def _add_compare(sub: Any) -> None:
     c = sub.add_parser(
         "compare", help="A/B: is B's latency significantly worse than A's?",
         description="For TTFT, TPOT, ITL and E2EL: P50 and the tail percentile of A and B, "
         "B − A with a bootstrap confidence interval (requests resampled within a run, or whole "
-        "runs when both sides have replicates), a Mann-Whitney p-value and a verdict. Exit "
+        "runs when both sides have replicates), a Mann-Whitney p-value and a verdict; with "
+        "SLOs the goodput share as well; two `bench --sweep` summaries by their capacity. Exit "
         "status: 0 when B is not significantly worse than A beyond --threshold, 1 when it is, "
         "2 on a usage error.",
     )
@@ -256,6 +308,14 @@ def _add_compare(sub: Any) -> None:
                    "2000)")
     c.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
     c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    slo = c.add_argument_group(
+        "SLOs", "gate the goodput share too (default: the SLOs A's bench run judged, else each "
+        "request's own from the server's timing); two `bench --sweep` summaries are compared "
+        "by their capacity instead")
+    for kind, what in (("ttft", "time to first token"), ("itl", "every gap between chunks"),
+                       ("tpot", "mean gap after the first token")):
+        slo.add_argument(f"--slo-{kind}-ms", type=float, default=None, metavar="MS",
+                         help=f"{kind.upper()} SLO: the most a request's {what} may be")
     c.set_defaults(func=_cmd_compare)
 
 
@@ -354,7 +414,7 @@ def _add_plan(sub: Any) -> None:
 TUNE_BENCH_SKIP = (
     "base_url", "model", "api_key", "request_rates", "sweep", "sweep_steps", "goodput",
     "percentiles", "save_result", "save_detailed", "label", "progress", "base_url_b", "split",
-    "users", "replicas",
+    "users", "replicas", "slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms", "server_slos",
 )
 TUNE_DATASET_DEFAULTS = {"num_prompts": 100}
 TUNE_BENCH_DEFAULTS = {"request_rate": 1.0}
@@ -370,6 +430,9 @@ def _cmd_tune(ns: argparse.Namespace) -> int:
     bench = from_namespace(BenchConfig, ns, skip=TUNE_BENCH_SKIP,
                            dataset=from_namespace(DatasetOptions, ns), progress=False)
     slos = from_namespace(Slos, ns)
+    # Every step judges the tune's SLOs; --capacity runs the bench's capacity search per point.
+    bench = dataclasses.replace(bench, slo_ttft_ms=slos.ttft_ms, slo_itl_ms=slos.itl_ms,
+                                sweep=ns.capacity)
     if ns.html:
         from tailserve.bench.result import check_writable
 
@@ -395,13 +458,14 @@ def _add_tune(sub: Any) -> None:
     from tailserve.bench.config import BenchConfig, DatasetOptions
 
     t = sub.add_parser(
-        "tune", help="measure the P99 TTFT / P99 ITL trade-off of engine settings",
+        "tune", help="measure the goodput and latency trade-off of engine settings",
         description="For every combination of --grid values, start `tailserve serve` on a "
-        "loopback port, run one `tailserve bench` step of the workload, stop it; then print "
-        "each setting's P50/P99 TTFT and ITL and goodput share, the Pareto front of P99 TTFT "
-        "against P99 ITL, and the setting recommended for --slo-ttft-ms / --slo-itl-ms (the "
-        "highest goodput share among those whose P99s meet both; else the closest). Exit "
-        "status: 0; 1 if a setting completed no request; 2 on a usage error.",
+        "loopback port, run one `tailserve bench` step of the workload (--capacity: the "
+        "capacity search), stop it; then print each setting's P50/P99 TTFT and ITL, goodput "
+        "share and good req/s (and capacities), the Pareto front over goodput (capacity at "
+        "90%% and 99%%; else goodput share and output throughput), and the setting recommended "
+        "for --slo-ttft-ms / --slo-itl-ms (the highest capacity, else the highest goodput "
+        "share). Exit status: 0; 1 if a setting completed no request; 2 on a usage error.",
     )
     t.add_argument("model_path", nargs="?", metavar="MODEL", default=None,
                    help="HF folder or .gguf to serve (default: the bundled model)")
@@ -410,6 +474,11 @@ def _add_tune(sub: Any) -> None:
                    "max-num-batched-tokens=256,512 --grid max-num-seqs=8,32")
     t.add_argument("--serve-arg", action="append", default=None, metavar="ARG",
                    help="extra argument for every server, e.g. --serve-arg=--kv-cache-memory=1")
+    t.add_argument("--capacity", action="store_true",
+                   help="per setting, search the capacity (the highest request rates with >= "
+                   "90%% and >= 99%% of requests meeting the SLOs; bench --sweep's search, "
+                   "bounded by --sweep-max-steps) instead of one step at --request-rate, and "
+                   "choose by it")
     add_flags(t, Slos, group="SLOs")
     out = t.add_argument_group("output")
     out.add_argument("--html", default=None, metavar="FILE",

@@ -86,11 +86,7 @@ def attribute(s: Samples, percentile: float, cannot_judge: list[str]) -> MetricT
     tail = np.flatnonzero(ok & (vals >= thr))
     mt = MetricTail(s.metric, int(ok.sum()), p50, p99, percentile, thr, tail, [], 0.0,
                     cannot_judge)
-    parts = {c: np.nan_to_num(p) for c, p in s.parts.items()}
-    clean = vals - sum(parts.values(), np.zeros(len(vals)))
-    ref = float(np.clip(np.median(clean[ok]), 0.0, p50))
-    whole_run = p50 > NONE_FACTOR * ref + NONE_MIN_S
-    base = ref if whole_run else p50
+    base, whole_run = reference(s)
     mt.reference_s, mt.whole_run = base, whole_run
     excess = np.maximum(vals[tail] - base, 0.0)
     if not whole_run and (thr <= NONE_FACTOR * p50 or thr - p50 < NONE_MIN_S):
@@ -99,13 +95,39 @@ def attribute(s: Samples, percentile: float, cannot_judge: list[str]) -> MetricT
     if excess.sum() <= 0:
         mt.causes = [CauseShare("none", 1.0, np.zeros(len(tail)))]
         return mt
+    mt.causes, mt.unexplained_share = split(s, tail, base, whole_run)
+    return mt
+
+
+def reference(s: Samples) -> tuple[float, bool]:
+    """(what a sample's excess is measured from, whether that is the clean latency because
+    the median itself is inflated) -- the module docstring's two references."""
+    ok = ~np.isnan(s.values)
+    vals = s.values
+    p50 = float(np.median(vals[ok]))
+    parts = {c: np.nan_to_num(p) for c, p in s.parts.items()}
+    clean = vals - sum(parts.values(), np.zeros(len(vals)))
+    ref = float(np.clip(np.median(clean[ok]), 0.0, p50))
+    whole_run = p50 > NONE_FACTOR * ref + NONE_MIN_S
+    return (ref if whole_run else p50), whole_run
+
+
+def split(s: Samples, idx: np.ndarray, base: float, whole_run: bool
+          ) -> tuple[list[CauseShare], float]:
+    """The causes' shares of the excess of the samples ``idx`` over ``base`` (largest first;
+    each CauseShare's ``seconds`` is per sample of ``idx``) and the unexplained share."""
+    ok = ~np.isnan(s.values)
+    excess = np.maximum(s.values[idx] - base, 0.0)
     contrib: dict[str, np.ndarray] = {}
-    for cause, part in parts.items():
+    for cause, p in s.parts.items():
+        part = np.nan_to_num(p)
         floor = 0.0 if whole_run else float(np.median(part[ok]))
-        contrib[cause] = np.maximum(part[tail] - floor, 0.0)
-    total = sum(contrib.values(), np.zeros(len(tail)))
+        contrib[cause] = np.maximum(part[idx] - floor, 0.0)
+    total = sum(contrib.values(), np.zeros(len(idx)))
     scale = np.where(total > excess, excess / np.maximum(total, 1e-15), 1.0)
     denom = float(excess.sum())
+    if denom <= 0:
+        return [], 0.0
     shares = []
     for cause, c in contrib.items():
         c = c * scale
@@ -113,9 +135,7 @@ def attribute(s: Samples, percentile: float, cannot_judge: list[str]) -> MetricT
         if share >= MIN_SHARE:
             shares.append(CauseShare(cause, share, c))
     shares.sort(key=lambda c: -c.share)
-    mt.causes = shares
-    mt.unexplained_share = max(0.0, 1.0 - sum(c.share for c in shares))
-    return mt
+    return shares, max(0.0, 1.0 - sum(c.share for c in shares))
 
 
 def time_ranges(t: np.ndarray, start: float, gap_s: float = 2.0,

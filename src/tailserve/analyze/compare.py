@@ -1,9 +1,11 @@
 """``tailserve compare``: did B change the latency of A, and by how much, with what certainty?
 
 For each metric (TTFT, TPOT, ITL, E2EL) both sides' P50 and tail percentile, the difference
-B − A with a bootstrap confidence interval, a Mann-Whitney U p-value and a verdict. The exit
-status gates CI: 1 when some metric's tail is, with the chosen confidence, worse by more than
-``--threshold`` percent, else 0.
+B − A with a bootstrap confidence interval, a Mann-Whitney U p-value and a verdict; with SLOs
+(given, or the ones the runs were judged by) the goodput share too, and for two ``bench
+--sweep`` summaries the capacity (analyze/compare_goodput.py). The exit status gates CI: 1
+when some metric's tail is, with the chosen confidence, worse by more than ``--threshold``
+percent, or the goodput share or a capacity is worse beyond it, else 0.
 
 What is resampled matters. Requests of one run share the server's state (batch, queue, cache),
 so they are not independent, and a run-to-run difference (another machine's noise, a warmer
@@ -28,6 +30,13 @@ from typing import Any
 import numpy as np
 
 from tailserve.analyze.bootstrap import GroupedSample, bootstrap_percentiles, percentile_interval
+from tailserve.analyze.compare_goodput import (
+    GoodputComparison,
+    compare_goodput,
+    file_slos,
+    render_slo_gates,
+    request_record,
+)
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 WORSE, BETTER, SAME = "worse", "better", "no significant difference"
@@ -47,6 +56,10 @@ class RunSamples:
     num_requests: int
     num_failed: int
     notes: list[str] = field(default_factory=list)
+    # For the goodput gate: every request (failed ones too) as compare_goodput reads it, and
+    # the SLOs the bench judged the run by.
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    slos_ms: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,7 @@ class CompareOptions:
     threshold_pct: float = 0.0
     num_resamples: int = 2000
     seed: int = 0
+    slos_ms: dict[str, float] | None = None  # the goodput gate's SLOs (None: the runs' own)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.metrics if m not in METRICS]
@@ -104,10 +118,12 @@ class Comparison:
     b: list[RunSamples]
     metrics: list[MetricComparison]
     notes: list[str]
+    goodput: GoodputComparison | None = None
 
     @property
     def passed(self) -> bool:
-        return not any(m.gate_failed for m in self.metrics)
+        return not any(m.gate_failed for m in self.metrics) and not (
+            self.goodput is not None and self.goodput.gate_failed)
 
 
 def load_run(path: str) -> RunSamples:
@@ -128,7 +144,9 @@ def load_run(path: str) -> RunSamples:
     label = str(obj.get("label") or os.path.basename(path))
     records = (obj.get("tailserve") or {}).get("requests")
     if isinstance(records, list):
-        return _from_records(path, label, records)
+        run = _from_records(path, label, records)
+        run.slos_ms = file_slos(obj)
+        return run
     if isinstance(obj.get("ttfts"), list) and isinstance(obj.get("itls"), list):
         return _from_vllm(path, label, obj)
     raise CompareError(f"{path} has no per-request data: save it with tailserve bench "
@@ -138,8 +156,13 @@ def load_run(path: str) -> RunSamples:
 def _from_records(path: str, label: str, records: list[dict[str, Any]]) -> RunSamples:
     values: dict[str, list[list[float]]] = {m: [] for m in METRICS}
     failed = 0
+    requests = []
     for r in records:
-        if r.get("error_type") is not None or r.get("send_s") is None:
+        ok = r.get("error_type") is None and r.get("send_s") is not None
+        requests.append(request_record(ok, r.get("ttft_s"), r.get("itl_s") or [],
+                                       r.get("output_tokens"), r.get("e2el_s"),
+                                       r.get("server_timing")))
+        if not ok:
             failed += 1
             continue
         ttft, e2el, out = r.get("ttft_s"), r.get("e2el_s"), r.get("output_tokens")
@@ -151,7 +174,7 @@ def _from_records(path: str, label: str, records: list[dict[str, Any]]) -> RunSa
         else:
             values["tpot"].append([])
         values["itl"].append([1e3 * g for g in r.get("itl_s") or []])
-    return RunSamples(path, label, values, len(records), failed)
+    return RunSamples(path, label, values, len(records), failed, requests=requests)
 
 
 def _from_vllm(path: str, label: str, obj: dict[str, Any]) -> RunSamples:
@@ -161,7 +184,10 @@ def _from_vllm(path: str, label: str, obj: dict[str, Any]) -> RunSamples:
     errors = obj.get("errors") or [""] * len(obj["ttfts"])
     outs = obj.get("output_lens") or [0] * len(obj["ttfts"])
     failed = 0
+    requests = []
     for ttft, itls, err, out in zip(obj["ttfts"], obj["itls"], errors, outs, strict=False):
+        requests.append(request_record(not err, None if err else ttft, list(itls), out,
+                                       None if err else ttft + sum(itls), None))
         if err:
             failed += 1
             continue
@@ -172,7 +198,7 @@ def _from_vllm(path: str, label: str, obj: dict[str, Any]) -> RunSamples:
         values["itl"].append([1e3 * g for g in itls])
     return RunSamples(path, label, values, len(obj["ttfts"]), failed,
                       notes=[f"{os.path.basename(path)}: vLLM result; E2EL rebuilt as TTFT + "
-                             "the gaps"])
+                             "the gaps"], requests=requests)
 
 
 def compare_runs(a: list[RunSamples], b: list[RunSamples],
@@ -209,7 +235,13 @@ def compare_runs(a: list[RunSamples], b: list[RunSamples],
             continue
         results.append(_compare_metric(metric, sa, sb, _per_request(a, metric),
                                        _per_request(b, metric), qs, opts, rng))
-    return Comparison(opts, unit, a, b, results, notes)
+    good = compare_goodput([r.requests for r in a], [r.requests for r in b], opts.slos_ms,
+                           a[0].slos_ms, unit, opts.confidence, opts.threshold_pct,
+                           opts.num_resamples, rng)
+    if good is not None and good.source == "A's bench run" and b[0].slos_ms != a[0].slos_ms:
+        notes.append(f"B's run was judged by other SLOs ({b[0].slos_ms}); both sides are "
+                     f"judged here by A's ({a[0].slos_ms})")
+    return Comparison(opts, unit, a, b, results, notes, good)
 
 
 def _sample(runs: list[RunSamples], metric: str, unit: str) -> GroupedSample:
@@ -292,6 +324,7 @@ def to_json(c: Comparison) -> dict[str, Any]:
         "percentile": o.percentile, "confidence": o.confidence,
         "threshold_pct": o.threshold_pct, "num_resamples": o.num_resamples, "seed": o.seed,
         "metrics": metrics,
+        "goodput": None if c.goodput is None else c.goodput.as_json(),
         "passed": c.passed,
         "notes": c.notes,
     }
@@ -326,13 +359,17 @@ def render(c: Comparison, console: Any) -> None:
             f"{m.p_value:.3g}", f"[{colour[m.verdict]}]{m.verdict}[/]",
         )
     console.print(t)
+    render_slo_gates(c.goodput, [], o.confidence, console)
     for n in c.notes:
         console.print(f"[yellow]note:[/] {n}")
     failed = [m for m in c.metrics if m.gate_failed]
-    if failed:
-        worst = ", ".join(f"{m.metric.upper()} P{p} {m.diff[o.percentile].pct:+.1f}% "
-                          f"(≥ {m.diff[o.percentile].ci_pct[0]:+.1f}% at {conf})"
-                          for m in failed)
+    if failed or not c.passed:
+        worst = ", ".join([f"{m.metric.upper()} P{p} {m.diff[o.percentile].pct:+.1f}% "
+                           f"(≥ {m.diff[o.percentile].ci_pct[0]:+.1f}% at {conf})"
+                           for m in failed] + ([
+                               f"goodput share {c.goodput.pct:+.1f}% (≤ "
+                               f"{c.goodput.ci_pct[1]:+.1f}% at {conf})"]
+                               if c.goodput is not None and c.goodput.gate_failed else []))
         console.print(f"[bold red]FAIL[/]: B is worse than A beyond the {o.threshold_pct:g}% "
                       f"threshold: {worst}")
     else:

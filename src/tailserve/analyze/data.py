@@ -140,6 +140,8 @@ class RunData:
     max_concurrency: int | None = None
     # A run through a router (bench --replica): each replica's own view (analyze/replicas.py).
     replicas: list[Any] | None = None
+    # The SLOs the bench judged this run by (its result's goodput block), kind -> ms.
+    slos_ms: dict[str, float] | None = None
 
     @property
     def closed_loop(self) -> bool:
@@ -225,9 +227,19 @@ def run_from_result(result: dict[str, Any],
                   samples=list(server.get("metric_samples") or []), start_time=start,
                   duration_s=end - start, source="tailserve" if has_timing else "other server",
                   has_timing=has_timing, request_rate=_rate(result.get("request_rate")),
-                  max_concurrency=result.get("max_concurrency"))
+                  max_concurrency=result.get("max_concurrency"),
+                  slos_ms=_bench_slos(ts.get("goodput")))
     _fill_server_times(run)
     return run
+
+
+def _bench_slos(good: Any) -> dict[str, float] | None:
+    """The SLOs of a bench result's goodput block (kind -> ms); None without one."""
+    if not isinstance(good, dict):
+        return None
+    slos = {k: float(good[f"{k}_ms"]) for k in ("ttft", "itl", "tpot", "e2el")
+            if isinstance(good.get(f"{k}_ms"), (int, float))}
+    return slos or None
 
 
 def _rate(value: Any) -> float | None:

@@ -27,6 +27,7 @@ from tailserve.analyze.samples import (
     client_samples,
     server_samples,
 )
+from tailserve.analyze.slo_misses import SloMisses, print_misses, slo_misses
 from tailserve.analyze.stepmodel import StepModel, WindowSums, fit_step_model
 from tailserve.analyze.windows import find_windows
 
@@ -47,10 +48,12 @@ class Diagnosis:
     cannot_judge: list[str]
     findings: list[str] = field(default_factory=list)
     replicas: list[dict[str, Any]] | None = None  # per-replica breakdown (analyze/replicas.py)
+    slo: SloMisses | None = None  # which requests missed which SLO, and why
 
     def as_json(self) -> dict[str, Any]:
         extra = {} if self.replicas is None else {"replicas": self.replicas}
         return extra | {
+            "slo": None if self.slo is None else self.slo.as_json(),
             "tail": {m: t.as_json() for m, t in self.tails.items()},
             "windows": self.windows,
             "errors": self.errors,
@@ -63,11 +66,18 @@ class Diagnosis:
         }
 
 
-def diagnose(run: RunData, percentile: float = 99.0) -> Diagnosis:
+def diagnose(run: RunData, percentile: float = 99.0,
+             slos_ms: dict[str, float] | None = None) -> Diagnosis:
+    """``slos_ms``: SLOs to judge every request by (kind -> ms); None: the ones the bench run
+    judged, else each request's own from the server's timing (analyze/slo_misses.py)."""
     if not 0 < percentile < 100:
         raise ValueError(f"--percentile must be between 0 and 100, got {percentile}")
     if run.replicas:
-        return _diagnose_replicas(run, percentile)
+        d = _diagnose_replicas(run, percentile)
+        d.slo = slo_misses(run, d.samples, slos_ms)
+        if d.slo is not None:
+            d.findings.insert(0, d.slo.sentence())
+        return d
     model = None
     if run.steps is not None and len(run.steps) >= MIN_STEPS_FOR_FIT:
         model = fit_step_model(run.steps)
@@ -96,7 +106,7 @@ def diagnose(run: RunData, percentile: float = 99.0) -> Diagnosis:
         tails[m] = mt
     errors = dict(Counter(q.error_type or "error" for q in run.requests if not q.ok))
     d = Diagnosis(run, percentile, model, samples, tails, find_windows(run, samples), errors,
-                  cannot)
+                  cannot, slo=slo_misses(run, samples, slos_ms))
     d.findings = _findings(d)
     return d
 
@@ -113,7 +123,7 @@ def _diagnose_replicas(run: RunData, percentile: float) -> Diagnosis:
 
 
 def _findings(d: Diagnosis) -> list[str]:
-    out = []
+    out = [] if d.slo is None else [d.slo.sentence()]
     if d.cannot_judge:
         why = ("the result has no server timing (not a tailserve server)"
                if not d.run.has_timing else "the result has no server step timeline")
@@ -170,6 +180,8 @@ def print_summary(d: Diagnosis, console: Any) -> None:
             table.add_row("[dim](unexplained)[/]", f"{t.unexplained_share:.0%}",
                           "longer outputs, bigger batches, or a cause not recorded", "")
         console.print(table)
+    if d.slo is not None:
+        print_misses(d.slo, console)
     if d.windows:
         console.print("[bold]windows where the P99 jumps[/]")
         for w in d.windows:

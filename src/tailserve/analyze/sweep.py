@@ -153,10 +153,12 @@ def _one(opts: SweepOptions, combo: dict[str, str], previous: threading.Thread |
                 metrics_interval_s=0.5,
             )
         try:
-            step = run_bench(cfg, Console(file=io.StringIO()))[0]
+            steps = run_bench(cfg, Console(file=io.StringIO()))
         except BenchError as exc:
             return {"error": str(exc)}, _started(stop)
-        return _row(step, opts.slos), _started(stop)
+        if cfg.sweep:
+            return capacity_row(steps, cfg, opts.slos), _started(stop)
+        return _row(steps[0], opts.slos), _started(stop)
     except BaseException:
         stop()
         raise
@@ -176,6 +178,22 @@ def step_goodput_share(step: dict[str, Any], slos: Slos) -> float | None:
         [r.get("error_type") is None and r.get("send_s") is not None for r in records], slos)
 
 
+def capacity_row(steps: list[dict[str, Any]], cfg: BenchConfig, slos: Slos
+                 ) -> dict[str, Any]:
+    """A grid point measured by the capacity search: its capacities, and the figures of the
+    step at the 90% capacity (the highest rate that kept 90% good; else the first step)."""
+    from tailserve.bench.capacity import capacity_summary
+    from tailserve.bench.run import search_options
+
+    cap = capacity_summary(steps, search_options(cfg))
+    c90, c99 = cap["targets"][0], cap["targets"][1]
+    at = next((s for s in steps if s.get("request_rate") == c90["capacity_req_s"]), steps[0])
+    return {**_row(at, slos), "capacity_90": c90["capacity_req_s"],
+            "capacity_99": c99["capacity_req_s"],
+            "capacity_resolved": bool(c90["resolved"] and c99["resolved"]),
+            "capacity_points": cap["points"]}
+
+
 def _row(step: dict[str, Any], slos: Slos) -> dict[str, Any]:
     server = step["tailserve"].get("server") or {}
     samples = server.get("metric_samples") or []
@@ -188,6 +206,7 @@ def _row(step: dict[str, Any], slos: Slos) -> dict[str, Any]:
                 if k.startswith(prefix)]
         return max(vals) if vals else None
 
+    share = step_goodput_share(step, slos)
     examples = step["tailserve"].get("failures", {}).get("examples") or {}
     failure = {"failure": "; ".join(f"{k}: {v}"[:300] for k, v in examples.items())
                } if step["failed"] else {}
@@ -198,7 +217,10 @@ def _row(step: dict[str, Any], slos: Slos) -> dict[str, Any]:
         "output_throughput": step["output_throughput"],
         "median_ttft_ms": step["median_ttft_ms"], "p99_ttft_ms": step["p99_ttft_ms"],
         "median_itl_ms": step["median_itl_ms"], "p99_itl_ms": step["p99_itl_ms"],
-        "goodput_share": step_goodput_share(step, slos),
+        "goodput_share": share,
+        # Good requests per second of the step (DistServe's goodput).
+        "request_goodput": None if share is None or not step["duration"] else
+        share * len(step["tailserve"]["requests"]) / step["duration"],
         "max_scheduled_seqs": max(widths) if widths else None,
         "kv_cache_total_blocks": peak("tailserve:kv_cache_total_blocks"),
         "peak_kv_cache_usage_perc": peak("tailserve:kv_cache_usage_perc"),
@@ -249,11 +271,13 @@ def print_sweep(rows: list[dict[str, Any]], console: Any, marks: dict[int, str] 
     from rich.table import Table
 
     ok = [r for r in rows if "error" not in r]
-    keys = [k for k in rows[0] if k not in _COLUMNS and k not in ("error", "failure")
+    keys = [k for k in rows[0] if k not in _COLUMNS and k not in NOT_COLUMNS
             ] if rows else []
     # Memory gauges a server does not have (no device, CPU torch) would be a column of dashes.
+    # Capacities exist only where the capacity search ran (tune --capacity).
     columns = {k: head for k, head in _COLUMNS.items()
                if (not k.endswith("_bytes") or any(r.get(k) for r in ok))
+               and (not k.startswith("capacity_") or any(k in r for r in ok))
                and (only is None or k in only)}
     t = Table(title=title, title_justify="left")
     if marks is not None:
@@ -275,10 +299,14 @@ def print_sweep(rows: list[dict[str, Any]], console: Any, marks: dict[int, str] 
                           f"failed, e.g. {r['failure']}[/]")
 
 
+# Row keys that are neither grid flags nor table columns.
+NOT_COLUMNS = ("error", "failure", "capacity_resolved", "capacity_points")
 _COLUMNS = {
     "completed": "ok", "failed": "fail", "request_throughput": "req/s",
     "output_throughput": "tok/s", "median_ttft_ms": "P50 TTFT ms", "p99_ttft_ms": "P99 TTFT ms",
     "median_itl_ms": "P50 ITL ms", "p99_itl_ms": "P99 ITL ms", "goodput_share": "good %",
+    "request_goodput": "good req/s", "capacity_90": "cap@90% req/s",
+    "capacity_99": "cap@99% req/s",
     "max_scheduled_seqs": "max batch",
     "kv_cache_total_blocks": "KV blocks", "peak_kv_cache_usage_perc": "KV peak %",
     "num_preemptions": "preempt", "peak_device_memory_bytes": "mem GiB",

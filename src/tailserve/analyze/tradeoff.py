@@ -1,19 +1,26 @@
-"""The latency trade-off of a settings grid: goodput share, the Pareto front of P99 TTFT
-against P99 ITL, and the setting to recommend for given SLOs. Pure functions of plain rows
-(one dict per grid point, as analyze/sweep.py makes them), so they are tested exactly.
+"""The trade-off of a settings grid: goodput share, capacity, the Pareto fronts and the setting
+to recommend for given SLOs. Pure functions of plain rows (one dict per grid point, as
+analyze/sweep.py makes them), so they are tested exactly.
 
 Definitions:
 
 - a request is *good* when it completed, its TTFT is at most the TTFT SLO and no gap between
   two of its tokens exceeds the ITL SLO (its worst gap, not its mean: a user sees the stall);
 - a point's *goodput share* is good requests / requests sent (a failed request is not good);
-- point A *dominates* B when A's P99 TTFT and P99 ITL are both <= B's and one is <; the
-  *front* is every point no other point dominates (equal points are both on it);
-- the *recommended* point: among the points whose P99 TTFT and P99 ITL meet the SLOs, the one
-  with the highest goodput share, then the highest output throughput, then the smallest
-  ``slo_ratio`` (the most headroom); with none meeting them, the point with the smallest
-  ``slo_ratio`` -- max(P99 TTFT / TTFT SLO, P99 ITL / ITL SLO), by how much the SLOs would have
-  to grow for it to meet them -- then the highest goodput share. Remaining ties: grid order.
+  its *capacity* (``tune --capacity``) the highest request rate measured with >= 90%
+  (``capacity_90``) and >= 99% (``capacity_99``) of requests good (bench/capacity.py);
+- the *goodput front*: with capacities, every point no other point beats on both capacity_90
+  and capacity_99 (a setting may trade the 99% capacity for the 90% one); without, every
+  point no other beats on both goodput share and output throughput (a setting may trade SLO
+  attainment for throughput). A point dominates another when it is >= on both and > on one;
+  equal points are both on the front. Ordered by the first objective, best first;
+- the *latency front* (the plot's): every point no other has both a lower-or-equal P99 TTFT
+  and P99 ITL, one of them lower;
+- the *recommended* point: with capacities, the highest capacity_90, then capacity_99, then
+  goodput share, then output throughput; without, the highest goodput share, then output
+  throughput, then the smallest ``slo_ratio`` -- max(P99 TTFT / TTFT SLO, P99 ITL / ITL SLO),
+  the most headroom. It *meets the SLOs* when at least 90% of its requests were good (with
+  capacities: when some rate was). Remaining ties: grid order.
 """
 
 from __future__ import annotations
@@ -92,9 +99,33 @@ def slo_ratio(row: dict[str, Any], slos: Slos) -> float:
     return max(float(row[TTFT_KEY]) / slos.ttft_ms, float(row[ITL_KEY]) / slos.itl_ms)
 
 
-def meets(row: dict[str, Any], slos: Slos) -> bool:
-    return (usable(row) and float(row[TTFT_KEY]) <= slos.ttft_ms
-            and float(row[ITL_KEY]) <= slos.itl_ms)
+TARGET_SHARE = 0.9  # a setting "meets the SLOs" when this share of its requests did
+
+
+def has_capacity(rows: Sequence[dict[str, Any]]) -> bool:
+    return any("capacity_90" in r for r in rows if usable(r))
+
+
+def _num(v: Any) -> float:
+    """A figure for ranking: None (not measured, or no rate met the target) sorts lowest."""
+    return -1.0 if v is None else float(v)
+
+
+def objectives(row: dict[str, Any], capacity: bool) -> tuple[float, float]:
+    if capacity:
+        return _num(row.get("capacity_90")), _num(row.get("capacity_99"))
+    return _num(row.get("goodput_share")), _num(row.get("output_throughput"))
+
+
+def goodput_front(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Indices of the undominated usable rows (module docstring), best first."""
+    cap = has_capacity(rows)
+    pts = [(i, *objectives(r, cap)) for i, r in enumerate(rows) if usable(r)]
+    front = [
+        (-x, -y, i) for i, x, y in pts
+        if not any(x2 >= x and y2 >= y and (x2 > x or y2 > y) for _, x2, y2 in pts)
+    ]
+    return [i for _, _, i in sorted(front)]
 
 
 def recommend(rows: Sequence[dict[str, Any]], slos: Slos) -> Recommendation | None:
@@ -102,26 +133,32 @@ def recommend(rows: Sequence[dict[str, Any]], slos: Slos) -> Recommendation | No
     candidates = [i for i, r in enumerate(rows) if usable(r)]
     if not candidates:
         return None
-
-    def share(i: int) -> float:
-        v = rows[i].get("goodput_share")
-        return -1.0 if v is None else float(v)
-
-    feasible = [i for i in candidates if meets(rows[i], slos)]
-    if feasible:
-        best = min(feasible, key=lambda i: (
-            -share(i), -float(rows[i].get("output_throughput") or 0.0),
-            slo_ratio(rows[i], slos), i))
-        among = ("the only setting that does" if len(feasible) == 1
-                 else f"the highest of the {len(feasible)} that do")
+    what = f"TTFT <= {slos.ttft_ms:g} ms and every gap <= {slos.itl_ms:g} ms"
+    if has_capacity(rows):
+        best = min(candidates, key=lambda i: (
+            *(-v for v in objectives(rows[i], True)), -_num(rows[i].get("goodput_share")),
+            -_num(rows[i].get("output_throughput")), i))
+        r = rows[best]
+        c90, c99 = r.get("capacity_90"), r.get("capacity_99")
+        if c90 is None:
+            return Recommendation(best, False, (
+                f"no setting kept {TARGET_SHARE:.0%} of requests within {what} at any rate "
+                "tried; this one has the best goodput share"))
+        c99_text = "none" if c99 is None else f"{c99:.3g} req/s"
         return Recommendation(best, True, (
-            f"meets P99 TTFT <= {slos.ttft_ms:g} ms and P99 ITL <= {slos.itl_ms:g} ms; goodput "
-            f"share {_pct(share(best))}, {among}"))
-    best = min(candidates, key=lambda i: (slo_ratio(rows[i], slos), -share(i), i))
+            f"the highest capacity: {c90:.3g} req/s with >= 90% of requests within {what} "
+            f"(>= 99%: {c99_text}), of {len(candidates)} settings"))
+    best = min(candidates, key=lambda i: (
+        -_num(rows[i].get("goodput_share")), -_num(rows[i].get("output_throughput")),
+        slo_ratio(rows[i], slos), i))
+    share = _num(rows[best].get("goodput_share"))
+    if share >= TARGET_SHARE:
+        return Recommendation(best, True, (
+            f"the highest goodput share: {_pct(share)} of requests within {what}, of "
+            f"{len(candidates)} settings"))
     return Recommendation(best, False, (
-        f"no setting meets P99 TTFT <= {slos.ttft_ms:g} ms and P99 ITL <= {slos.itl_ms:g} ms; "
-        f"this one comes closest: it would need SLOs {slo_ratio(rows[best], slos):.2f}x as "
-        "loose"))
+        f"no setting kept {TARGET_SHARE:.0%} of requests within {what}; this one comes "
+        f"closest with {_pct(share)}"))
 
 
 def _pct(v: float) -> str:

@@ -1,9 +1,11 @@
 """``tailserve tune``: the latency trade-off of engine settings, measured.
 
 Runs the grid of engine flags on live servers (analyze/sweep.py: a fresh ``tailserve serve``
-per point, one ``tailserve bench`` step of the given workload, stop), then finds the Pareto
-front of P99 TTFT against P99 ITL and the setting to recommend for the SLOs
-(analyze/tradeoff.py), prints them and writes them as JSON and an HTML page.
+per point, one ``tailserve bench`` step of the given workload -- or with ``--capacity`` the
+bench's capacity search -- then stop), then finds the Pareto front over goodput (capacity at
+>= 90% and >= 99% of requests meeting the SLOs; without ``--capacity`` goodput share and
+output throughput) and the setting to recommend for the SLOs (analyze/tradeoff.py), prints
+them and writes them as JSON and an HTML page.
 """
 
 from __future__ import annotations
@@ -14,21 +16,28 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from tailserve.analyze.sweep import SweepOptions, parse_grid, print_sweep, run_sweep
-from tailserve.analyze.tradeoff import Recommendation, Slos, pareto_front, recommend
+from tailserve.analyze.tradeoff import (
+    Recommendation,
+    Slos,
+    goodput_front,
+    pareto_front,
+    recommend,
+)
 
 if TYPE_CHECKING:
     from tailserve.bench.config import BenchConfig
 
 
 TABLE_COLUMNS = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-                 "median_itl_ms", "p99_itl_ms", "goodput_share", "max_scheduled_seqs")
+                 "median_itl_ms", "p99_itl_ms", "goodput_share", "request_goodput",
+                 "capacity_90", "capacity_99", "max_scheduled_seqs")
 
 
 @dataclass
 class TuneResult:
     keys: list[str]  # the swept flags, in grid order
     rows: list[dict[str, Any]]  # one per grid point: its flags and its figures (or "error")
-    front: list[int]  # indices into rows, by P99 TTFT
+    front: list[int]  # indices into rows: the goodput front, best first
     recommended: Recommendation | None
     slos: Slos
     workload: str
@@ -36,6 +45,7 @@ class TuneResult:
     def as_json(self) -> dict[str, Any]:
         return {"grid": self.keys, "slos_ms": asdict(self.slos), "workload": self.workload,
                 "rows": self.rows, "pareto_front": self.front,
+                "latency_front": pareto_front(self.rows),
                 "recommended": None if self.recommended is None else asdict(self.recommended)}
 
 
@@ -47,13 +57,15 @@ def describe_workload(cfg: BenchConfig) -> str:
         spread = f" (x{1 - d.range_ratio:g}..{1 + d.range_ratio:g})" if d.range_ratio else ""
         lengths = f"input {d.input_len}{spread}, output {d.output_len or 'default'}"
     rate = "all at once" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g} req/s"
+    if cfg.sweep:
+        rate = "the capacity search's rates"
     cap = f", at most {cfg.max_concurrency} in flight" if cfg.max_concurrency else ""
     return f"{d.num_prompts} {d.name} prompts, {lengths}, {rate}{cap}"
 
 
 def analyze_rows(rows: list[dict[str, Any]], keys: list[str], slos: Slos,
                  workload: str) -> TuneResult:
-    return TuneResult(keys=keys, rows=rows, front=pareto_front(rows),
+    return TuneResult(keys=keys, rows=rows, front=goodput_front(rows),
                       recommended=recommend(rows, slos), slos=slos, workload=workload)
 
 

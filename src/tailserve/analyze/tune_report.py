@@ -1,8 +1,10 @@
 """``tailserve tune --html``: the trade-off as one self-contained page, made the way
 ``diagnose --html`` makes its report (analyze/report.py: inline CSS, plots as base64 PNG).
 
-Plots: P99 ITL against P99 TTFT for every grid point, the Pareto front joined, the SLO box
-dashed and the recommended point starred; the goodput share of each point; then the table.
+Plots: P99 ITL against P99 TTFT for every grid point, the latency front joined, the SLO box
+dashed and the recommended point starred; the goodput share of each point (with
+``tune --capacity``: its capacities at 90% and 99%); then the table, whose ``front`` marks are
+the goodput front (analyze/tradeoff.py) the recommendation is chosen on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from tailserve.analyze.tradeoff import (
     TTFT_KEY,
     Recommendation,
     Slos,
+    goodput_front,
+    has_capacity,
     pareto_front,
     usable,
 )
@@ -25,7 +29,9 @@ if TYPE_CHECKING:
 
 _TABLE = (("median_ttft_ms", "P50 TTFT ms"), (TTFT_KEY, "P99 TTFT ms"),
           ("median_itl_ms", "P50 ITL ms"), (ITL_KEY, "P99 ITL ms"),
-          ("goodput_share", "goodput share"), ("request_throughput", "req/s"),
+          ("goodput_share", "goodput share"), ("request_goodput", "good req/s"),
+          ("capacity_90", "capacity @90% req/s"), ("capacity_99", "capacity @99% req/s"),
+          ("request_throughput", "req/s"),
           ("output_throughput", "output tok/s"), ("max_scheduled_seqs", "max batch"),
           ("completed", "ok"), ("failed", "failed"))
 
@@ -43,7 +49,7 @@ def _front_plot(rows: list[dict[str, Any]], keys: list[str], front: list[int],
     ax.scatter([rows[i][TTFT_KEY] for i in pts], [rows[i][ITL_KEY] for i in pts],
                color="#999", label="grid point", zorder=2)
     ax.plot([rows[i][TTFT_KEY] for i in front], [rows[i][ITL_KEY] for i in front],
-            "o-", color="#1f77b4", label="Pareto front", zorder=3)
+            "o-", color="#1f77b4", label="latency front", zorder=3)
     for i in pts:
         ax.annotate(point_label(rows[i], keys), (rows[i][TTFT_KEY], rows[i][ITL_KEY]),
                     textcoords="offset points", xytext=(4, 4), fontsize=7, color="#444")
@@ -62,6 +68,8 @@ def _front_plot(rows: list[dict[str, Any]], keys: list[str], front: list[int],
 
 def _goodput_plot(rows: list[dict[str, Any]], keys: list[str], rec: Recommendation | None,
                   plt: Any) -> Figure | None:
+    if has_capacity(rows):
+        return _capacity_plot(rows, keys, rec, plt)
     pts = [i for i, r in enumerate(rows) if r.get("goodput_share") is not None]
     if not pts:
         return None
@@ -74,6 +82,29 @@ def _goodput_plot(rows: list[dict[str, Any]], keys: list[str], rec: Recommendati
     ax.set_xlabel("goodput share (% of requests sent)")
     ax.tick_params(axis="y", labelsize=7)
     ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def _capacity_plot(rows: list[dict[str, Any]], keys: list[str], rec: Recommendation | None,
+                   plt: Any) -> Figure | None:
+    pts = [i for i, r in enumerate(rows) if usable(r)]
+    if not pts:
+        return None
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * len(pts)))
+    y = np.arange(len(pts))
+    for off, key, color, name in ((-0.2, "capacity_90", "#1f77b4", ">= 90% good"),
+                                  (0.2, "capacity_99", "#2ca02c", ">= 99% good")):
+        ax.barh(y + off, [rows[i].get(key) or 0.0 for i in pts], height=0.4, color=color,
+                label=name)
+    ax.set_yticks(y, [("* " if rec is not None and i == rec.index else "")
+                      + point_label(rows[i], keys) for i in pts])
+    ax.invert_yaxis()
+    ax.set_xlabel("capacity (req/s; * recommended)")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8)
     return fig
 
 
@@ -93,7 +124,7 @@ def render_tune_html(rows: list[dict[str, Any]], keys: list[str], slos: Slos,
     import matplotlib.pyplot as plt
 
     e = html.escape
-    front = pareto_front(rows)
+    front, latency_front = goodput_front(rows), pareto_front(rows)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>tailserve tune</title>"
              f"<style>{CSS}</style></head><body><h1>tailserve tune</h1>",
              f"<p class='note'>{len(rows)} settings, each on a fresh server; workload: "
@@ -105,9 +136,10 @@ def render_tune_html(rows: list[dict[str, Any]], keys: list[str], slos: Slos,
         parts.append(f"<p id='recommended'><b>Recommended:</b> "
                      f"{e(point_label(rows[rec.index], keys))} -- {e(rec.reason)}.</p>")
     for pid, title, fig in (
-            ("front", "P99 ITL against P99 TTFT", _front_plot(rows, keys, front, rec, slos,
-                                                              plt)),
-            ("goodput", "Goodput share", _goodput_plot(rows, keys, rec, plt))):
+            ("front", "P99 ITL against P99 TTFT", _front_plot(rows, keys, latency_front, rec,
+                                                              slos, plt)),
+            ("goodput", "Capacity" if has_capacity(rows) else "Goodput share",
+             _goodput_plot(rows, keys, rec, plt))):
         parts.append(f"<h2>{title}</h2>")
         if fig is None:
             parts.append(f"<p class='note' id='plot-{pid}'>not available: no setting "

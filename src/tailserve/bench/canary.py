@@ -120,7 +120,7 @@ async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any
             interrupted=interrupted, run_id=a.run_id,
             environment=environment(cfg.argv, ctx.info, ctx.loop_name, load_before,
                                     ctx.client_name, cfg.busy_poll),
-        ))
+        ), ctx.slos)
         result["label"] = f"{cfg.label or 'canary'} {arm}"
         result["tailserve"]["canary"] = {
             "arm": arm, "split": cfg.split, "users": cfg.users,

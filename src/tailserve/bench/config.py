@@ -98,6 +98,10 @@ def _load(help_text: str = "", **more: Any) -> dict[str, Any]:
     return {"group": "load", "help": help_text, **more}
 
 
+def _slo(help_text: str = "", **more: Any) -> dict[str, Any]:
+    return {"group": "SLOs", "help": help_text, "metavar": "MS", **more}
+
+
 def _output(help_text: str = "", **more: Any) -> dict[str, Any]:
     return {"group": "output", "help": help_text, **more}
 
@@ -119,8 +123,18 @@ class BenchConfig:
         default=None,
         metadata=_load("stepped load: one step per rate, e.g. 1,2,4,8", parse=parse_rates))
     sweep: bool = field(
-        default=False, metadata=_load("synchronous and throughput steps, then rates in between"))
-    sweep_steps: int = field(default=4, metadata=_load("interpolated rates in a sweep"))
+        default=False,
+        metadata=_load("with SLOs: a throughput step, then the capacity search (the highest "
+                       "rates with >= 90%% and >= 99%% of requests meeting every SLO); "
+                       "without: synchronous and throughput steps, then rates in between"))
+    sweep_steps: int = field(
+        default=4, metadata=_load("interpolated rates in a sweep without SLOs"))
+    sweep_max_steps: int = field(
+        default=8, metadata=_load("with SLOs: the most rates the capacity search runs"))
+    sweep_tolerance: float = field(
+        default=0.1,
+        metadata=_load("with SLOs: the capacity search stops when the highest rate that met "
+                       "the target and the lowest that missed it are within this ratio"))
     burstiness: float = field(
         default=1.0,
         metadata=_load("gamma shape of the gaps: 1 Poisson, <1 burstier, >1 steadier"))
@@ -130,6 +144,23 @@ class BenchConfig:
         default_factory=dict,
         metadata=_output("SLOs, e.g. ttft:500 tpot:50 e2el:2000", parse=parse_goodput,
                          nargs="+", metavar="NAME:MS"))
+    # SLOs (bench/goodput.py): with any given, or published by the server, every step reports
+    # its goodput (share and req/s meeting all of them), and --sweep searches the capacity.
+    slo_ttft_ms: float | None = field(
+        default=None,
+        metadata=_slo("TTFT SLO: the most a request may wait for its first token (default: "
+                      "the server's published SLO, if any)"))
+    slo_itl_ms: float | None = field(
+        default=None,
+        metadata=_slo("ITL SLO: the longest gap a request may see between two streamed "
+                      "chunks (every gap, measured by this client)"))
+    slo_tpot_ms: float | None = field(
+        default=None,
+        metadata=_slo("TPOT SLO: the most a request's mean gap after its first token may be"))
+    server_slos: bool = field(
+        default=True,
+        metadata={"group": "SLOs", "help": "with no SLO given, judge by the SLOs the server "
+                  "publishes on /metrics (tailserve:slo_ttft_seconds, slo_itl_seconds)"})
     percentiles: list[float] = field(
         default_factory=lambda: [50.0, 90.0, 99.0, 99.9],
         metadata=_output(parse=parse_percentiles))

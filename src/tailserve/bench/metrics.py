@@ -11,7 +11,8 @@ Over the *successful* requests:
   content chunks only when a server sends no usage; the result says which);
 - throughputs divide by the step's duration (first arrival scheduled → last response done):
   completed requests, output tokens, input + output tokens per second;
-- goodput: completed requests per second that meet every SLO given (``ttft:MS`` ...).
+- goodput: requests per second that meet every SLO given (bench/goodput.py: TTFT, every
+  ITL gap, TPOT, E2EL; vLLM's ``--goodput ttft:MS`` judges the same way).
 
 Every distribution gets mean, median, std (population, numpy's default) and the chosen
 percentiles (numpy's linear interpolation), in milliseconds, under vLLM's key names
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tailserve.bench.client import RequestResult
+from tailserve.bench.goodput import Goodput, SloSpec, Verdict, goodput, judge
 
 
 def p_word(p: float) -> str:
@@ -87,9 +89,9 @@ def compute_metrics(
     results: Sequence[RequestResult],
     duration_s: float,
     percentiles: Sequence[float],
-    goodput: dict[str, float] | None = None,
+    goodput: SloSpec | dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """vLLM's result keys for one step."""
+    """vLLM's result keys for one step (``goodput``: the SLOs, or vLLM's NAME -> ms)."""
     ok = [r for r in results if r.success]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2els = [r.e2el_s for r in ok if r.e2el_s is not None]
@@ -97,14 +99,8 @@ def compute_metrics(
     tpots = [t for r in ok if (t := tpot_s(r)) is not None]
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_tokens or 0 for r in ok)
-    good = None
-    if goodput:
-        good = 0
-        for r in ok:
-            measured = {"ttft": r.ttft_s or 0.0, "tpot": tpot_s(r) or 0.0,
-                        "e2el": r.e2el_s or 0.0}
-            if all(measured[k] <= ms / 1000.0 for k, ms in goodput.items()):
-                good += 1
+    slos = SloSpec.from_ms(goodput) if isinstance(goodput, dict) else goodput
+    good = step_goodput(results, slos, duration_s).num_good if slos else None
     dur = duration_s if duration_s > 0 else float("nan")
     out: dict[str, Any] = {
         "duration": duration_s,
@@ -154,3 +150,13 @@ def client_summary(results: Sequence[RequestResult],
         "output_tokens_source": dict(Counter(
             r.output_tokens_source for r in results if r.success and r.output_tokens_source)),
     }
+
+
+def verdict(r: RequestResult, slos: SloSpec) -> Verdict:
+    return judge(slos, r.success, r.ttft_s, r.itl_s, r.output_tokens, r.e2el_s)
+
+
+def step_goodput(results: Sequence[RequestResult], slos: SloSpec,
+                 duration_s: float) -> Goodput:
+    """The step's goodput: every request sent counts (a failed one meets no SLO)."""
+    return goodput(slos, [verdict(r, slos) for r in results], duration_s)

@@ -29,6 +29,10 @@ GAUGES = frozenset({
     "device_memory_used_bytes", "torch_memory_allocated_bytes", "torch_memory_reserved_bytes",
     "prompt_tokens_total", "generation_tokens_total", "requests_rejected_total",
     "gpu_cache_usage_perc",  # older vLLM's name for kv_cache_usage_perc
+    # The server's SLOs and their attainment (bench/goodput.py reads the SLO gauges once in
+    # the pre-flight; the counters are labelled per SLO kind and priority).
+    "slo_ttft_seconds", "slo_itl_seconds", "min_decode_slack_seconds", "slo_attained_total",
+    "slo_missed_total",
 })
 PREFIXES = ("tailserve:", "vllm:")
 UNPREFIXED = frozenset({"process_resident_memory_bytes"})

@@ -17,7 +17,8 @@ from typing import Any
 
 from tailserve.bench import BenchError
 from tailserve.bench.client import describe_http_error
-from tailserve.bench.observe import available_gauges
+from tailserve.bench.goodput import published_slos
+from tailserve.bench.observe import available_gauges, parse_metrics
 
 
 class SyncHTTP:
@@ -119,6 +120,8 @@ class ServerInfo:
     has_tokenize: bool = False
     metrics_names: list[str] = field(default_factory=list)  # the gauges /metrics has
     has_timeline: bool = False
+    # The server's default SLOs from its /metrics gauges (kind -> ms; bench/goodput.py).
+    published_slos: dict[str, float] = field(default_factory=dict)
 
 
 def normalize_base_url(url: str) -> str:
@@ -170,7 +173,9 @@ def preflight(http: SyncHTTP, model: str | None, api_key: str | None) -> ServerI
         info.max_model_len = int(mml) if isinstance(mml, int) else None
     status, raw = http.request("GET", "/metrics")
     if status == 200:
-        info.metrics_names = available_gauges(raw.decode("utf-8", "replace"))
+        text = raw.decode("utf-8", "replace")
+        info.metrics_names = available_gauges(text)
+        info.published_slos = published_slos(parse_metrics(text))
     status, body = http.get_json("/debug/timeline?limit=1")
     info.has_timeline = status == 200 and isinstance(body, dict) and "records" in body
     return info

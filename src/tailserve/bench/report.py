@@ -141,6 +141,9 @@ def print_step(console: Console, r: dict[str, Any], percentiles: list[float]) ->
         f"{tail.upper()} {inp.get(tail, 0.0):.0f}, range {lengths['input_min']}–"
         f"{lengths['input_max']}; output asked mean {out['mean']:.0f}, received mean "
         f"{lengths['output_received']['mean']:.0f}")
+    good = ts.get("goodput")
+    if good is not None:
+        console.print(goodput_line(good))
     failures = ts["failures"]
     if r["failed"]:
         f = Table(title="failures", title_justify="left")
@@ -157,6 +160,22 @@ def print_step(console: Console, r: dict[str, Any], percentiles: list[float]) ->
         console.print(_server_line(server))
     for w in ts["warnings"]:
         console.print(f"[yellow]warning:[/] {w}")
+
+
+def goodput_line(good: dict[str, Any]) -> str:
+    """One step's goodput (result.py's ``goodput`` block) in words."""
+    names = {"ttft": "TTFT", "itl": "ITL", "tpot": "TPOT", "e2el": "E2EL"}
+    slos = ", ".join(f"{names[k]} <= {good[f'{k}_ms']:g} ms" for k in names
+                     if good.get(f"{k}_ms") is not None)
+    share = good["goodput_share"]
+    missed = ", ".join(f"{names[k]} {n}" for k, n in good["missed"].items())
+    failed = f", failed {good['num_failed']}" if good["num_failed"] else ""
+    return (f"goodput ({slos}; {good['source']}'s SLOs): "
+            f"{good['num_good']}/{good['num_sent']} requests"
+            + ("" if share is None else f" = {100 * share:.1f}%")
+            + ("" if good["request_goodput"] is None else
+               f", {good['request_goodput']:.3g} req/s")
+            + f"; missed {missed}{failed}")
 
 
 def _server_line(server: dict[str, Any]) -> str:
@@ -199,17 +218,36 @@ def print_sweep(console: Console, steps: list[dict[str, Any]], percentiles: list
     tail = _tail_key(percentiles)
     t = Table(title="summary", title_justify="left")
     for c in ("step", "rate", "req/s", "out tok/s", "TTFT P50", f"TTFT {tail.upper()}",
-              f"TPOT {tail.upper()}", f"E2EL {tail.upper()}", "failed", "goodput"):
+              f"ITL {tail.upper()}", f"TPOT {tail.upper()}", f"E2EL {tail.upper()}", "failed",
+              "goodput", "good %"):
         t.add_column(c, justify="left" if c == "step" else "right")
     for s in steps:
+        share = (s["tailserve"].get("goodput") or {}).get("goodput_share")
         t.add_row(s["tailserve"]["step"]["name"], _fmt(s["request_rate"]),
                   _fmt(s["request_throughput"]), _fmt(s["output_throughput"], 1),
                   _fmt(s["median_ttft_ms"], 1), _fmt(s[f"{tail}_ttft_ms"], 1),
+                  _fmt(s[f"{tail}_itl_ms"], 1),
                   _fmt(s[f"{tail}_tpot_ms"], 1), _fmt(s[f"{tail}_e2el_ms"], 1),
-                  str(s["failed"]), _fmt(s["request_goodput"]))
+                  str(s["failed"]), _fmt(s["request_goodput"]),
+                  "-" if share is None else f"{100 * share:.1f}")
     console.print(t)
     xs, series = plot_series(steps, tail)
     console.print(ascii_plot(xs, series), highlight=False, markup=False)
+
+
+def print_capacity(console: Console, capacity: dict[str, Any], slos: Any) -> None:
+    """The sweep's answer: for each target share, the highest rate measured to meet it."""
+    for c in capacity["targets"]:
+        head = f"capacity at >= {100 * c['target']:g}% meeting {slos.describe()}: "
+        rate, miss = c["capacity_req_s"], c["lowest_missing_rate"]
+        if rate is None:
+            console.print(head + "[red]no rate measured met it[/]" + (
+                f" (lowest tried {miss:.3g} req/s)" if miss is not None else ""))
+            continue
+        bound = (f"; {miss:.3g} req/s missed it" if miss is not None
+                 else "; no rate tried missed it (a lower bound)")
+        loose = "" if c["resolved"] else " [yellow](not resolved within the steps allowed)[/]"
+        console.print(f"{head}[bold]{rate:.3g} req/s[/]{bound}{loose}")
 
 
 def plot_series(steps: list[dict[str, Any]],

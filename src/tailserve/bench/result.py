@@ -20,7 +20,8 @@ import numpy as np
 from tailserve.bench import BenchError
 from tailserve.bench.client import BACKEND_NAMES, RequestResult
 from tailserve.bench.datasets import Dataset, DatasetOptions
-from tailserve.bench.metrics import client_summary, compute_metrics
+from tailserve.bench.goodput import SloSpec, resolve_slos
+from tailserve.bench.metrics import client_summary, compute_metrics, step_goodput
 from tailserve.bench.preflight import ServerInfo
 from tailserve.bench.report import write_svg_plot
 from tailserve.bench.tokens import TokenCounter
@@ -54,9 +55,13 @@ class StepData:
 
 
 def build_result(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
-                 step: StepData) -> dict[str, Any]:
+                 step: StepData, slos: SloSpec | None = None) -> dict[str, Any]:
+    """``slos``: what the step's goodput judges (run.py resolves it once: the client's flags,
+    else the server's published SLOs); None: ``cfg``'s own flags alone."""
     results = step.results
-    metrics = compute_metrics(results, step.duration_s, cfg.percentiles, cfg.goodput or None)
+    if slos is None:
+        slos = resolve_slos(cfg.slo_ttft_ms, cfg.slo_itl_ms, cfg.slo_tpot_ms, cfg.goodput)
+    metrics = compute_metrics(results, step.duration_s, cfg.percentiles, slos or None)
     summary = client_summary(results, cfg.percentiles)
     warnings = list(step.warnings)
     lag99 = summary["send_lag_ms"].get("p99", 0.0)
@@ -94,6 +99,8 @@ def build_result(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
         "base_url": info.base_url,
         "endpoint": cfg.endpoint,
         "goodput_slos_ms": cfg.goodput,
+        # The SLOs judged and the step's goodput against them (None: no SLO given/published).
+        "goodput": step_goodput(results, slos, step.duration_s).as_json() if slos else None,
         "percentiles": cfg.percentiles,
         "dataset": {"name": ds.name, "path": step.dataset_options.path,
                     "skipped": ds.skipped, "filtered": ds.filtered,
@@ -135,9 +142,10 @@ def environment(argv: list[str], info: ServerInfo, loop_name: str,
 
 
 def save_results(path: str, label: str | None, steps: list[dict[str, Any]],
-                 console: Any) -> None:
+                 console: Any, extra: dict[str, Any] | None = None) -> None:
     """One step: PATH is its result. Several: each step in PATH's stem + ``-stepN``, and PATH
-    holds the summary (each step's scalar keys and its file) and the plot beside it."""
+    holds the summary (each step's scalar keys, its goodput share and its file; ``extra``,
+    e.g. the sweep's capacity) and the plot beside it."""
     if len(steps) == 1:
         _write_json(path, steps[0])
         console.print(f"result saved to {path}")
@@ -147,12 +155,14 @@ def save_results(path: str, label: str | None, steps: list[dict[str, Any]],
     for i, step in enumerate(steps):
         step_path = f"{stem}-step{i}{ext or '.json'}"
         _write_json(step_path, step)
+        good = step["tailserve"].get("goodput") or {}
         rows.append({k: v for k, v in step.items() if not isinstance(v, (dict, list))}
-                    | {"step": step["tailserve"]["step"]["name"], "result_file": step_path})
+                    | {"step": step["tailserve"]["step"]["name"], "result_file": step_path,
+                       "goodput_share": good.get("goodput_share")})
     plot = f"{stem}-latency.svg"
     write_svg_plot(plot, steps)
     _write_json(path, {"date": steps[0]["date"], "model_id": steps[0]["model_id"],
-                       "label": label, "steps": rows, "plot": plot})
+                       "label": label, "steps": rows, "plot": plot, **(extra or {})})
     console.print(f"{len(steps)} step results saved next to {path} (summary), plot {plot}")
 
 

@@ -5,10 +5,15 @@ A step sends N requests at times drawn *before* it starts from a gamma renewal p
 is no coordinated omission. With ``--max-concurrency`` a request whose time has come waits
 for a free slot; either way the lag between its scheduled and actual send is recorded.
 
-Steps: one (``--request-rate``), one per rate (``--request-rates 1,2,4``), or ``--sweep``:
-a synchronous step (one request at a time) and a throughput step (all at once) measure the
-two ends, then ``--sweep-steps`` rates evenly between them are run. Each step has its own
-result; several steps end with a summary table and a latency-vs-rate plot.
+Steps: one (``--request-rate``), one per rate (``--request-rates 1,2,4``), or ``--sweep``.
+With SLOs (given, or published by the server: bench/goodput.py) the sweep finds the
+*capacity*: a throughput step (all at once) measures what the server can carry, then the
+capacity search (bench/capacity.py: a geometric ladder from half that rate, then bisection,
+at most ``--sweep-max-steps`` rates) finds the highest rates at which >= 90% and >= 99% of
+requests meet every SLO. Without SLOs a synchronous step (one request at a time) and a
+throughput step measure the two ends, then ``--sweep-steps`` rates evenly between them are
+run. Each step has its own result; several steps end with a summary table and a
+latency-vs-rate plot.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import gc
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -27,14 +33,16 @@ import aiohttp
 import numpy as np
 
 from tailserve.bench import BenchError
+from tailserve.bench.capacity import Point, SearchOptions, capacity_summary, next_rate
 from tailserve.bench.client import ENDPOINT_PATHS, BenchClient, RequestResult, build_payload
 from tailserve.bench.config import BenchConfig
 from tailserve.bench.datasets import BenchRequest, DatasetOptions, load_dataset
+from tailserve.bench.goodput import SloSpec, resolve_slos
 from tailserve.bench.http11 import HTTP_CLIENTS, LeanStreamClient, make_client
 from tailserve.bench.observe import ObserverProcess
 from tailserve.bench.preflight import ServerInfo, SyncHTTP, normalize_base_url, preflight
 from tailserve.bench.replicas import ReplicaInfo, probe_replicas, replicas_block
-from tailserve.bench.report import Progress, print_step, print_sweep
+from tailserve.bench.report import Progress, print_capacity, print_step, print_sweep
 from tailserve.bench.result import (
     StepData,
     build_result,
@@ -117,23 +125,30 @@ def run_bench(cfg: BenchConfig, console: Any = None) -> list[dict[str, Any]]:
         finally:
             http_b.close()
     counter = make_counter(cfg.tokenizer, http, info.model, info.has_tokenize)
+    slos = resolve_slos(cfg.slo_ttft_ms, cfg.slo_itl_ms, cfg.slo_tpot_ms, cfg.goodput,
+                        info.published_slos if cfg.server_slos else None)
     console.print(f"[bold]tailserve bench[/] → {base} model [bold]{info.model}[/] "
                   f"({cfg.endpoint}); lengths from {counter.source}")
+    if slos:
+        whose = "given" if slos.source == "client" else "the server's published SLOs"
+        console.print(f"goodput: requests with {slos.describe()} ({whose})")
     if info_b is not None:
         console.print(f"canary arm B → {info_b.base_url} model [bold]{info_b.model}[/]")
     try:
         import uvloop
 
-        return uvloop.run(_bench(cfg, info, counter, headers, console, "uvloop", info_b))
+        return uvloop.run(_bench(cfg, info, counter, headers, console, "uvloop", info_b, slos))
     except ImportError:
-        return asyncio.run(_bench(cfg, info, counter, headers, console, "asyncio", info_b))
+        return asyncio.run(_bench(cfg, info, counter, headers, console, "asyncio", info_b,
+                                  slos))
     finally:
         http.close()
 
 
 async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
                  headers: dict[str, str], console: Any, loop_name: str,
-                 info_b: ServerInfo | None = None) -> list[dict[str, Any]]:
+                 info_b: ServerInfo | None = None, slos: SloSpec | None = None
+                 ) -> list[dict[str, Any]]:
     ignore_eos = cfg.ignore_eos if cfg.ignore_eos is not None else cfg.dataset.name in SYNTHETIC
     # No pool limit: --max-concurrency is enforced by a semaphore, so a capped run and an
     # uncapped one use the same connection behaviour (kept alive, reused).
@@ -143,7 +158,7 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
                              headers, cfg.timeout_s, session)
         try:
             return await _steps(cfg, info, counter, headers, console, loop_name, info_b,
-                                session, client, ignore_eos)
+                                session, client, ignore_eos, slos or SloSpec())
         finally:
             await client.close()
 
@@ -151,8 +166,9 @@ async def _bench(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
 async def _steps(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
                  headers: dict[str, str], console: Any, loop_name: str,
                  info_b: ServerInfo | None, session: aiohttp.ClientSession,
-                 client: BenchClient, ignore_eos: bool) -> list[dict[str, Any]]:
-    ctx = _Ctx(cfg, info, counter, headers, client, console, ignore_eos, loop_name)
+                 client: BenchClient, ignore_eos: bool, slos: SloSpec
+                 ) -> list[dict[str, Any]]:
+    ctx = _Ctx(cfg, info, counter, headers, client, console, ignore_eos, loop_name, slos=slos)
     if cfg.replicas:
         ctx.replicas = probe_replicas(cfg.replicas, headers)
     await ctx.test_request()
@@ -160,7 +176,10 @@ async def _steps(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
         return await _canary(ctx, info_b, session)
     if cfg.warmup > 0:
         await ctx.warmup()
-    if cfg.sweep:
+    search = cfg.sweep and bool(slos)
+    if search:
+        plans = [StepPlan("throughput", INF, cfg.max_concurrency)]
+    elif cfg.sweep:
         plans = [StepPlan("synchronous", INF, 1),
                  StepPlan("throughput", INF, cfg.max_concurrency)]
     else:
@@ -175,7 +194,12 @@ async def _steps(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
     for plan in plans:
         if not await run(plan):
             break
-    if cfg.sweep and len(steps) == 2 and not steps[-1]["tailserve"]["interrupted"]:
+    capacity = None
+    if search and steps and not steps[-1]["tailserve"]["interrupted"]:
+        await _capacity_search(cfg, steps, run)
+        capacity = capacity_summary(steps, search_options(cfg))
+        print_capacity(console, capacity, slos)
+    elif cfg.sweep and len(steps) == 2 and not steps[-1]["tailserve"]["interrupted"]:
         lo, hi = steps[0]["request_throughput"], steps[1]["request_throughput"]
         if not hi > lo > 0:
             console.print(f"[yellow]sweep: throughput {hi:.3g} req/s is not above the "
@@ -188,8 +212,31 @@ async def _steps(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
     if len(steps) > 1:
         print_sweep(console, steps, cfg.percentiles)
     if cfg.save_result:
-        save_results(cfg.save_result, cfg.label, steps, console)
+        save_results(cfg.save_result, cfg.label, steps, console,
+                     {"capacity": capacity} if capacity is not None else None)
     return steps
+
+
+def search_options(cfg: BenchConfig) -> SearchOptions:
+    try:
+        return SearchOptions(max_steps=cfg.sweep_max_steps, tolerance=cfg.sweep_tolerance)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+
+
+async def _capacity_search(cfg: BenchConfig, steps: list[dict[str, Any]],
+                           run: Callable[[StepPlan], Awaitable[bool]]) -> None:
+    """After the throughput step: rates from bench/capacity.py's planner, one step each."""
+    opts = search_options(cfg)
+    peak = float(steps[-1]["request_throughput"] or 0.0)
+    if not peak > 0:
+        return  # nothing completed at full load: no rate to start from
+    points: list[Point] = []
+    while (rate := next_rate(points, peak / 2, opts)) is not None:
+        if not await run(StepPlan(_rate_name(rate), rate, cfg.max_concurrency)):
+            return
+        share = (steps[-1]["tailserve"].get("goodput") or {}).get("goodput_share")
+        points.append(Point(rate, share))
 
 
 async def _canary(ctx: _Ctx, info_b: ServerInfo, session: aiohttp.ClientSession
@@ -229,6 +276,7 @@ class _Ctx:
     loop_name: str
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     replicas: list[ReplicaInfo] = field(default_factory=list)  # --replica, probed
+    slos: SloSpec = field(default_factory=SloSpec)  # what goodput judges (run_bench resolves)
 
     @property
     def client_name(self) -> str:
@@ -355,7 +403,7 @@ class _Ctx:
             server=server, warnings=warnings, interrupted=interrupted, run_id=self.run_id,
             environment=environment(cfg.argv, self.info, self.loop_name, load_before,
                                     self.client_name, cfg.busy_poll),
-        ))
+        ), self.slos)
         if observed is not None:
             ts = result["tailserve"]
             ts |= replicas_block(reps, observed, ts["requests"])
