@@ -236,8 +236,8 @@ def prefill_ops(cfg: object, tokens: int) -> dict[str, float]:
             "total": products + attention + lm_head}
 
 
-def prefill(lengths: list[int], repeats: int, peak: float | None, threads: int | None,
-            clock: str, engine_args: dict[str, object]) -> list[dict[str, object]]:
+def prefill(lengths: list[int], repeats: int, peak: float | None, clock: str,
+            engine_args: dict[str, object]) -> list[dict[str, object]]:
     """TTFT per prompt length; with ``clock`` "cpu" the process's CPU time (run it with
     ``--threads 1``: a neighbour's load then barely moves it, and the fraction is of one core's
     peak)."""
@@ -245,8 +245,6 @@ def prefill(lengths: list[int], repeats: int, peak: float | None, threads: int |
 
     from tailserve import LLM, SamplingParams
 
-    if threads:
-        torch.set_num_threads(threads)
     now = time.process_time if clock == "cpu" else time.perf_counter
     if peak and clock == "cpu":
         cores = len(os.sched_getaffinity(0))
@@ -254,7 +252,7 @@ def prefill(lengths: list[int], repeats: int, peak: float | None, threads: int |
 
     args: dict[str, object] = {"enable_prefix_caching": False,
                                "max_num_batched_tokens": max(lengths), **engine_args}
-    llm = LLM(None, **args)
+    llm = LLM(None, **args)  # type: ignore[arg-type]
     cfg = llm.engine.model_config
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -264,7 +262,9 @@ def prefill(lengths: list[int], repeats: int, peak: float | None, threads: int |
         t0 = now()
         out = llm.generate({"prompt_token_ids": ids}, params)
         spent = now() - t0
-        steps.append(out[0].metrics.num_steps)
+        metrics = out[0].metrics
+        assert metrics is not None
+        steps.append(metrics.num_steps)
         return spent
 
     steps: list[int] = []
@@ -302,7 +302,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--peak", type=float, default=None, help="int8 VNNI peak ops/s (else the "
                     "silicon part's, when it runs)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (prefill part)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (torch and "
+                    "prefill parts)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="prefill part: wall clock, or the process's CPU time (with --threads 1)")
     ap.add_argument("--engine-arg", action="append", default=[], help="KEY=JSON (prefill "
@@ -310,6 +311,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     parts = args.part or ["silicon", "torch", "prefill"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows: list[dict[str, object]] = []
     peak = args.peak
     if "silicon" in parts:
@@ -322,7 +325,7 @@ def main() -> None:
         rows += torch_rates([int(m) for m in args.rows.split(",")], args.repeats)
     if "prefill" in parts:
         rows += prefill([int(n) for n in args.lengths.split(",")], args.repeats, peak,
-                        args.threads, args.clock,
+                        args.clock,
                         {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.engine_arg)})
     if args.json:
         with open(args.json, "w") as f:

@@ -228,7 +228,10 @@ def cpu_ops_error() -> str | None:
 
 # TAILSERVE_QUANT_ISA names -> the levels of csrc/isa.h (set_quant_isa). "amx" is refused with
 # the reason (isa_info().amx_reason): no tile kernel ships, as none has run on AMX hardware.
-QUANT_ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "amx": 4}
+# avx512bf16 (opt-in, never "auto"): the VNNI products, with the prefill attention's QK^T and PV
+# on vdpbf16ps (1.2-1.3x the attention; its rounding moves near-tied greedy tokens).
+QUANT_ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512bf16": 4,
+              "amx": 5}
 
 
 def set_quant_isa(name: str) -> str:
@@ -251,8 +254,9 @@ class IsaInfo:
     dots run AVX512-BF16, and the AMX probe (CPUID, the OS's tile state, Linux's permission)."""
 
     level: str
-    best: str
-    avx512bf16: bool
+    best: str  # what "auto" chooses
+    supported: str  # the highest level this CPU and build accept (avx512bf16 is opt-in)
+    avx512bf16: bool  # the 16-bit panels' dot (linear16.cpp) runs vdpbf16ps
     amx_cpu: bool  # CPUID: AMX-TILE and AMX-INT8
     amx_bf16: bool  # CPUID: AMX-BF16
     amx_os: bool  # XCR0 enables tile state
@@ -262,18 +266,19 @@ class IsaInfo:
 
 def isa_info() -> IsaInfo:
     """The kernels' instruction sets (after ``cpu_ops_available()`` returned True)."""
-    level, best, bf16, cpu, amx_bf16, os_ok, permitted, reason = (
+    level, best, supported, bf16, cpu, amx_bf16, os_ok, permitted, reason = (
         torch.ops.tailserve.isa_info())
-    return IsaInfo(_isa_name(int(level)), _isa_name(int(best)), bool(bf16), bool(cpu),
-                   bool(amx_bf16), bool(os_ok), bool(permitted), str(reason) or None)
+    return IsaInfo(_isa_name(int(level)), _isa_name(int(best)), _isa_name(int(supported)),
+                   bool(bf16), bool(cpu), bool(amx_bf16), bool(os_ok), bool(permitted),
+                   str(reason) or None)
 
 
 def _log_isa() -> None:
     info = isa_info()
     amx = ("AMX tiles permitted, no tile kernels built" if info.amx_permitted
            else f"no AMX: {info.amx_reason}")
-    log.info("tailserve CPU kernels: level %s (best %s), AVX512-BF16 dots %s; %s", info.level,
-             info.best, "on" if info.avx512bf16 else "off", amx)
+    log.info("tailserve CPU kernels: level %s (auto %s, up to %s), AVX512-BF16 16-bit dots %s; "
+             "%s", info.level, info.best, info.supported, "on" if info.avx512bf16 else "off", amx)
 
 
 def cpu_ops_available() -> bool:

@@ -29,7 +29,7 @@ TORCH_LIBRARY(tailserve, m) {
   m.def("quant_embedding(Tensor ids, Tensor w) -> Tensor");
   m.def("quant_dequantize(Tensor w) -> Tensor");
   m.def("set_quant_isa(int isa) -> int");
-  m.def("isa_info() -> (int, int, bool, bool, bool, bool, bool, str)");
+  m.def("isa_info() -> (int, int, int, bool, bool, bool, bool, bool, str)");
   m.def("set_decode_split_tokens(int tokens) -> int");
 }
 

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 
@@ -75,7 +76,14 @@ AmxStatus probe_amx() {
 
 }  // namespace
 
-int best() {
+// The highest level this CPU and build run, the opt-in bf16 one included.
+int supported() {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512bf16")) {
+    return kAvx512Bf16;
+  }
+#endif
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return kAvx512Vnni;
 #endif
@@ -88,6 +96,8 @@ int best() {
   return kScalar;
 }
 
+int best() { return std::min<int>(supported(), kAvx512Vnni); }
+
 int current() {
   int level = g_level.load(std::memory_order_relaxed);
   if (level < 0) {
@@ -98,9 +108,10 @@ int current() {
 }
 
 int set(int level) {
-  const int top = best();
+  const int top = supported();
   TORCH_CHECK(level >= -1 && level <= kAmx, "set_quant_isa: ", level,
-              " is not -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX512), 3 (AVX512-VNNI) or 4 (AMX)");
+              " is not -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX512), 3 (AVX512-VNNI), "
+              "4 (AVX512-BF16) or 5 (AMX)");
   if (level == kAmx) {
     const AmxStatus& amx = amx_status();
     TORCH_CHECK(false, "set_quant_isa: AMX asked, not available: ",
@@ -109,7 +120,7 @@ int set(int level) {
                               : amx.reason);
   }
   TORCH_CHECK(level <= top, "set_quant_isa: level ", level, " asked, this CPU/build has ", top);
-  const int chosen = level < 0 ? top : level;
+  const int chosen = level < 0 ? best() : level;
   g_level.store(chosen, std::memory_order_relaxed);
   return chosen;
 }

@@ -18,18 +18,25 @@
 namespace tailserve_cpu {
 namespace isa {
 
-enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAmx = 4 };
+// kAvx512Bf16: VNNI's products, and the prefill attention's QK^T and PV on vdpbf16ps (every CPU
+// with AVX512-BF16 has VNNI); below it the attention runs float32 FMAs. Opt-in, never best():
+// rounding q, K, p and V to bf16 moves near-tied greedy tokens (the VNNI level's answers are
+// the float32 attention's; tests/test_isa.py), for 1.2-1.3x the attention's speed.
+enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kAmx = 5 };
 
-// The best level this CPU and build run (never kAmx: no tile kernels are built).
+// The level "auto" chooses: the best this CPU and build run up to kAvx512Vnni (kAvx512Bf16 is
+// opt-in; never kAmx: no tile kernels are built).
 int best();
+// The highest level set() accepts here (kAvx512Bf16 where the CPU has AVX512-BF16).
+int supported();
 // The level in use (best() until set).
 int current();
-// Force a level (-1: best()); returns the level chosen. A level above best() is an error that
-// names the best, and kAmx's error says why AMX cannot serve here.
+// Force a level (-1: best()); returns the level chosen. A level above supported() is an error
+// that names it, and kAmx's error says why AMX cannot serve here.
 int set(int level);
 
-// AVX512-BF16 (vdpbf16ps) on this CPU and build, at the AVX512 levels: the 16-bit panels'
-// dot (linear16.cpp) asks this.
+// AVX512-BF16 (vdpbf16ps) on this CPU and build, at the AVX512 levels: the 16-bit panels' dot
+// (linear16.cpp) asks this (on by default there, as before this module).
 bool has_avx512bf16();
 
 struct AmxStatus {

@@ -95,11 +95,12 @@ int64_t set_quant_isa(int64_t level) { return isa::set(static_cast<int>(level));
 
 int quant_isa() { return isa::current(); }
 
-// (level, best, avx512bf16, amx cpu, amx bf16, amx os, amx permitted, why AMX is not usable)
-std::tuple<int64_t, int64_t, bool, bool, bool, bool, bool, std::string> isa_info() {
+// (level, best, supported, avx512bf16, amx cpu, amx bf16, amx os, amx permitted, why AMX is
+// not usable)
+std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, std::string> isa_info() {
   const isa::AmxStatus& amx = isa::amx_status();
-  return {isa::current(), isa::best(), isa::has_avx512bf16(), amx.cpu, amx.bf16, amx.os,
-          amx.permitted, amx.reason};
+  return {isa::current(), isa::best(), isa::supported(), isa::has_avx512bf16(), amx.cpu,
+          amx.bf16, amx.os, amx.permitted, amx.reason};
 }
 
 namespace {
@@ -131,7 +132,8 @@ void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::T
   quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data(), xs32.data(),
                 xi32.data());
   const QuantizedRows xr{M, xq.data(), dx.data(), xs.data(), xs32.data()};
-  const int isa = tailserve_cpu::isa::current();
+  // The products' paths stop at VNNI (the bf16 level adds nothing to them).
+  const int isa = std::min<int>(tailserve_cpu::isa::current(), kAvx512Vnni);
   float* yp = y.data_ptr<float>();
   if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp)
     tiled_linear(isa, p.type_size, p.data, N, K, M, xq.data(), dx.data(), xs32.data(),
