@@ -226,17 +226,59 @@ def cpu_ops_error() -> str | None:
     return _result.error if _result is not None else None
 
 
-# TAILSERVE_QUANT_ISA names -> the levels of set_quant_isa in csrc/quant_linear.cpp.
-QUANT_ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+# TAILSERVE_QUANT_ISA names -> the levels of csrc/isa.h (set_quant_isa). "amx" is refused with
+# the reason (isa_info().amx_reason): no tile kernel ships, as none has run on AMX hardware.
+# avx512bf16 (opt-in, never "auto"): the VNNI products, with the prefill attention's QK^T and PV
+# on vdpbf16ps (1.2-1.3x the attention; its rounding moves near-tied greedy tokens).
+QUANT_ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512bf16": 4,
+              "amx": 5}
 
 
 def set_quant_isa(name: str) -> str:
-    """The packed-GGUF kernels' instruction set (``QUANT_ISAS``); returns the one in use.
-    A level this CPU lacks is an error (the op names the best it has)."""
+    """The instruction set of the packed-GGUF products, the attention kernels and the 16-bit
+    dots (``QUANT_ISAS``; csrc/isa.h); returns the one in use. A level this CPU lacks is an
+    error (the op names the best it has, or why AMX cannot serve)."""
     if name not in QUANT_ISAS:
         raise ValueError(f"TAILSERVE_QUANT_ISA={name!r}: expected one of {', '.join(QUANT_ISAS)}")
     level = int(torch.ops.tailserve.set_quant_isa(QUANT_ISAS[name]))
+    return _isa_name(level)
+
+
+def _isa_name(level: int) -> str:
     return next(k for k, v in QUANT_ISAS.items() if v == level)
+
+
+@dataclass(frozen=True)
+class IsaInfo:
+    """What csrc/isa.h chose and found: the level in use and the best one, whether the 16-bit
+    dots run AVX512-BF16, and the AMX probe (CPUID, the OS's tile state, Linux's permission)."""
+
+    level: str
+    best: str  # what "auto" chooses
+    supported: str  # the highest level this CPU and build accept (avx512bf16 is opt-in)
+    avx512bf16: bool  # the 16-bit panels' dot (linear16.cpp) runs vdpbf16ps
+    amx_cpu: bool  # CPUID: AMX-TILE and AMX-INT8
+    amx_bf16: bool  # CPUID: AMX-BF16
+    amx_os: bool  # XCR0 enables tile state
+    amx_permitted: bool  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) granted
+    amx_reason: str | None  # why AMX is not usable here; None when it is
+
+
+def isa_info() -> IsaInfo:
+    """The kernels' instruction sets (after ``cpu_ops_available()`` returned True)."""
+    level, best, supported, bf16, cpu, amx_bf16, os_ok, permitted, reason = (
+        torch.ops.tailserve.isa_info())
+    return IsaInfo(_isa_name(int(level)), _isa_name(int(best)), _isa_name(int(supported)),
+                   bool(bf16), bool(cpu), bool(amx_bf16), bool(os_ok), bool(permitted),
+                   str(reason) or None)
+
+
+def _log_isa() -> None:
+    info = isa_info()
+    amx = ("AMX tiles permitted, no tile kernels built" if info.amx_permitted
+           else f"no AMX: {info.amx_reason}")
+    log.info("tailserve CPU kernels: level %s (auto %s, up to %s), AVX512-BF16 16-bit dots %s; "
+             "%s", info.level, info.best, info.supported, "on" if info.avx512bf16 else "off", amx)
 
 
 def cpu_ops_available() -> bool:
@@ -255,4 +297,5 @@ def cpu_ops_available() -> bool:
             _result = _BuildResult(ok=False, error=f"{type(exc).__name__}: {exc}")
         if _result.ok:  # outside the try: a bad TAILSERVE_QUANT_ISA is the user's to fix
             set_quant_isa(envs.TAILSERVE_QUANT_ISA.get())
+            _log_isa()
         return _result.ok

@@ -29,6 +29,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
+#include <tuple>
 
 namespace tailserve_cpu {
 
@@ -74,9 +76,12 @@ void quant_linear_out(const at::Tensor& x, const at::Tensor& w,
                       const c10::optional<at::Tensor>& bias, at::Tensor& y);
 at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w);
 at::Tensor quant_dequantize(const at::Tensor& w);
-int64_t set_quant_isa(int64_t isa);
+int64_t set_quant_isa(int64_t level);  // isa.h
+// isa.h's state: (level, best, supported, avx512bf16, AMX cpu / bf16 / os / permitted, AMX's
+// reason).
+std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, std::string> isa_info();
 // The instruction set level in use (set_quant_isa's numbering: 0 scalar, 1 AVX2, 2 AVX512,
-// 3 AVX512-VNNI); the prefill attention follows it too, so TAILSERVE_QUANT_ISA=avx2 tests
+// 3 AVX512-VNNI; isa.h); the prefill attention follows it too, so TAILSERVE_QUANT_ISA=avx2 tests
 // the AVX2 paths on an AVX512 machine.
 int quant_isa();
 

@@ -25,7 +25,7 @@ namespace tailserve_cpu {
 // follow hsum8's tree (hsum8x2). Weighted V rows: each lane is one dimension summed over the
 // chunk's tokens in order, whatever the vector width, so 16 lanes do two AVX2 vectors' work.
 // Half the FMAs and loads of the AVX2 kernel, which at 16-32 sequences x 256 tokens was
-// compute-bound even with its K/V in L3 (benchmarks/RESULTS.md).
+// compute-bound even with its K/V in L3 (benchmarks/notes/).
 
 template <typename TKV>
 inline __m512 load16_f32(const TKV* p);

@@ -36,7 +36,7 @@ inline void store_partial(const DecodePartial& p, const float* acc, const float*
 // thread, and never into parts under min_part tokens (kMinPartTokens unless tests set it with
 // set_decode_split_tokens): on 1 sequence x 128-256 tokens, parts of 64-128 made the call
 // slower (each call is ~10 us there: the pieces' set-up and the merge cost more than the
-// balance gained; benchmarks/RESULTS.md). Parts are kPartAlign-token aligned, so the last one
+// balance gained; benchmarks/notes/). Parts are kPartAlign-token aligned, so the last one
 // may be short.
 constexpr int64_t kSplitBelowItemsPerThread = 4;
 constexpr int64_t kPiecesPerThread = 2;

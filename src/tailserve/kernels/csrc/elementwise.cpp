@@ -20,7 +20,7 @@ namespace tailserve_cpu {
 // dispatch plus, for some, a wake-up of the thread pool. These do the whole thing in one pass,
 // serially for few rows (no fork/join) and over rows in parallel for many, on the kernels'
 // work pool like the products around them: on OpenMP's threads a prefill step had two pools
-// spinning for two cores (benchmarks/RESULTS.md, "Prefill on one pool").
+// spinning for two cores (benchmarks/notes/, "Prefill on one pool").
 
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elems, const F& fn) {

@@ -117,7 +117,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
 // Every output is (bias + the sum over k < K/2) + (the sum over k >= K/2), each half summed in
 // k order, whatever M is: a row's result does not depend on its batch mates. At M = 1 the two
 // halves are read as two interleaved streams, which the hardware prefetchers keep further
-// ahead than one (+7-10% GB/s over the model's weights, RESULTS.md); at M > 1 the kernel is
+// ahead than one (+7-10% GB/s over the model's weights, benchmarks/notes/); at M > 1 the kernel is
 // arithmetic-bound and sums the halves one after the other.
 #ifdef TS_AVX2
 // Rows [0, MR) of x (row stride ldx) against k in [0, kn) of one panel. Accumulators start

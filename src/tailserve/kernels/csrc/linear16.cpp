@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "isa.h"
 #include "simd.h"
 #include "simd16.h"
 #include "work_pool.h"
@@ -43,15 +44,7 @@ bool bf16_dot_from_env() {
 }
 std::atomic<bool> g_bf16_dot{bf16_dot_from_env()};
 
-bool cpu_has_bf16_dot() {
-#if defined(__GNUC__) && defined(__x86_64__)
-  static const bool has = __builtin_cpu_supports("avx512bf16") &&
-                          __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return has;
-#else
-  return false;
-#endif
-}
+bool cpu_has_bf16_dot() { return isa::has_avx512bf16(); }  // isa.h: CPU, build and level
 
 // Rows of x kept hot while every panel of a work item runs over them: as many as fit in
 // kRowBlockBytes (within L2 next to the panels), since every block re-reads all the weights

@@ -5,7 +5,7 @@
 // Why not SDPA: it runs on OpenMP's threads while every product of the step runs on the
 // kernels' work pool (work_pool.h). On a 2-core host the two pools spin against each other
 // after each call (OpenMP spins by default) and the prefill lost a third of its speed
-// (benchmarks/RESULTS.md, "Prefill on one pool"). A chunk with earlier context also needed a
+// (benchmarks/notes/, "Prefill on one pool"). A chunk with earlier context also needed a
 // gather of its K/V into a workspace, a mask tensor, and a copy of the output.
 //
 // Work split: an item is (sequence, KV head, 32 query tokens); the query heads of the GQA
@@ -24,6 +24,15 @@
 // softmax (max, exp, rescale) runs once per 64 keys per row; the output is a tile of 6 rows x
 // 64 dims over the chunk's keys, loaded and stored once per chunk. AVX2 and scalar take 16
 // keys / 16 dims per tile (AVX2: 12 ymm accumulators of its 16 registers).
+//
+// At the avx512bf16 level (isa.h; opt-in) the two products run on vdpbf16ps, two multiply-adds
+// per float32 lane where an FMA does one: q (scaled) and the staged K become bf16 pairs (K's
+// two dims of a key in one lane), and after the float32 softmax of a tile its probabilities
+// and the chunk's V (two keys of a dim in one lane); the max, the exp, the sums, the rescaling
+// and the output accumulators stay float32. Rounding to bf16 (nearest even) is the only
+// difference from the float32 path (test_prefill_attention states the tolerance): 1.2-1.3x
+// the float32 path on Zen 4 (benchmarks/prefill_attention_op.py), not the instruction's 2x,
+// as the softmax and the staging do not shrink.
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -39,6 +48,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "isa.h"
 #include "simd.h"
 #include "simd16.h"
 #include "prefill_vec.h"
@@ -66,10 +76,20 @@ using prefill_vec::Vec512;
 using prefill_vec::load16_f32;
 using prefill_vec::transpose16_store;
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define TS_PREFILL_BF16 1
+using prefill_vec::bcast_pair;
+using prefill_vec::pair_bf16;
+using prefill_vec::store32_bf16;
+#endif
 
 // One piece's buffers, per thread, grown to the largest piece seen.
 struct PieceBuffers {
   std::vector<float> q, acc, m, l, kt, vf;
+  // The bf16 level: q [rows][D] and K pairs [D / 2][kChunk] (dims 2d, 2d + 1 of a key in one
+  // 32-bit lane), V pairs [kChunk / 2][D] (keys 2j, 2j + 1 of a dim in one lane).
+  std::vector<uint16_t> qh;
+  std::vector<int32_t> kp2, vp2;
 };
 
 // Query tokens [j0, j1) of a sequence's chunk, keys [t0, t1) of its context. part >= 0: one
@@ -140,7 +160,65 @@ inline void tile_pv(float* const* ar, const float* alpha, const float (*p)[kChun
   }
 }
 
-template <typename V, typename T>
+#ifdef TS_PREFILL_BF16
+// tile_scores on vdpbf16ps: q and K rounded to bf16, two dims per multiply-add, sums in float32.
+inline void tile_scores_bf16(const uint16_t* const* qh, const int32_t* kp2, int64_t D,
+                             float (*s)[kChunk]) {
+  __m512 acc[kRows][kChunkVecs];
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t g = 0; g < kChunkVecs; ++g) acc[i][g] = _mm512_setzero_ps();
+  }
+  for (int64_t dp = 0; dp < D / 2; ++dp) {
+    __m512i k[kChunkVecs];
+    for (int64_t g = 0; g < kChunkVecs; ++g) {
+      k[g] = _mm512_loadu_si512(kp2 + dp * kChunk + 16 * g);
+      asm("" : "+v"(k[g]));  // one load per vector, not one folded into each of six dots
+    }
+    for (int64_t i = 0; i < kRows; ++i) {
+      const __m512bh qb = bcast_pair(qh[i] + 2 * dp);
+      for (int64_t g = 0; g < kChunkVecs; ++g) {
+        acc[i][g] = _mm512_dpbf16_ps(acc[i][g], qb, reinterpret_cast<__m512bh>(k[g]));
+      }
+    }
+  }
+  for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t g = 0; g < kChunkVecs; ++g) _mm512_storeu_ps(s[i] + 16 * g, acc[i][g]);
+  }
+}
+
+// tile_pv on vdpbf16ps: p (after its float32 sum) and V rounded to bf16, two keys per
+// multiply-add, the output accumulated in float32.
+template <int64_t G>
+inline void tile_pv_bf16(float* const* ar, const float* alpha, const uint16_t (*ph)[kChunk],
+                         const int32_t* vp2, int64_t D, int64_t most, int64_t dv0, int64_t live) {
+  __m512 a[kRows][G];
+  for (int64_t i = 0; i < kRows; ++i) {
+    const __m512 al = _mm512_set1_ps(alpha[i]);
+    for (int64_t g = 0; g < G; ++g) a[i][g] = _mm512_mul_ps(al, _mm512_loadu_ps(ar[i] + 16 * (dv0 + g)));
+  }
+  for (int64_t jp = 0; jp < (most + 1) / 2; ++jp) {
+    __m512i vv[G];
+    for (int64_t g = 0; g < G; ++g) {
+      vv[g] = _mm512_loadu_si512(vp2 + jp * D + 16 * (dv0 + g));
+      asm("" : "+v"(vv[g]));
+    }
+    for (int64_t i = 0; i < kRows; ++i) {
+      const __m512bh pb = bcast_pair(ph[i] + 2 * jp);
+      for (int64_t g = 0; g < G; ++g) {
+        a[i][g] = _mm512_dpbf16_ps(a[i][g], pb, reinterpret_cast<__m512bh>(vv[g]));
+      }
+    }
+  }
+  for (int64_t i = kRows - 1; i >= 0; --i) {
+    if (i < live) {
+      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(ar[i] + 16 * (dv0 + g), a[i][g]);
+    }
+  }
+}
+#endif
+
+// Bf16: QK^T and PV on vdpbf16ps (the bf16 level; V is Vec512 then), the softmax in float32.
+template <typename V, typename T, bool Bf16 = false>
 void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1, float* op,
                    int64_t o_s0, int64_t o_s1, const T* kp, const T* vp, const int64_t* table,
                    int64_t block_size, int64_t tok_stride, int64_t blk_stride, int64_t q_begin,
@@ -162,8 +240,15 @@ void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1,
       for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
     }
   }
+  if constexpr (Bf16) {
+    b.qh.resize(rows * D);
+    for (int64_t i = 0; i < rows * D; ++i) b.qh[i] = c10::BFloat16(b.q[i]).x;  // nearest even
+    b.kp2.resize(D / 2 * kChunk);
+    b.vp2.resize(kChunk / 2 * D);
+  }
   const int64_t head_off = pc.kv_head * D;
   alignas(64) float p[kRows][kChunk];
+  alignas(64) uint16_t ph[kRows][kChunk];
   for (int64_t t0 = pc.t0; t0 < pc.t1; t0 += kChunk) {
     const int64_t c = std::min(kChunk, pc.t1 - t0);
     // Stage the chunk; K lanes past its end are zero. A float32 pool's V rows are read where
@@ -213,21 +298,49 @@ void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1,
         }
       }
     }
+#ifdef TS_PREFILL_BF16
+    if constexpr (Bf16) {  // K pairs from the transposed chunk; V pairs, zero past its end
+      for (int64_t dp = 0; dp < D / 2; ++dp) {
+        for (int64_t kg = 0; kg < kChunkVecs; ++kg) {
+          const float* k0 = b.kt.data() + 2 * dp * kChunk + 16 * kg;
+          _mm512_storeu_si512(b.kp2.data() + dp * kChunk + 16 * kg,
+                              pair_bf16(_mm512_loadu_ps(k0), _mm512_loadu_ps(k0 + kChunk)));
+        }
+      }
+      for (int64_t jp = 0; jp < (c + 1) / 2; ++jp) {
+        const bool odd_live = 2 * jp + 1 < c;
+        for (int64_t db = 0; db < nv; ++db) {
+          const __m512 lo = _mm512_loadu_ps(vrows[2 * jp] + 16 * db);
+          const __m512 hi = odd_live ? _mm512_loadu_ps(vrows[2 * jp + 1] + 16 * db) : _mm512_setzero_ps();
+          _mm512_storeu_si512(b.vp2.data() + jp * D + 16 * db, pair_bf16(lo, hi));
+        }
+      }
+    }
+#endif
     // Query token jq sees keys 0 .. pos0 + jq: none of this chunk before jq = t0 - pos0.
     for (int64_t r0 = std::max<int64_t>(0, t0 - pos0) * group; r0 < rows; r0 += kRows) {
       const int64_t live = std::min(kRows, rows - r0);
       int64_t valid[kRows];
       int64_t most = 0;
       const float* qr[kRows];
+      const uint16_t* qhr[kRows];
       float* ar[kRows];
       for (int64_t i = 0; i < kRows; ++i) {
         const int64_t r = r0 + std::min(i, live - 1);  // past the end: repeat, then dropped
         valid[i] = i < live ? std::max<int64_t>(0, std::min(c, pos0 + r / group - t0 + 1)) : 0;
         most = std::max(most, valid[i]);
         qr[i] = b.q.data() + r * D;
+        qhr[i] = Bf16 ? b.qh.data() + r * D : nullptr;
         ar[i] = b.acc.data() + r * D;
       }
-      tile_scores<V>(qr, b.kt.data(), D, (most + 15) / 16, p);
+#ifdef TS_PREFILL_BF16
+      if constexpr (Bf16) {
+        tile_scores_bf16(qhr, b.kp2.data(), D, p);
+      } else
+#endif
+      {
+        tile_scores<V>(qr, b.kt.data(), D, (most + 15) / 16, p);
+      }
       float alpha[kRows];
       for (int64_t i = 0; i < kRows; ++i) {
         alpha[i] = 1.f;
@@ -262,6 +375,17 @@ void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1,
       }
       constexpr int64_t G = V::kDimGroup;
       int64_t dv0 = 0;
+#ifdef TS_PREFILL_BF16
+      if constexpr (Bf16) {
+        for (int64_t i = 0; i < kRows; ++i) {
+          store32_bf16(p[i], ph[i]);
+          store32_bf16(p[i] + 32, ph[i] + 32);
+        }
+        for (; dv0 + G <= nv; dv0 += G) tile_pv_bf16<G>(ar, alpha, ph, b.vp2.data(), D, most, dv0, live);
+        for (; dv0 < nv; ++dv0) tile_pv_bf16<1>(ar, alpha, ph, b.vp2.data(), D, most, dv0, live);
+        continue;
+      }
+#endif
       for (; dv0 + G <= nv; dv0 += G) tile_pv<V, G>(ar, alpha, p, vrows, most, dv0, live);
       for (; dv0 < nv; ++dv0) tile_pv<V, 1>(ar, alpha, p, vrows, most, dv0, live);
     }
@@ -283,7 +407,7 @@ void prefill_piece(const Piece& pc, const float* qp, int64_t q_s0, int64_t q_s1,
   }
 }
 
-template <typename V, typename T>
+template <typename V, typename T, bool Bf16 = false>
 void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const int64_t* lens, const int64_t* qsl,
                   int64_t first_seq, int64_t num_seqs, float scale) {
@@ -381,7 +505,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
     const Piece& pc = pieces[order[i]];
     PartialSlot slot{};
     if (pc.part >= 0) slot = slot_of(pc.part);
-    prefill_piece<V, T>(pc, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp,
+    prefill_piece<V, T, Bf16>(pc, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp,
                         vp, bt + pc.seq * bt_s0, block_size, tok_stride, blk_stride,
                         qsl[pc.seq], lens[pc.seq], qsl[pc.seq + 1] - qsl[pc.seq], group, D,
                         scale, pc.part >= 0 ? &slot : nullptr, buffers);
@@ -397,6 +521,12 @@ void prefill_dispatch(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
                       const at::Tensor& block_tables, const int64_t* lens, const int64_t* qsl,
                       int64_t first_seq, int64_t num_seqs, float scale) {
   const int isa = quant_isa();
+#ifdef TS_PREFILL_BF16
+  if (isa >= isa::kAvx512Bf16) {
+    return prefill_impl<Vec512, T, true>(out, q, kv_cache, block_tables, lens, qsl, first_seq,
+                                         num_seqs, scale);
+  }
+#endif
 #if defined(__AVX512F__)
   if (isa >= 2) {
     return prefill_impl<Vec512, T>(out, q, kv_cache, block_tables, lens, qsl, first_seq,

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "simd.h"
@@ -193,6 +194,28 @@ inline void transpose16_store(const T* const* rows, float* dst, int64_t stride) 
     _mm512_storeu_ps(dst + (8 + c) * stride, _mm512_shuffle_f32x4(x1, x3, 0x88));
     _mm512_storeu_ps(dst + (12 + c) * stride, _mm512_shuffle_f32x4(x1, x3, 0xDD));
   }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// Two float32 vectors -> 16 lanes of bf16 pairs, lo's value in bits 0-15 and hi's in 16-31 (the
+// pair one vdpbf16ps lane multiplies), each rounded to nearest even.
+inline __m512i pair_bf16(__m512 lo, __m512 hi) {
+  const __m512i l = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+  const __m512i h = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+  return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+
+// 32 float32 values -> 32 bf16 in order (round to nearest even), at dst.
+inline void store32_bf16(const float* src, uint16_t* dst) {
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(v));
+}
+
+inline __m512bh bcast_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(v));
 }
 #endif
 

@@ -27,7 +27,7 @@ constexpr int64_t kFusedRows = 4;
 // 6-8 GB/s per thread against 33 GB/s for the same kernel on a matrix held in L3. The fused
 // loops prefetch the bytes this far ahead of the block they read (one thread, LM head:
 // 1 KB 14, 4 KB 14-17, 8 KB 17 GB/s; the down projection 6 -> 10-12 GB/s at 2-4 KB; 2
-// threads, LM head 3-4 -> 14-17 GB/s; shared machine, benchmarks/RESULTS.md).
+// threads, LM head 3-4 -> 14-17 GB/s; shared machine, benchmarks/notes/).
 constexpr int64_t kPrefetchBytes = 4096;
 inline int64_t prefetch_bytes() { return kPrefetchBytes; }
 

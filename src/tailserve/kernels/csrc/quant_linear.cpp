@@ -27,18 +27,20 @@
 // a time into a per-thread buffer that stays in L1/L2, and reused for every row of x: the
 // weights are read from memory once per call, in their stored size.
 //
-// The instruction set is chosen at run time (set_quant_isa; -1 = best this CPU has), so tests
-// run the AVX2 path on an AVX512 machine too. All paths compute the same integer sums; they
+// The instruction set is chosen at run time (isa.h: set_quant_isa; -1 = best this CPU has), so
+// tests run the AVX2 path on an AVX512 machine too. All paths compute the same integer sums; they
 // differ only in the order float partial sums are added (~1e-6 relative).
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_ops.h"
+#include "isa.h"
 #include "quant_blocks.h"
 #include "quant_tiled.h"
 #include "simd.h"
@@ -49,30 +51,6 @@ namespace tailserve_cpu {
 using namespace quant;
 
 namespace {
-
-int best_isa() {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return kAvx512Vnni;
-#endif
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
-  if (__builtin_cpu_supports("avx512bw")) return kAvx512;
-#endif
-#ifdef TS_AVX2
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-#endif
-  return kScalar;
-}
-
-std::atomic<int> g_isa{-1};  // -1: not chosen yet
-
-int current_isa() {
-  int isa = g_isa.load(std::memory_order_relaxed);
-  if (isa < 0) {
-    isa = best_isa();
-    g_isa.store(isa, std::memory_order_relaxed);
-  }
-  return isa;
-}
 
 Packed check_packed(const at::Tensor& w, const char* op) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte &&
@@ -111,17 +89,19 @@ constexpr int64_t kPanelMinRows = 9;
 
 }  // namespace
 
-int64_t set_quant_isa(int64_t isa) {
-  const int best = best_isa();
-  TORCH_CHECK(isa >= -1 && isa <= kAvx512Vnni, "set_quant_isa: ", isa,
-              " is not -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX512) or 3 (AVX512-VNNI)");
-  TORCH_CHECK(isa <= best, "set_quant_isa: level ", isa, " asked, this CPU/build has ", best);
-  const int chosen = isa < 0 ? best : static_cast<int>(isa);
-  g_isa.store(chosen, std::memory_order_relaxed);
-  return chosen;
-}
+static_assert(kAvx512Vnni == isa::kAvx512Vnni && kAvx2 == isa::kAvx2, "isa.h numbers the levels");
 
-int quant_isa() { return current_isa(); }
+int64_t set_quant_isa(int64_t level) { return isa::set(static_cast<int>(level)); }
+
+int quant_isa() { return isa::current(); }
+
+// (level, best, supported, avx512bf16, amx cpu, amx bf16, amx os, amx permitted, why AMX is
+// not usable)
+std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, std::string> isa_info() {
+  const isa::AmxStatus& amx = isa::amx_status();
+  return {isa::current(), isa::best(), isa::supported(), isa::has_avx512bf16(), amx.cpu,
+          amx.bf16, amx.os, amx.permitted, amx.reason};
+}
 
 namespace {
 
@@ -152,7 +132,8 @@ void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::T
   quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data(), xs32.data(),
                 xi32.data());
   const QuantizedRows xr{M, xq.data(), dx.data(), xs.data(), xs32.data()};
-  const int isa = current_isa();
+  // The products' paths stop at VNNI (the bf16 level adds nothing to them).
+  const int isa = std::min<int>(tailserve_cpu::isa::current(), kAvx512Vnni);
   float* yp = y.data_ptr<float>();
   if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp)
     tiled_linear(isa, p.type_size, p.data, N, K, M, xq.data(), dx.data(), xs32.data(),

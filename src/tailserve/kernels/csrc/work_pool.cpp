@@ -53,7 +53,7 @@ class WorkPool {
   // leaving its sleep) finds it closed and takes nothing. Only workers that joined before the
   // close are waited for, and they are inside an item. Waiting for every worker instead made
   // each parallel call as slow as the OS's next time slice for a preempted worker whenever
-  // other processes share the cores (benchmarks/RESULTS.md, "Prefill on one pool").
+  // other processes share the cores (benchmarks/notes/, "Prefill on one pool").
   void run(int64_t n, int64_t threads, const std::function<void(int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
     if (!busy.owns_lock()) {
@@ -114,7 +114,7 @@ class WorkPool {
       // The generation is looked at after every pause, the clock every kPausesPerClock: a
       // pause takes ~26 ns on Zen 4, and a worker that looked only every 64 pauses joined
       // a job 1.0 us after it was published on average, against 0.5 us looking after each
-      // (a one-sequence decode step opens ~145 jobs; benchmarks/RESULTS.md).
+      // (a one-sequence decode step opens ~145 jobs; benchmarks/notes/).
       while (gen == seen && std::chrono::steady_clock::now() < spin_until) {
         for (int k = 0; k < kPausesPerClock && gen == seen; ++k) {
           cpu_relax();

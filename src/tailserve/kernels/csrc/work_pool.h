@@ -21,7 +21,7 @@ void set_kernel_spin_us(int64_t us);
 // (a decode step) the product streams its weight once and is memory-bound: two long runs per
 // thread keep each thread's reads one sequential, prefetched stream, where every new run
 // restarts it (30 layers' one-row Q4_1 products, best of 40 passes: 29-37 GB/s at eight runs
-// per thread, 38-47 at one or two; benchmarks/RESULTS.md, "Decode products in long runs").
+// per thread, 38-47 at one or two; benchmarks/notes/, "Decode products in long runs").
 // With many rows each run is compute, and more hand-outs even out the threads.
 inline int64_t runs_per_thread(bool streamed) { return streamed ? 2 : 8; }
 

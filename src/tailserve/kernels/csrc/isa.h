@@ -1,0 +1,53 @@
+// The one place the kernels ask which instructions to run: the level of every product, the
+// attention kernels and the 16-bit dots (set_quant_isa's numbering, TAILSERVE_QUANT_ISA), and
+// whether this CPU and kernel let the process use AMX tiles.
+//
+// The level is chosen at run time (-1 = the best this CPU and build have) and can be forced
+// lower, so the tests run the AVX2 paths on an AVX512 machine. AMX is probed once: CPUID
+// (AMX-TILE, AMX-INT8, AMX-BF16), the OS's XCR0 tile state, then Linux's permission request
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile
+// instruction kills the process). Where any step fails the reason is kept and reported
+// (tailserve.kernels.isa_info); no tile kernel ships yet, so AMX is never a level the
+// products run at (kAmx is refused with that reason too).
+
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tailserve_cpu {
+namespace isa {
+
+// kAvx512Bf16: VNNI's products, and the prefill attention's QK^T and PV on vdpbf16ps (every CPU
+// with AVX512-BF16 has VNNI); below it the attention runs float32 FMAs. Opt-in, never best():
+// rounding q, K, p and V to bf16 moves near-tied greedy tokens (the VNNI level's answers are
+// the float32 attention's; tests/test_isa.py), for 1.2-1.3x the attention's speed.
+enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kAmx = 5 };
+
+// The level "auto" chooses: the best this CPU and build run up to kAvx512Vnni (kAvx512Bf16 is
+// opt-in; never kAmx: no tile kernels are built).
+int best();
+// The highest level set() accepts here (kAvx512Bf16 where the CPU has AVX512-BF16).
+int supported();
+// The level in use (best() until set).
+int current();
+// Force a level (-1: best()); returns the level chosen. A level above supported() is an error
+// that names it, and kAmx's error says why AMX cannot serve here.
+int set(int level);
+
+// AVX512-BF16 (vdpbf16ps) on this CPU and build, at the AVX512 levels: the 16-bit panels' dot
+// (linear16.cpp) asks this (on by default there, as before this module).
+bool has_avx512bf16();
+
+struct AmxStatus {
+  bool cpu;        // CPUID has AMX-TILE and AMX-INT8 (and says whether AMX-BF16)
+  bool bf16;       // CPUID AMX-BF16
+  bool os;         // XCR0 enables the tile config and data state
+  bool permitted;  // arch_prctl granted XTILEDATA to this process
+  std::string reason;  // why AMX is not usable; empty when it is
+};
+// Probed once per process (the permission request is made at most once).
+const AmxStatus& amx_status();
+
+}  // namespace isa
+}  // namespace tailserve_cpu

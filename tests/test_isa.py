@@ -1,0 +1,117 @@
+"""kernels/csrc/isa.h, the one place the kernels ask which instructions to run: the level in
+use, whether the 16-bit dots run AVX512-BF16, and the AMX probe (CPUID, the OS's tile state,
+Linux's tile permission) with its reason where AMX cannot serve."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tailserve.kernels import QUANT_ISAS, _log_isa, isa_info, set_quant_isa
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        line = next(ln for ln in f if ln.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
+
+
+FLAGS = _cpu_flags()
+HAS_AMX = {"amx_tile", "amx_int8"} <= FLAGS
+
+
+@pytest.fixture
+def auto_after() -> Iterator[None]:
+    yield
+    set_quant_isa("auto")
+
+
+def test_the_level_in_use_is_the_one_set(auto_after: None) -> None:
+    best = set_quant_isa("auto")
+    info = isa_info()
+    assert (info.level, info.best) == (best, best)
+    if {"avx512_bf16", "avx512_vnni", "avx512bw"} <= FLAGS:  # bf16 is there, and opt-in
+        assert (best, info.supported) == ("avx512vnni", "avx512bf16")
+        assert set_quant_isa("avx512bf16") == "avx512bf16"
+        assert isa_info().level == "avx512bf16"
+    assert QUANT_ISAS[info.supported] >= QUANT_ISAS[best]
+    # the 16-bit panels' vdpbf16ps runs at the AVX512 levels, as it did before isa.h
+    assert info.avx512bf16 == ("avx512_bf16" in FLAGS and QUANT_ISAS[best] >= QUANT_ISAS["avx512"])
+    if QUANT_ISAS[best] >= QUANT_ISAS["avx2"]:
+        assert set_quant_isa("avx2") == "avx2"
+        info = isa_info()
+        # forced below AVX512, the 16-bit dots leave vdpbf16ps too: one switch for every kernel
+        assert (info.level, info.best, info.avx512bf16) == ("avx2", best, False)
+    with pytest.raises(RuntimeError, match="is not -1"):
+        torch.ops.tailserve.set_quant_isa(6)
+
+
+@pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX (amx_tile, amx_int8 in /proc/cpuinfo)")
+def test_amx_absent_is_reported_with_its_reason(auto_after: None) -> None:
+    best = set_quant_isa("auto")
+    info = isa_info()
+    assert (info.amx_cpu, info.amx_os, info.amx_permitted) == (False, False, False)
+    assert info.amx_reason == ("the CPU has no AMX (CPUID.(7,0):EDX AMX-TILE bit 24 = 0, "
+                               "AMX-INT8 bit 25 = 0)")
+    with pytest.raises(RuntimeError, match=r"AMX asked, not available: the CPU has no AMX"):
+        set_quant_isa("amx")
+    assert isa_info().level == best  # a refused level changes nothing
+
+
+@pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX (amx_tile, amx_int8 in /proc/cpuinfo)")
+def test_the_reason_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="tailserve.kernels"):
+        _log_isa()
+    assert f"level {isa_info().level}" in caplog.text
+    assert "no AMX: the CPU has no AMX (CPUID.(7,0):EDX AMX-TILE bit 24 = 0" in caplog.text
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-TILE and AMX-INT8 (this one has "
+                    "none: its AMX probe is tested by test_amx_absent_is_reported_with_its_reason)")
+def test_amx_probe_on_an_amx_cpu(auto_after: None) -> None:
+    info = isa_info()
+    assert info.amx_cpu and info.amx_bf16 == ("amx_bf16" in FLAGS)
+    if info.amx_permitted:  # no tile kernel ships: the level is refused with that reason
+        assert info.amx_os and info.amx_reason is None
+        with pytest.raises(RuntimeError, match="no AMX tile kernels are built"):
+            set_quant_isa("amx")
+    else:  # the OS or Linux's permission said no, and the reason says which
+        assert info.amx_reason is not None
+        assert "XCR0" in info.amx_reason or "arch_prctl" in info.amx_reason
+        with pytest.raises(RuntimeError, match=info.amx_reason.split(" (")[0]):
+            set_quant_isa("amx")
+
+
+PROMPT = ("Write a short history of the lighthouse keepers of the northern coast. " * 3 + " ".join(
+    f"In year {1800 + 7 * i} the keeper of light {i % 5} logged {3 * i % 11} ships, a storm "
+    f"from the {['north', 'east', 'south', 'west'][i % 4]}, and oil for {i % 9 + 2} nights."
+    for i in range(24)))
+
+
+def test_greedy_output_is_the_same_at_every_level_here(auto_after: None) -> None:
+    """The bundled model's greedy tokens after a ~900-token prompt (prefilled in 512-token
+    steps: the many-row products and the prefill attention over earlier chunks' keys) at the
+    levels that serve by default here and at AVX2: the products' integer sums and their float
+    sequence are the same at every level, the attention is float32 at each. (The opt-in
+    avx512bf16 level is not among them: its bf16 rounding moved the 6th of these 24 tokens, a
+    digit, 38 -> 39.)"""
+    from tailserve import LLM, SamplingParams
+
+    best = set_quant_isa("auto")
+    levels = [lv for lv in ("avx512vnni", "avx2") if QUANT_ISAS[lv] <= QUANT_ISAS[best]]
+    llm = LLM(None, enable_prefix_caching=False, max_num_batched_tokens=512,
+              prefill_step_target_ms=60000)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for level in levels:
+        set_quant_isa(level)
+        out = llm.generate(PROMPT, params)[0]
+        outputs[level] = out.outputs[0].token_ids
+    assert len(out.prompt_token_ids) > 512  # two prefill steps
+    first = outputs[levels[0]]
+    assert all(tokens == first for tokens in outputs.values()), outputs
