@@ -307,7 +307,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="prefill part: wall clock, or the process's CPU time (with --threads 1)")
     ap.add_argument("--engine-arg", action="append", default=[], help="KEY=JSON (prefill "
-                    "part), e.g. prefill_step_target_ms=60000 for one step per prompt")
+                    "part), e.g. slo_itl_ms=None for steps sized by the token budget alone")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     parts = args.part or ["silicon", "torch", "prefill"]

@@ -45,7 +45,7 @@ counted the same way for all: TTFT <= --slo-ttft-ms and no gap > --slo-itl-ms.
     python benchmarks/serving_peers.py                           # the real run: a quiet machine
     python benchmarks/serving_peers.py --smoke                   # a few requests per workload
     python benchmarks/serving_peers.py --servers tailserve --rounds 2 \
-        --variant before@/tmp/old-tree= --variant after= --variant off=--no-enable-itl-target
+        --variant before@/tmp/old-tree= --variant after= --variant off=--slo-itl-ms none
 
 Prints one table and writes --json (default serving_peers.json). Installs: benchmarks/peers/.
 """
@@ -762,7 +762,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="LABEL[@TREE]=ARGS",
                    help="a tailserve configuration to run (repeatable; rows tailserve[LABEL]): "
                    "extra serve ARGS (space-separated) and optionally another checkout TREE, "
-                   "e.g. before@/tmp/old= after= off=--no-enable-itl-target")
+                   "e.g. before@/tmp/old= after= off=--slo-itl-ms none")
     p.add_argument("--rate", action="append", default=[], metavar="WORKLOAD=R",
                    help="requests/s of an open-loop workload (repeatable; e.g. long-mix=0.2)")
     p.add_argument("--prompts", action="append", default=[], metavar="WORKLOAD=N",

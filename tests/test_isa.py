@@ -105,7 +105,7 @@ def test_greedy_output_is_the_same_at_every_level_here(auto_after: None) -> None
     best = set_quant_isa("auto")
     levels = [lv for lv in ("avx512vnni", "avx2") if QUANT_ISAS[lv] <= QUANT_ISAS[best]]
     llm = LLM(None, enable_prefix_caching=False, max_num_batched_tokens=512,
-              prefill_step_target_ms=60000)
+              slo_itl_ms=None)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
     for level in levels:
