@@ -30,6 +30,7 @@ from tailserve.server.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from tailserve.server.request_fields import Endpoint, check_fields
 from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
 
 
@@ -43,6 +44,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         arrival = time.monotonic()
         self.ctx.check_model(body.model)
+        _check_common(body, "completions")
         if body.echo:
             raise bad_request("echo is not supported", param="echo")
         if body.suffix:
@@ -52,7 +54,7 @@ class OpenAIServing:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         prompts = await self.ctx.off_loop(self._completion_prompts, body.prompt)
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        params = self._sampling_params(body, _completion_max_tokens(body), body.logprobs)
         # Built before the hand-off: from _start on, only code that aborts the generation on
         # failure runs, so no error can strand its engine requests.
         fmt = CompletionFormatter(
@@ -65,6 +67,9 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         arrival = time.monotonic()
         self.ctx.check_model(body.model)
+        if body.tools is None and (body.model_extra or {}).get("tool_choice") is not None:
+            raise bad_request("tool_choice requires tools", param="tool_choice")
+        _check_common(body, "chat")
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         if body.tools:
@@ -303,6 +308,25 @@ class GenerationStream(StreamingResponse):
         finally:
             if not self.generation.done:
                 self.generation.abort("client_disconnect")
+
+
+def _check_common(body: _SamplingFields, endpoint: Endpoint) -> None:
+    """What OpenAI and vLLM refuse on both endpoints, then every refused field by name."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options requires stream: true", param="stream_options")
+    check_fields(body, endpoint)
+
+
+def _completion_max_tokens(body: CompletionRequest) -> int | None:
+    """max_tokens, or chat's max_completion_tokens; both given must agree."""
+    if body.max_completion_tokens is None:
+        return body.max_tokens
+    if "max_tokens" in body.model_fields_set and body.max_tokens != body.max_completion_tokens:
+        raise bad_request(
+            f"max_tokens ({body.max_tokens}) and max_completion_tokens "
+            f"({body.max_completion_tokens}) disagree; give one", param="max_completion_tokens",
+        )
+    return body.max_completion_tokens
 
 
 def _engine_id() -> str:
