@@ -65,6 +65,8 @@ class RequestTimestamps:
     time_in_steps_with_prefill: float = 0.0
     # Sum of the steps in which this request was computing its prompt (own prefill).
     prefill_time: float = 0.0
+    # Structured output: its matcher's build (in a worker thread) and its masks and advances.
+    grammar_s: float = 0.0
 
 
 @dataclass
@@ -157,6 +159,7 @@ class Request:
             "prompt_tokens": self.num_prompt_tokens,
             "cached_prompt_tokens": self.num_cached_tokens,
             "output_tokens": self.num_output_tokens,
+            "grammar_s": ts.grammar_s,
         }
 
 

@@ -558,6 +558,8 @@ class Scheduler:
             if ts.first_token is None:
                 ts.first_token = now
             status = self._check_stop(req, token)
+            if status is None and s.request_id in out.grammar_stopped:
+                status = RequestStatus.FINISHED_STOPPED
             eo = EngineOutput(
                 s.request_id, [token], new_logprobs, num_cached_tokens=req.num_cached_tokens
             )

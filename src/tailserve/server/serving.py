@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tailserve.engine.client import EngineDeadError
 from tailserve.engine.input_processor import Prompt
 from tailserve.errors import InvalidRequestError, QueueFullError, SLOUnattainableError
-from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from tailserve.server.context import ServerContext
 from tailserve.server.errors import APIError, bad_request, engine_error, error_body
 from tailserve.server.formatting import ChatFormatter, CompletionFormatter, OpenAIFormatter
@@ -31,6 +31,7 @@ from tailserve.server.protocol import (
     _SamplingFields,
 )
 from tailserve.server.request_fields import Endpoint, check_fields
+from tailserve.server.structured import structured_outputs_of
 from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
 
 
@@ -54,7 +55,9 @@ class OpenAIServing:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         prompts = await self.ctx.off_loop(self._completion_prompts, body.prompt)
-        params = self._sampling_params(body, _completion_max_tokens(body), body.logprobs)
+        structured, grammar_s = await self._structured(body)
+        params = self._sampling_params(body, _completion_max_tokens(body), body.logprobs,
+                                       structured)
         # Built before the hand-off: from _start on, only code that aborts the generation on
         # failure runs, so no error can strand its engine requests.
         fmt = CompletionFormatter(
@@ -62,6 +65,7 @@ class OpenAIServing:
         )
         gen = self._start(http, prompts, params, arrival, body.priority,
                           body.cache_salt)
+        gen.api_grammar_s = grammar_s
         return await self._respond(gen, http, body, fmt)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -96,10 +100,12 @@ class OpenAIServing:
             logprobs = body.top_logprobs or 0
         elif body.top_logprobs is not None:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-        params = self._sampling_params(body, max_tokens, logprobs)
+        structured, grammar_s = await self._structured(body)
+        params = self._sampling_params(body, max_tokens, logprobs, structured)
         fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0)
         gen = self._start(http, [prompt], params, arrival, body.priority,
                           body.cache_salt)  # as in completions
+        gen.api_grammar_s = grammar_s
         return await self._respond(gen, http, body, fmt)
 
     async def _respond(
@@ -138,8 +144,20 @@ class OpenAIServing:
             for item, what in zip(items, whats, strict=True)
         ]
 
+    async def _structured(
+        self, body: _SamplingFields
+    ) -> tuple[StructuredOutputsParams | None, float]:
+        """The body's grammar, compiled within --grammar-timeout-ms (or a 400), and the
+        seconds that took here."""
+        found = structured_outputs_of(body)
+        if found is None:
+            return None, 0.0
+        so, param = found
+        return so, await self.ctx.grammar.check(so, param)
+
     def _sampling_params(
-        self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None
+        self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         given = {
             k: getattr(body, k)
@@ -156,7 +174,8 @@ class OpenAIServing:
             stop=stop, stop_token_ids=body.stop_token_ids or [],
             include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens, **given,
+            skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
+            **given,
         )
 
     def _start(
