@@ -151,6 +151,9 @@ class GrammarChecker:
             raise bad_request(self._slow_message(), param) from None
         except InvalidRequestError as exc:
             raise bad_request(exc.message, param) from None
+        except Exception as exc:  # llguidance refusing input in a way of its own: still a 400
+            raise bad_request(f"the grammar could not be compiled ({type(exc).__name__}: "
+                              f"{str(exc)[:300]})", param) from None
 
     def _slow_message(self, took_s: float | None = None) -> str:
         took = f" (took {took_s * 1e3:.0f} ms)" if took_s is not None else ""
