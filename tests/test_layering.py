@@ -85,6 +85,7 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.messages",
     "tailserve.engine.client",
     "tailserve.engine.input_processor",
+    "tailserve.engine.structured_output",
 )
 TORCH_NAMES = {"torch", "triton"}
 

@@ -709,6 +709,9 @@ def served_ranges(schema: dict[str, Any], model: str, vocab_size: int) -> dict[s
         ]},
         "echo": {"const": False}, "suffix": nullable, "best_of": nullable,
         "logit_bias": nullable, "tools": nullable,
+        # a random grammar is mostly a 400: served mode leaves structured output alone
+        "response_format": nullable, "structured_outputs": nullable, "guided_json": nullable,
+        "guided_regex": nullable, "guided_choice": nullable, "guided_grammar": nullable,
     }
     components = schema["components"]["schemas"]
     for name in ("CompletionRequest", "ChatCompletionRequest"):

@@ -90,6 +90,8 @@ class RequestTimestamps:
     # is met when that is within it).
     last_token: float | None = None
     max_itl: float = 0.0
+    # Structured output: its matcher's build (in a worker thread) and its masks and advances.
+    grammar_s: float = 0.0
 
 
 @dataclass
@@ -186,6 +188,7 @@ class Request:
             "prompt_tokens": self.num_prompt_tokens,
             "cached_prompt_tokens": self.num_cached_tokens,
             "output_tokens": self.num_output_tokens,
+            "grammar_s": ts.grammar_s,
             **({"slo": self.slo_attainment(ttft_s)} if self.slo.ttft_s is not None else {}),
         }
 

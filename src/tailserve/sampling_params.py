@@ -18,6 +18,36 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must match (vLLM's ``StructuredOutputsParams``): exactly one of a
+    JSON schema (serialized), a regex, a choice of strings, a Lark or GBNF grammar, or any JSON
+    object. The engine turns it into a token matcher (``engine/structured_output.py``)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured output needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {len(given)}" + (f" ({', '.join(given)})" if given else ""),
+                param="structured_outputs",
+            )
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice))
+            if not self.choice or any(not isinstance(c, str) for c in self.choice):
+                raise InvalidRequestError(
+                    "structured_outputs.choice must be a non-empty list of strings",
+                    param="structured_outputs",
+                )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; validated on construction (``InvalidRequestError``).
 
@@ -48,6 +78,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalization of a frozen dataclass: the only writes, before anyone holds the object.

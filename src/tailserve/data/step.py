@@ -74,6 +74,10 @@ class SchedulerOutput:
     # first; empty unless ``enable_kv_cache_events``. The engine publishes them before the
     # forward, so a router may route the next request here while this step runs.
     kv_events: list[KVCacheEvent] = field(default_factory=list)
+    # Structured output: request_id -> the packed allowed-token mask (numpy int32 words, bit t
+    # of word t // 32 = token t) of each constrained request that samples this step. Set by
+    # the engine core after scheduling (engine/structured_output.py); the sampler applies it.
+    token_bitmasks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +86,9 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int]
     # request_id -> {token_id: logprob} for requests that asked for logprobs.
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Requests whose grammar is complete after this step's token (set by the engine core
+    # before the scheduler's update, which ends them with FINISHED_STOPPED).
+    grammar_stopped: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -7,14 +7,15 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from tailserve.config import EngineArgs, EngineConfig
 from tailserve.data.records import SchedulerSnapshot
-from tailserve.data.step import EngineOutput, SchedulerOutput, StepStats
-from tailserve.errors import ConfigError
+from tailserve.data.step import EngineOutput, RunnerOutput, SchedulerOutput, StepStats
+from tailserve.engine.structured_output import StructuredOutputManager
+from tailserve.errors import ConfigError, InvalidRequestError, QueueFullError
 from tailserve.obs import profiling
 from tailserve.obs.kv_events import ZmqKVEventPublisher
 from tailserve.request import (
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from tailserve.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# An engine whose only requests wait for their grammar's matcher sleeps this long at most
+# between checks, instead of spinning.
+PENDING_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -55,6 +60,13 @@ class EngineCore:
         self.transforms: dict[str, dict[str, int]] = {
             name: dict(report.swapped) for name, report in runner.built.reports.items()}
         self.startup_steps = list(startup_steps)  # EngineBuilder.steps, in order
+        # Structured output: matchers built off the loop; a constrained request waits in
+        # _pending (outside the scheduler) until its matcher is there.
+        self.structured = StructuredOutputManager(self._hf_tokenizer, config.model.vocab_size)
+        self._pending: list[Request] = []
+        # Requests refused when they left _pending (the queue filled meanwhile, the grammar
+        # failed to build): the loop answers each with a Rejected message.
+        self.rejected: list[tuple[str, BaseException]] = []
         self._last_queries = 0
         self._last_hits = 0
 
@@ -87,7 +99,37 @@ class EngineCore:
         check_stop_token_ids(req.sampling_params.stop_token_ids, self.model_config.vocab_size)
         if not req.eos_token_ids:
             req.eos_token_ids = self.model_config.eos_token_ids
-        self.scheduler.add_request(req)
+        so = req.sampling_params.structured_outputs
+        if so is None:
+            self.scheduler.add_request(req)
+            return
+        self.scheduler.validate(req)  # what can never be served is refused now, not later
+        if any(p.request_id == req.request_id for p in self._pending):
+            raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
+        self.structured.add(req.request_id, so)
+        self._pending.append(req)
+
+    def _hf_tokenizer(self) -> Any:
+        """The model's tokenizer, for the grammar matchers (the worker thread calls this)."""
+        if self.loaded.tokenizer is not None:
+            return self.loaded.tokenizer
+        from tailserve.model.loader import load_tokenizer
+
+        return load_tokenizer(self.model_source)
+
+    def _admit_ready(self) -> None:
+        """Hand the scheduler each pending request whose matcher is built."""
+        for req in [r for r in self._pending if self.structured.ready(r.request_id)]:
+            self._pending.remove(req)
+            exc = self.structured.take_error(req.request_id)
+            if exc is None:
+                try:
+                    self.scheduler.add_request(req)
+                except (ValueError, QueueFullError) as refused:  # as at the door
+                    self.structured.free(req.request_id)
+                    exc = refused
+            if exc is not None:
+                self.rejected.append((req.request_id, exc))
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[EngineOutput]:
         """Finish requests from outside the step (client gone: ``FINISHED_ABORTED``; a stop
@@ -99,7 +141,14 @@ class EngineCore:
         if not status.is_finished:
             raise ValueError(f"finish_requests needs a finished status, got {status.name}")
         outputs = []
-        for req in self.scheduler.finish_requests(request_ids, status):
+        for rid in request_ids:
+            self.structured.free(rid)
+        pending = [r for r in self._pending if r.request_id in set(request_ids)]
+        for req in pending:  # not in the scheduler yet: nothing of it was computed
+            self._pending.remove(req)
+            req.status = status
+            req.timestamps.finished = time.monotonic()
+        for req in [*self.scheduler.finish_requests(request_ids, status), *pending]:
             outputs.append(
                 EngineOutput(
                     req.request_id, [], finish_reason=status.finish_reason,
@@ -110,10 +159,10 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self.scheduler.requests)
+        return [*self.scheduler.requests, *(r.request_id for r in self._pending)]
 
     def snapshot(self) -> SchedulerSnapshot:
         """The scheduler's and block manager's counters now (gauges, heartbeats)."""
@@ -121,21 +170,50 @@ class EngineCore:
 
     def step(self) -> tuple[list[EngineOutput], StepStats | None]:
         t0 = time.perf_counter()
+        if self._pending:
+            self._admit_ready()
         with profiling.span("schedule"):
             sched = self.scheduler.schedule()
         if self.kv_events is not None:
             # Before the forward: a router may route the next request here while it runs.
             self.kv_events.publish(sched.kv_events)
         if not sched.scheduled:
+            if self._pending:  # only grammars building: wait for one, do not spin
+                self.structured.wait_any(PENDING_WAIT_S)
             return [], None
+        constrained = len(self.structured) > 0  # an unconstrained engine pays nothing below
+        if constrained:
+            with profiling.span("grammar_masks"):
+                sched.token_bitmasks = self.structured.bitmasks(
+                    [s.request_id for s in sched.scheduled if s.sample])
         runner_out = self.runner.execute(sched)
+        if constrained:
+            self._advance_matchers(runner_out)
         step_s = time.perf_counter() - t0
         with profiling.span("update"):
             outputs = self.scheduler.update_from_output(sched, runner_out, step_s)
+        if constrained:
+            for out in outputs:
+                if out.finished:
+                    self.structured.free(out.request_id)
         return outputs, self._stats(sched, step_s, outputs)
+
+    def _advance_matchers(self, runner_out: RunnerOutput) -> None:
+        """Each sampled token advances its request's matcher; a complete grammar ends the
+        request (the scheduler's update reads ``grammar_stopped``)."""
+        structured = self.structured
+        for rid, token in runner_out.sampled_token_ids.items():
+            if rid not in structured:
+                continue
+            if structured.accept(rid, token):
+                runner_out.grammar_stopped.add(rid)
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                req.timestamps.grammar_s = structured.grammar_s.get(rid, 0.0)
 
     def close(self) -> None:
         """Release what outlives a step (the KV-events sockets); the engine is done."""
+        self.structured.close()
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None

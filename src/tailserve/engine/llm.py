@@ -137,6 +137,9 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             outputs, stats = self.engine.step()
+            if self.engine.rejected:  # refused when its grammar's matcher was built
+                _, exc = self.engine.rejected.pop(0)
+                raise exc
             if stats is not None:
                 self.step_stats.append(stats)
             finished, to_stop = self.output_processor.process(outputs)

@@ -116,19 +116,8 @@ class EngineLoop:
                         slo=SLO(msg.slo_ttft_s, msg.slo_itl_s, msg.slo_tpot_s),
                     )
                     self.core.add_request(req)
-                except SLORefusedError as exc:
-                    self._send(Rejected(msg.request_id, "ttft_slo", str(exc),
-                                        predicted_ttft_s=exc.predicted_ttft_s,
-                                        retry_after_s=exc.retry_after_s))
-                except SLOUnattainableError as exc:
-                    self._send(Rejected(msg.request_id, "ttft_slo_unattainable", str(exc),
-                                        exc.param))
-                except QueueFullError as exc:
-                    self._send(Rejected(msg.request_id, "queue_full", str(exc),
-                                        retry_after_s=exc.retry_after_s))
-                except ValueError as exc:
-                    param = getattr(exc, "param", None)
-                    self._send(Rejected(msg.request_id, "invalid_request", str(exc), param))
+                except (ValueError, QueueFullError) as exc:
+                    self._send(_rejection(msg.request_id, exc))
             elif isinstance(msg, FinishRequests):
                 finished.extend(self.core.finish_requests(msg.request_ids, msg.status))
             elif isinstance(msg, StartProfile):
@@ -148,6 +137,9 @@ class EngineLoop:
         self.num_steps += 1
         try:
             outputs, stats = self.core.step()
+            while self.core.rejected:  # refused when its grammar's matcher was built
+                rid, refused = self.core.rejected.pop(0)
+                self._send(_rejection(rid, refused))
         except Exception as exc:
             logger.exception("engine step %d failed", self.num_steps)
             lost = self.core.unfinished_request_ids()
@@ -195,6 +187,22 @@ class EngineLoop:
 
 
 # ---------------------------------------------------------------------- the driver
+def _rejection(request_id: str, exc: BaseException) -> Rejected:
+    """The message refusing ``request_id`` for ``exc`` (a ``ValueError`` of the request's)."""
+    if isinstance(exc, SLORefusedError):
+        return Rejected(request_id, "ttft_slo", str(exc), predicted_ttft_s=exc.predicted_ttft_s,
+                        retry_after_s=exc.retry_after_s)
+    if isinstance(exc, SLOUnattainableError):
+        return Rejected(request_id, "ttft_slo_unattainable", str(exc), exc.param)
+    if isinstance(exc, QueueFullError):
+        return Rejected(request_id, "queue_full", str(exc), retry_after_s=exc.retry_after_s)
+    if isinstance(exc, ValueError):
+        return Rejected(request_id, "invalid_request", str(exc), getattr(exc, "param", None))
+    # A failure of ours while building the matcher: refused by type, the loop goes on.
+    return Rejected(request_id, "invalid_request",
+                    f"the grammar could not be built ({type(exc).__name__})", "structured_outputs")
+
+
 class DrivenLoop(Protocol):
     """What ``drive`` needs of an ``EngineLoop`` (a protocol, so tests can fake it)."""
 

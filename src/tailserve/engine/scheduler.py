@@ -348,6 +348,8 @@ class Scheduler:
                 ts.max_itl = max(ts.max_itl, now - ts.last_token)
             ts.last_token = now
             status = self._check_stop(req, token)
+            if status is None and s.request_id in out.grammar_stopped:
+                status = RequestStatus.FINISHED_STOPPED
             eo = EngineOutput(
                 s.request_id, [token], new_logprobs, num_cached_tokens=req.num_cached_tokens
             )

@@ -179,6 +179,7 @@ class ModelRunner:
                 output_token_ids=s.output_token_ids,
                 eos_token_ids=s.eos_token_ids,
                 generator=self._generator_for(s),
+                token_bitmask=sched.token_bitmasks.get(s.request_id),
             )
             for s in batch.sampling
         ]

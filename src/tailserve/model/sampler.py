@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tailserve.model.grammar import apply_token_bitmasks
 from tailserve.model.sampling_buffers import SamplingBuffers, Values
 from tailserve.sampling_params import SamplingParams
 
@@ -52,6 +53,9 @@ class SamplingRow:
     # Set for requests with params.seed, on the logits' device; each draw advances it, so a
     # seeded request's tokens depend only on its seed and its logits, never on its batch mates.
     generator: torch.Generator | None = None
+    # Structured output: the packed allowed-token mask of this step (model/grammar.py), or
+    # None for an unconstrained row.
+    token_bitmask: np.ndarray | None = None
 
 
 @dataclass
@@ -90,6 +94,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         and params.logprobs is None
         and not _uses_penalties(params)
         and len(row.output_token_ids) >= params.min_tokens
+        and row.token_bitmask is None
     )
 
 
@@ -344,6 +349,12 @@ class Sampler:
         logits = logits.float()  # raw, kept for logprobs; the steps below never modify it
         processed = apply_penalties(apply_min_tokens(logits, rows, self.buffers), rows,
                                     self.vocab_size, self.buffers)
+        if any(row.token_bitmask is not None for row in rows):
+            # Masked after the penalties, before temperature and truncation (vLLM's order);
+            # logprobs stay those of the raw logits.
+            wants_raw = any(r.params.logprobs is not None for r in rows)
+            processed = apply_token_bitmasks(processed, [r.token_bitmask for r in rows],
+                                             raw=logits if wants_raw else None)
 
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]

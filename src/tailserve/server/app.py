@@ -343,6 +343,7 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
         await server.serve()
     finally:
         ctx.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        ctx.grammar.close()
         timeline.close()
         if tracer is not None:
             tracer.shutdown()

@@ -98,6 +98,9 @@ class Generation:
         self._stopped_by_string: set[str] = set()
         # Streaming holds back the last characters that could begin a stop string.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        # Seconds the API spent compiling this request's grammar (server/structured.py),
+        # added to each choice's engine-side grammar_s in tailserve_timing.
+        self.api_grammar_s = 0.0
 
     # ---------------------------------------------------------------- submit
     def submit(self) -> None:
@@ -230,6 +233,9 @@ class Generation:
         if eo.finished:
             choice.finished = True
             choice.timing = eo.timing
+            if choice.timing is not None and self.api_grammar_s:
+                choice.timing["grammar_s"] = choice.timing.get("grammar_s", 0.0) \
+                    + self.api_grammar_s
             rec = self._record(choice, eo)
             if choice.engine_id in self._stopped_by_string:
                 rec.abort_reason = "stop_string"

@@ -25,7 +25,43 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    # OpenAI's response_format.json_schema; unknown keys are a 400 naming response_format.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema (server/structured.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    strict: bool | None = None  # accepted beside json_schema too, as some clients send it
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None  # one backend: nothing to fall back from
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+
+
 class _SamplingFields(_Base):
+    # Fields no model here declares land in model_extra, where request_fields.check_fields
+    # finds the ones OpenAI or vLLM define and this server refuses (never a silent drop).
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     n: Int64 = 1
     temperature: float | None = None
@@ -51,6 +87,13 @@ class _SamplingFields(_Base):
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     # The request's own SLO (server/slo.py): {"ttft_ms": ..., "itl_ms": ..., "tpot_ms": ...}.
     slo: Any = None
+    # Structured output (server/structured.py turns these into one grammar).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 PromptInput = Annotated[
@@ -62,6 +105,7 @@ PromptInput = Annotated[
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     max_tokens: Int64 | None = 16
+    max_completion_tokens: Int64 | None = None  # chat's name for max_tokens, served here too
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None

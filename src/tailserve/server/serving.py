@@ -21,7 +21,7 @@ from tailserve.engine.client import EngineDeadError
 from tailserve.engine.input_processor import Prompt
 from tailserve.errors import InvalidRequestError, QueueFullError, SLOUnattainableError
 from tailserve.request import SLO
-from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from tailserve.server.context import ServerContext
 from tailserve.server.errors import APIError, bad_request, engine_error, error_body
 from tailserve.server.formatting import ChatFormatter, CompletionFormatter, OpenAIFormatter
@@ -31,7 +31,9 @@ from tailserve.server.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from tailserve.server.request_fields import Endpoint, check_fields
 from tailserve.server.slo import request_slo
+from tailserve.server.structured import structured_outputs_of
 from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
 
 
@@ -45,6 +47,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         arrival = time.monotonic()
         self.ctx.check_model(body.model)
+        _check_common(body, "completions")
         if body.echo:
             raise bad_request("echo is not supported", param="echo")
         if body.suffix:
@@ -54,7 +57,9 @@ class OpenAIServing:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         prompts = await self.ctx.off_loop(self._completion_prompts, body.prompt)
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        structured, grammar_s = await self._structured(body)
+        params = self._sampling_params(body, _completion_max_tokens(body), body.logprobs,
+                                       structured)
         # Built before the hand-off: from _start on, only code that aborts the generation on
         # failure runs, so no error can strand its engine requests.
         fmt = CompletionFormatter(
@@ -62,11 +67,15 @@ class OpenAIServing:
         )
         slo = request_slo(http.headers, body.slo)
         gen = self._start(http, prompts, params, arrival, body.priority, slo, body.cache_salt)
+        gen.api_grammar_s = grammar_s
         return await self._respond(gen, http, body, fmt)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         arrival = time.monotonic()
         self.ctx.check_model(body.model)
+        if body.tools is None and (body.model_extra or {}).get("tool_choice") is not None:
+            raise bad_request("tool_choice requires tools", param="tool_choice")
+        _check_common(body, "chat")
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         if body.tools:
@@ -93,11 +102,13 @@ class OpenAIServing:
             logprobs = body.top_logprobs or 0
         elif body.top_logprobs is not None:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-        params = self._sampling_params(body, max_tokens, logprobs)
+        structured, grammar_s = await self._structured(body)
+        params = self._sampling_params(body, max_tokens, logprobs, structured)
         fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0)
         slo = request_slo(http.headers, body.slo)
         gen = self._start(http, [prompt], params, arrival, body.priority, slo,
                           body.cache_salt)  # as in completions
+        gen.api_grammar_s = grammar_s
         return await self._respond(gen, http, body, fmt)
 
     async def _respond(
@@ -136,8 +147,20 @@ class OpenAIServing:
             for item, what in zip(items, whats, strict=True)
         ]
 
+    async def _structured(
+        self, body: _SamplingFields
+    ) -> tuple[StructuredOutputsParams | None, float]:
+        """The body's grammar, compiled within --grammar-timeout-ms (or a 400), and the
+        seconds that took here."""
+        found = structured_outputs_of(body)
+        if found is None:
+            return None, 0.0
+        so, param = found
+        return so, await self.ctx.grammar.check(so, param)
+
     def _sampling_params(
-        self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None
+        self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         given = {
             k: getattr(body, k)
@@ -154,7 +177,8 @@ class OpenAIServing:
             stop=stop, stop_token_ids=body.stop_token_ids or [],
             include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens, **given,
+            skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
+            **given,
         )
 
     def _start(
@@ -307,6 +331,25 @@ class GenerationStream(StreamingResponse):
         finally:
             if not self.generation.done:
                 self.generation.abort("client_disconnect")
+
+
+def _check_common(body: _SamplingFields, endpoint: Endpoint) -> None:
+    """What OpenAI and vLLM refuse on both endpoints, then every refused field by name."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options requires stream: true", param="stream_options")
+    check_fields(body, endpoint)
+
+
+def _completion_max_tokens(body: CompletionRequest) -> int | None:
+    """max_tokens, or chat's max_completion_tokens; both given must agree."""
+    if body.max_completion_tokens is None:
+        return body.max_tokens
+    if "max_tokens" in body.model_fields_set and body.max_tokens != body.max_completion_tokens:
+        raise bad_request(
+            f"max_tokens ({body.max_tokens}) and max_completion_tokens "
+            f"({body.max_completion_tokens}) disagree; give one", param="max_completion_tokens",
+        )
+    return body.max_completion_tokens
 
 
 def _engine_id() -> str:

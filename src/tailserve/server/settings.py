@@ -75,6 +75,11 @@ class ServerSettings:
     profile_dir: str | None = field(
         default=None,
         metadata={"help": "where profile traces go (default: <tmp>/tailserve-profiles)"})
+    grammar_timeout_ms: float = field(
+        default=500.0,
+        metadata={"help": "a structured-output grammar (JSON schema, regex, choice, Lark/GBNF) "
+                  "whose compile and first mask take longer is refused with a 400 naming the "
+                  "figure; verdicts are cached per grammar"})
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     def __post_init__(self) -> None:
@@ -82,5 +87,7 @@ class ServerSettings:
             raise ConfigError(f"header_timeout must be > 0 seconds, got {self.header_timeout}")
         if not 0 <= self.tokenizer_nice <= 19:
             raise ConfigError(f"tokenizer_nice must be in [0, 19], got {self.tokenizer_nice}")
+        if not self.grammar_timeout_ms > 0:
+            raise ConfigError(f"grammar_timeout_ms must be > 0, got {self.grammar_timeout_ms}")
         if self.tokenizer_workers < 1:
             raise ConfigError(f"tokenizer_workers must be >= 1, got {self.tokenizer_workers}")
