@@ -101,6 +101,7 @@ FIELDS: tuple[RequestField, ...] = (
     _f("skip_special_tokens", "served"),
     _f("priority", "served"),
     _f("cache_salt", "served"),
+    _f("slo", "served", "tailserve's per-request SLO: ttft_ms, itl_ms, tpot_ms (docs/slo.md)"),
     _f("structured_outputs", "served", "json, regex, choice, grammar (Lark or GBNF), json_object"),
     _f("guided_json", "served", "vLLM's older spelling of structured_outputs.json"),
     _f("guided_regex", "served", "vLLM's older spelling of structured_outputs.regex"),
