@@ -16,6 +16,7 @@ from tailserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tailserve.errors import ModelLoadError
 from tailserve.families import FAMILIES
 from tailserve.model.loader import load_model
+from test_engine_parity import hf_greedy, ts_greedy
 from tiny_models import build_tiny_phi3, build_tiny_qwen3
 
 NEW_TOKENS = 32
@@ -24,23 +25,6 @@ NEW_TOKENS = 32
 def prompts_for(lengths: list[int]) -> list[list[int]]:
     g = torch.Generator().manual_seed(99)
     return [torch.randint(20, 49152, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(folder: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
-
-
-def ts_greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
-    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_every_supported_architecture_is_one_declared_family() -> None:
@@ -52,7 +36,8 @@ def test_every_supported_architecture_is_one_declared_family() -> None:
 def test_family_matches_transformers(tmp_path: Path, builder: Any) -> None:
     folder = builder(tmp_path / "m", max_position_embeddings=2048)
     prompts = prompts_for([5, 40, 300])
-    want = hf_greedy(folder, prompts, NEW_TOKENS)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = hf_greedy(hf, prompts, NEW_TOKENS)
     # Chunked prefill: a 64-token budget splits the 300-token prompt over five steps. Steps are
     # sized by the token budget alone: sized by time, a loaded host batches (and so rounds)
     # otherwise, and a random tiny model's near-ties flip.

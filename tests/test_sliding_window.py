@@ -21,6 +21,7 @@ from tailserve.config import EngineArgs, ModelConfig, resolve_max_model_len
 from tailserve.errors import ConfigError, InvalidRequestError, ModelLoadError
 from tailserve.model_features import sliding_window, unsupported_features
 from tailserve.platforms import Platform
+from test_engine_parity import hf_greedy
 from tiny_models import build_tiny_mistral, build_tiny_qwen2
 
 LLAMA: dict[str, Any] = {
@@ -97,14 +98,6 @@ def test_max_model_len_is_capped_at_the_window(caplog: pytest.LogCaptureFixture)
     assert resolve_max_model_len(None, wide) == 4096
 
 
-def hf_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
-    return gen[0, len(prompt):].tolist()
-
-
 def test_mistral_with_a_window_is_served_up_to_it_and_matches_transformers(
     tmp_path: Path,
 ) -> None:
@@ -117,7 +110,8 @@ def test_mistral_with_a_window_is_served_up_to_it_and_matches_transformers(
     prompt = torch.randint(20, 1000, (16,), generator=torch.Generator().manual_seed(7)).tolist()
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids
-    assert out == hf_greedy(folder, prompt, 8)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert out == hf_greedy(hf, [prompt], 8)[0]
     with pytest.raises(InvalidRequestError, match="max_model_len is 24"):
         llm.generate({"prompt_token_ids": prompt * 2}, sp)
 

@@ -30,12 +30,14 @@ import torch
 
 from tailserve.config import ModelConfig
 from tailserve.errors import ModelLoadError
+from tailserve.families import GGUF_FAMILIES
 from tailserve.model.quant.formats import PACKED_FORMATS, pack_rows
 
 log = logging.getLogger(__name__)
 
 # llama.cpp architecture name -> the Hugging Face class whose weights and math it stores.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF general.architecture -> config.json architecture, for the families that declare one.
+GGUF_ARCHITECTURES = {name: f.architecture for name, f in GGUF_FAMILIES.items()}
 
 _SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts; no file in circulation still does
 _SCALAR_FORMATS = {

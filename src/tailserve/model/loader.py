@@ -217,11 +217,16 @@ def _load_hf_folder(folder: str, quantization: str | None = None,
     return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, folder)
 
 
-def _unfuse(config: ModelConfig) -> Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]:
+def _unfuse(
+    config: ModelConfig,
+) -> Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None:
     """The family's fused projections (``Family.fused``: Phi-3's qkv_proj, gate_up_proj) split
     into the canonical names as they are read; every other tensor passes as it is. A fused
-    weight splits by output rows into the shapes the canonical names have."""
+    weight splits by output rows into the shapes the canonical names have. None for a family
+    that stores none fused (the reader then looks at no name)."""
     fused = FAMILIES[config.architecture].fused
+    if not fused:
+        return None
     shapes = expected_weight_shapes(config)
 
     def split(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

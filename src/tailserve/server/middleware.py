@@ -164,6 +164,8 @@ class EdgeMiddleware:
         self.api_key = api_key.encode() if api_key else None
         # --api-keys: a key names its tenant (looked up by the key's SHA-256 digest).
         self.tenants = tenants
+        # A trusted proxy names tenants: those in the keys file keep their limits.
+        self._tenants_by_name = {t.name: t for t in (tenants or {}).values()}
         self.tenant_header = tenant_header.lower().encode() if tenant_header else None
         self.max_request_bytes = max_request_bytes
         self.max_header_bytes = max_header_bytes
@@ -235,8 +237,7 @@ class EdgeMiddleware:
                 await _error(send_with_id, exc.status, exc.message, exc.type,
                              exc.code or "invalid_tenant")
                 return
-            known = [t for t in (self.tenants or {}).values() if t.name == tenant_name]
-            tenant = known[0] if known else Tenant(tenant_name)
+            tenant = self._tenants_by_name.get(tenant_name) or Tenant(tenant_name)
         scope["state"]["tenant"] = tenant
         limit = self.max_request_bytes
         app = self.app

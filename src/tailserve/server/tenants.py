@@ -127,7 +127,7 @@ def tenant_salt(tenant: str, cache_salt: str | None) -> str:
 class _Usage:
     request_ids: list[str] = field(default_factory=list)
     tokens: float = 0.0  # the rate bucket's level
-    refilled: float = 0.0  # when it was last refilled (monotonic)
+    refilled: float | None = None  # when it was last refilled (monotonic); None: never
 
 
 class TenantLimits:
@@ -165,7 +165,7 @@ class TenantLimits:
         if rate is not None:
             now = self._clock()
             burst = max(1.0, rate)
-            if usage.refilled == 0.0:
+            if usage.refilled is None:
                 usage.tokens = burst
             else:
                 usage.tokens = min(burst, usage.tokens + (now - usage.refilled) * rate)
