@@ -170,18 +170,24 @@ def _add_bench(sub: Any) -> None:
     b.set_defaults(func=_cmd_bench)
 
 
+def _slo_flags(ns: argparse.Namespace, error: type[Exception]) -> dict[str, float]:
+    """``--slo-{ttft,itl,tpot}-ms`` as {kind: ms}, the ones given; ``error`` names a value
+    that is not a positive number of milliseconds (diagnose and compare read them alike)."""
+    slos = {k: v for k in ("ttft", "itl", "tpot")
+            if (v := getattr(ns, f"slo_{k}_ms")) is not None}
+    for k, v in slos.items():
+        if not 0 < v < float("inf"):
+            raise error(f"--slo-{k}-ms must be a positive number of milliseconds, got {v:g}")
+    return slos
+
+
 def _cmd_diagnose(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tailserve.analyze.data import DiagnoseError, load_run
     from tailserve.analyze.diagnose import diagnose, print_summary
 
-    slos = {k: v for k in ("ttft", "itl", "tpot")
-            if (v := getattr(ns, f"slo_{k}_ms")) is not None}
-    for k, v in slos.items():
-        if not 0 < v < float("inf"):
-            raise DiagnoseError(f"--slo-{k}-ms must be a positive number of milliseconds, "
-                                f"got {v:g}")
+    slos = _slo_flags(ns, DiagnoseError)
     d = diagnose(load_run(ns.result, ns.timeline), ns.percentile, slos or None)
     if ns.html:
         from tailserve.analyze.report import write_html
@@ -238,12 +244,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     )
     from tailserve.analyze.compare_goodput import compare_capacity, load_capacity
 
-    slos = {k: v for k in ("ttft", "itl", "tpot")
-            if (v := getattr(ns, f"slo_{k}_ms")) is not None}
-    for k, v in slos.items():
-        if not 0 < v < float("inf"):
-            raise CompareError(f"--slo-{k}-ms must be a positive number of milliseconds, "
-                               f"got {v:g}")
+    slos = _slo_flags(ns, CompareError)
     cap_a, cap_b = load_capacity(ns.a), load_capacity(ns.b)
     if cap_a is not None and cap_b is not None:
         return _compare_capacity(ns, compare_capacity(cap_a, cap_b, ns.threshold))
