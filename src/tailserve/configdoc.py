@@ -26,7 +26,7 @@ from tailserve.server.settings import ServerSettings
 
 PAGE = Path("docs") / "configuration.md"
 
-# What a flag does where its field carries no "help" metadata yet (config.py and
+# What a flag does where its field carries no "help" metadata yet (config/args.py and
 # server/settings.py are being reworked elsewhere; once a field has its own help, its entry here
 # is unused and tests/test_docs.py asks for it to go). Keyed by the flag's dest.
 FALLBACK_HELP: dict[str, str] = {

@@ -1,7 +1,7 @@
 """The host facts that ``auto`` settings resolve against, and the resolution itself.
 
 ``Platform`` is a plain value, measured once with torch by ``model.device.detect_platform``,
-so that resolving configuration (``config.py``, imported by the torch-free scheduler) needs no
+so that resolving configuration (``config/``, imported by the torch-free scheduler) needs no
 torch, and tests can state any host.
 """
 

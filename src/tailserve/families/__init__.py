@@ -7,7 +7,7 @@ against transformers (tests/test_families.py). A feature no declaration can expr
 norm placement, another activation, soft-capping ...) is refused by name at load
 (``model_features.py``), never skipped.
 
-Plain data, no torch: ``config.py`` (the bottom layer) resolves a checkpoint against it.
+Plain data, no torch: ``config/`` (the bottom layer) resolves a checkpoint against it.
 """
 
 from __future__ import annotations
