@@ -16,6 +16,7 @@ from tailserve.config import check_removed_args
 from tailserve.data.step import BlockedReason, EngineOutput
 from tailserve.engine.latency import step_time_budget
 from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.waiting_queue import DeadlineQueue
 from tailserve.errors import ConfigError, QueueFullError, SLOUnattainableError
 from tailserve.request import SLO
 from tailserve.stepcost import StepTimeModel
@@ -84,11 +85,12 @@ def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget() -> None:
     assert s._queue_overdue(clock.t)
     assert step(s, runner, clock) == [("d0", 1), ("d1", 1), ("long", 510)]
     # Late by its own size (a 0.5 s SLO under its 610 ms prefill): best effort, no override
-    # until it has waited unscheduled past its starvation bound (twice its SLO).
+    # until it has waited unscheduled past its starvation bound (its SLO, then its own
+    # prefill, the longer: 0.5 + 0.61 s).
     s2, _ = _running(Clock(), 2, target_s=0.031, slo_ttft_s=0.5)
     s2.add_request(req("big", 600, s2._clock()))
     t0 = s2._clock()
-    assert not s2._queue_overdue(t0 + 0.99) and s2._queue_overdue(t0 + 1.01)
+    assert not s2._queue_overdue(t0 + 1.10) and s2._queue_overdue(t0 + 1.12)
     # Nor does the ITL SLO cap a step without decodes while the queue is overdue.
     clock = Clock()
     s3 = make(clock, target_s=0.031, slo_ttft_s=1.0)
@@ -116,13 +118,14 @@ def test_first_tokens_go_by_ttft_deadline_earliest_first() -> None:
 
 def test_a_request_that_can_no_longer_meet_its_deadline_yields_to_one_that_can() -> None:
     # TTFT SLO 100 ms. "big" (200 tokens: 210 ms alone) can no longer meet it: its key moves
-    # one SLO later (0.2), behind "small" (50 tokens, 60 ms: due at 0.101), which goes first
-    # though it arrived later; big takes what is left (best effort).
+    # later by its own prefill, longer than the SLO (0.1 + 0.21 = 0.31), behind "small" (50
+    # tokens, 60 ms: due at 0.101), which goes first though it arrived later; big takes what
+    # is left (best effort).
     clock = Clock()
     s = make(clock, max_num_batched_tokens=128, scheduling_policy="deadline", slo_ttft_s=0.1)
     s.add_request(req("big", 200, 0.0))
     s.add_request(req("small", 50, 0.001))
-    assert s.waiting.prefill_key(s.requests["big"], 0, 0.0)[0] == pytest.approx(0.2)
+    assert s.waiting.prefill_key(s.requests["big"], 0, 0.0)[0] == pytest.approx(0.31)
     assert s.waiting.prefill_key(s.requests["small"], 1, 0.0)[0] == pytest.approx(0.101)
     runner = FakeRunner()
     assert step(s, runner, clock) == [("small", 50), ("big", 78)]
@@ -135,7 +138,8 @@ def test_a_request_that_can_no_longer_meet_its_deadline_yields_to_one_that_can()
 
 
 def test_a_late_request_is_passed_only_by_requests_that_arrived_before_its_bound() -> None:
-    """The starvation bound: a late request's key is at most arrival + 2 x its TTFT SLO, and
+    """The starvation bound: a late request's key is at most arrival + its TTFT SLO + the
+    larger of that SLO and its own prefill alone (0.3 + 0.41 s here), and
     every key is at least its request's arrival, so no request that arrives after that bound
     gets its first token before it, however many keep coming (here more than the engine
     serves); before it gets the budget it takes what the others leave."""
@@ -145,6 +149,8 @@ def test_a_late_request_is_passed_only_by_requests_that_arrived_before_its_bound
              enable_prefix_caching=False)
     runner = FakeRunner()
     s.add_request(req("big", 400, 0.0))  # 410 ms alone: late from the start
+    assert isinstance(s.waiting, DeadlineQueue)
+    assert s.waiting.starvation_bound(s.requests["big"]) == pytest.approx(slo + 0.410)
     arrived: dict[str, float] = {}
     done: dict[str, int] = {}  # the step of each request's first (and only) token
     next_arrival, k = 0.0, 0
@@ -161,7 +167,7 @@ def test_a_late_request_is_passed_only_by_requests_that_arrived_before_its_bound
         if "big" in done:
             break
     assert "big" in done
-    bound = 2 * slo
+    bound = slo + 0.410
     before = [r for r, n in done.items() if r != "big" and n < done["big"]]
     assert before and max(arrived[r] for r in before) <= bound
     # Requests that arrived after the bound were waiting while it went, and did not pass it.

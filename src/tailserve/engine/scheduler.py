@@ -103,7 +103,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: WaitingQueue = make_waiting_queue(
             config.scheduling_policy, config.prefill_scheduling, config.prefill_aging_s_per_token,
-            self.own_prefill_s)
+            self.own_prefill_s, self.idle_prefill_s)
         self.running: list[Request] = []
         self._admit_counter = itertools.count()
         self._finished_ids: list[str] = []
@@ -267,7 +267,7 @@ class Scheduler:
         serves its queue. Held to the ITL, a loaded host (steps 3-5x slower beside other
         processes) admitted 5 requests at a time where the token budget admits 29, and first
         tokens waited 24 s instead of 11 at the median (the mixed load at 0.5 req/s). So
-        does a request never scheduled for twice its TTFT SLO. Preempted requests do not
+        does a request never scheduled by its starvation bound. Preempted requests do not
         count: taking the whole budget for them would only preempt again."""
         pending = [r for r in self.running if not is_decode(r)] + list(self.waiting)
         return any(self._overdue(r, now) for r in pending)
@@ -277,12 +277,14 @@ class Scheduler:
         if slo is None or r.num_output_tokens or r.status == RequestStatus.PREEMPTED:
             return False
         waited = now - r.arrival_time
-        # Past its starvation bound unscheduled (DeadlineQueue): late by its own size or
-        # not, it has had its best-effort window (on a host 4x slower than usual every
-        # 500-token prompt is "too long" for a 1 s SLO, and the queue would never drain).
-        if r.timestamps.first_scheduled is None and waited > 2 * slo:
+        idle = self.idle_prefill_s(r)
+        # Past its starvation bound unscheduled (DeadlineQueue.starvation_bound: its SLO,
+        # then the larger of its SLO and its own prefill): late by its own size or not, it
+        # has had its best-effort window (on a host 4x slower than usual every 500-token
+        # prompt is "too long" for a 1 s SLO, and the queue would never drain).
+        if r.timestamps.first_scheduled is None and waited > slo + max(slo, idle):
             return True
-        return waited > slo and self.idle_prefill_s(r) <= slo
+        return waited > slo and idle <= slo
 
     def next_admit_seq(self) -> int:
         return next(self._admit_counter)

@@ -135,16 +135,33 @@ class DeadlineQueue(FCFSQueue):
     arrival order.
 
     A request that can no longer meet its deadline (``now`` + its own remaining prefill,
-    predicted as one step, is past it) yields: its key moves one TTFT SLO later, behind those
-    that still can, best effort after them. Its key never passes ``arrival + 2 x its TTFT
-    SLO``, and every key is at least its request's arrival, so no request that arrives after
-    that passes it: the starvation bound. Preemption takes the running request with the most
-    slack (the newest admission among equals).
+    predicted as one step, is past it) yields: its key moves later by the larger of its TTFT
+    SLO and its whole prompt's prefill alone (``yield_s``), behind those that still can, best
+    effort after them. Its key never passes ``arrival + TTFT SLO + yield_s``, and every key is
+    at least its request's arrival, so no request that arrives after that passes it: the
+    starvation bound (``starvation_bound``). It scales with the request's own size: a prompt
+    that needs 4 s alone may be passed for ~4 s, not one SLO. With one SLO's yield, short
+    prompts that arrived more than an SLO after a 4,000-token prompt waited for all of it,
+    and for the next such prompt too (3-12 s behind three of them, issue 29's long-mix run of
+    2026-12-03). Preemption takes the running request with the most slack (the newest
+    admission among equals).
     """
 
-    def __init__(self, own_prefill_s: Callable[[Request], float]) -> None:
+    def __init__(self, own_prefill_s: Callable[[Request], float],
+                 idle_prefill_s: Callable[[Request], float]) -> None:
         super().__init__("fcfs")
         self._own_prefill_s = own_prefill_s
+        self._idle_prefill_s = idle_prefill_s
+
+    def yield_s(self, req: Request) -> float:
+        """How much later a request that can no longer meet its deadline is keyed: its TTFT
+        SLO, or its whole prompt's prefill alone when that is longer."""
+        return max(req.slo.ttft_s or 0.0, self._idle_prefill_s(req))
+
+    def starvation_bound(self, req: Request) -> float | None:
+        """The latest key the request can have (None without a deadline)."""
+        due = req.next_token_deadline()
+        return None if due is None else due + self.yield_s(req)
 
     def deadline(self, req: Request, now: float) -> float:
         """The request's key: its next token's deadline, one TTFT SLO later when it can no
@@ -153,7 +170,7 @@ class DeadlineQueue(FCFSQueue):
         if due is None:
             return req.arrival_time
         if now + self._own_prefill_s(req) > due:
-            due += req.slo.ttft_s or 0.0
+            due += self.yield_s(req)
         return due
 
     def prefill_key(self, req: Request, index: int, now: float) -> tuple[float, ...]:
@@ -168,11 +185,13 @@ class DeadlineQueue(FCFSQueue):
 
 
 def make_waiting_queue(policy: str, prefill_order: PrefillOrder, aging_s_per_token: float,
-                       own_prefill_s: Callable[[Request], float]) -> WaitingQueue:
+                       own_prefill_s: Callable[[Request], float],
+                       idle_prefill_s: Callable[[Request], float]) -> WaitingQueue:
     """The queue of ``--scheduling-policy``; ``own_prefill_s`` predicts a request's remaining
-    prefill alone (the deadline policy's feasibility test)."""
+    prefill alone (the deadline policy's feasibility test), ``idle_prefill_s`` its whole
+    prompt's (how far a late request yields)."""
     if policy == "deadline":
-        return DeadlineQueue(own_prefill_s)
+        return DeadlineQueue(own_prefill_s, idle_prefill_s)
     if policy == "priority":
         return PriorityQueue(prefill_order, aging_s_per_token)
     return FCFSQueue(prefill_order, aging_s_per_token)
