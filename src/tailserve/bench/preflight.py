@@ -122,6 +122,8 @@ class ServerInfo:
     has_timeline: bool = False
     # The server's default SLOs from its /metrics gauges (kind -> ms; bench/goodput.py).
     published_slos: dict[str, float] = field(default_factory=dict)
+    # /v1/models' owned_by ("vllm", "llamacpp", ...): which engine, when /metrics does not say.
+    owned_by: list[str] = field(default_factory=list)
 
 
 def normalize_base_url(url: str) -> str:
@@ -160,7 +162,9 @@ def preflight(http: SyncHTTP, model: str | None, api_key: str | None) -> ServerI
         model = served[0]
     elif served and model not in served:
         raise BenchError(f"{where} does not serve model {model!r}; it serves {served}")
-    info = ServerInfo(base_url=where, model=model, served_models=served)
+    info = ServerInfo(base_url=where, model=model, served_models=served,
+                      owned_by=sorted({str(m["owned_by"]) for m in body["data"]
+                                       if isinstance(m, dict) and m.get("owned_by")}))
 
     status, body = http.get_json("/version")
     if status == 200 and isinstance(body, dict) and "version" in body:

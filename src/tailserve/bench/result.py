@@ -136,6 +136,7 @@ def environment(argv: list[str], info: ServerInfo, loop_name: str,
         "cpu_count": os.cpu_count(), "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()), "argv": argv,
         "server": {"version": info.version, "models": info.served_models,
+                   "owned_by": info.owned_by,
                    "max_model_len": info.max_model_len, "tokenize": info.has_tokenize,
                    "timeline": info.has_timeline},
     }

@@ -1,0 +1,107 @@
+"""Planted-cause runs of `tailserve bench` against real peers, for `tailserve diagnose`.
+
+Each scenario starts its server (benchmarks/peers/start_*.sh; tailserve serve), runs one bench
+step with /metrics observed, stops the server, and leaves the result JSON in --out. The
+scenarios' expected causes are in SCENARIOS; tests/peers/test_diagnose_peers.py (`make
+peers-test`) runs them and asserts diagnose names them, and tests/fixtures/diagnose/ keeps a
+few recorded results (gzipped) so `make test` checks the adapters without the peers.
+
+    python benchmarks/peers/diagnose_scenarios.py --out /tmp/diag vllm-starved llama-queue
+
+vLLM takes ~2 minutes to start; servers are started once per distinct setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from serving_peers import SERVED_NAME, Server, server_for, stop, wait_ready  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Scenario:
+    server: str  # "vllm" | "llamacpp" | "tailserve"
+    server_args: tuple[str, ...]
+    bench_args: tuple[str, ...]
+    expect: dict[str, str]  # metric -> the cause diagnose must name first
+
+
+def _load(n: int, inp: int, out: int, *load: str) -> tuple[str, ...]:
+    return ("--dataset", "random", "--input-len", str(inp), "--output-len", str(out),
+            "--num-prompts", str(n), *load)
+
+
+# A KV pool of 16 blocks of 128 tokens (vLLM-CPU's default block size; 2,048 tokens) for 24
+# requests of 512 tokens each: a few fit at a time, the rest wait for blocks and running ones
+# are preempted when their next token needs a block.
+STARVED = ("--num-gpu-blocks-override", "16", "--max-model-len", "1024")
+SCENARIOS: dict[str, Scenario] = {
+    "vllm-starved": Scenario("vllm", STARVED, _load(24, 256, 256, "--request-rate", "inf"),
+                             {"ttft": "kv_cache_pressure", "itl": "preemption"}),
+    "vllm-clean-single": Scenario("vllm", STARVED,
+                                  _load(20, 64, 32, "--max-concurrency", "1"),
+                                  {"ttft": "none", "itl": "none", "tpot": "none"}),
+    "llama-queue": Scenario("llamacpp", ("--parallel", "2"),
+                            _load(16, 64, 32, "--request-rate", "inf"), {"ttft": "queueing"}),
+    "llama-clean-single": Scenario("llamacpp", (), _load(16, 64, 32, "--max-concurrency", "1"),
+                                   {"ttft": "none", "itl": "none", "tpot": "none"}),
+    "tailserve-clean-single": Scenario("tailserve", (),
+                                       _load(24, 32, 32, "--max-concurrency", "1"),
+                                       {"ttft": "none", "itl": "none", "tpot": "none"}),
+}
+
+
+def bench(server: Server, args: tuple[str, ...], out: str) -> None:
+    cmd = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", server.url,
+           "--model", SERVED_NAME, "--tokenizer", "default", "--ignore-eos", "--seed", "0",
+           "--no-progress", "--save-result", out, *args]
+    subprocess.run(cmd, check=True, env=os.environ | {"PYTHONPATH": os.path.join(
+        os.path.dirname(os.path.dirname(HERE)), "src")})
+
+
+def run(names: list[str], out_dir: str, peers_home: str) -> dict[str, str]:
+    """Run the scenarios (grouped by server setting); their result paths by name."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths: dict[str, str] = {}
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for n in names:
+        sc = SCENARIOS[n]
+        groups.setdefault((sc.server, sc.server_args), []).append(n)
+    for (name, extra), members in groups.items():
+        server = server_for(name, list(extra), peers_home,
+                            llama_threads=int(os.environ.get("LLAMA_THREADS", "1")))
+        log = open(os.path.join(out_dir, f"{name}-{len(paths)}.log"), "wb")  # noqa: SIM115
+        proc = subprocess.Popen(server.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=server.env, start_new_session=True)
+        try:
+            err = wait_ready(proc, server, 400.0)
+            if err is not None:
+                raise RuntimeError(err)
+            for n in members:
+                paths[n] = os.path.join(out_dir, f"{n}.json")
+                bench(server, SCENARIOS[n].bench_args, paths[n])
+        finally:
+            stop(proc)
+            log.close()
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("scenarios", nargs="*", default=list(SCENARIOS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--peers-home", default=os.path.expanduser("~/.cache/tailserve-peers"))
+    ns = ap.parse_args()
+    for n, p in run(ns.scenarios, ns.out, ns.peers_home).items():
+        print(n, p)
+
+
+if __name__ == "__main__":
+    main()
