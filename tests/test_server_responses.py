@@ -325,6 +325,11 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
                                 text={"format": {"type": "json_object"}}, temperature=0,
                                 max_output_tokens=40)
     assert isinstance(json.loads(r.output_text), dict)
+    # The compile of City's schema is on /metrics (server/structured.py -> obs/metrics.py).
+    page = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics", timeout=10).text
+    count = [line for line in page.splitlines()
+             if line.startswith("tailserve:grammar_compile_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1, count
 
 
 @pytest.mark.slow
