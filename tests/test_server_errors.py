@@ -662,7 +662,7 @@ def test_openapi_declares_the_400_the_server_answers(fuzz_server: ServerProcess)
                 with_body += 1
                 ref = operation["responses"]["400"]["content"]["application/json"]["schema"]
                 assert ref == {"$ref": "#/components/schemas/ErrorResponse"}, (method, path)
-    assert with_body == 4  # completions, chat completions, tokenize, detokenize
+    assert with_body == 5  # completions, chat completions, responses, tokenize, detokenize
     r = httpx.post(fuzz_server.url + "/v1/completions", headers=ENV_AUTH, timeout=10,
                    json={"prompt": "hi", "max_tokens": "many"})
     assert r.status_code == 400
@@ -744,6 +744,7 @@ def served_schema(fuzz_server: ServerProcess, tiny_model_dir: str) -> Any:
 FUZZ_OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),
@@ -753,8 +754,8 @@ FUZZ_OPERATIONS = [
     ("GET", "/debug/timeline"),
 ]
 # Negative cases need an input to break: operations with a body or query parameters.
-WITH_INPUT = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-              "/debug/timeline"}
+WITH_INPUT = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+              "/detokenize", "/debug/timeline"}
 GENERATES = {"/v1/completions", "/v1/chat/completions"}
 FUZZ_EXAMPLES = 30
 FUZZ_CASES = [

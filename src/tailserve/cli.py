@@ -208,8 +208,8 @@ def _add_diagnose(sub: Any) -> None:
         "diagnose", help="explain the tail latency of a bench result",
         description="Split the tail (requests above --percentile) of TTFT, TPOT, ITL and E2EL "
         "into causes (queueing, prefill_interference, own_prefill, preemption, "
-        "kv_cache_pressure, engine_stall, client_or_network, and on a bench --replica result "
-        "router_imbalance, slow_replica; none), with evidence and advice, "
+        "kv_cache_pressure, engine_stall, client_or_network, grammar, and on a bench --replica "
+        "result router_imbalance, slow_replica; none), with evidence and advice, "
         "and find the time windows where the P99 jumps.",
     )
     d.add_argument("result", metavar="RESULT.json", help="a tailserve bench --save-result file")

@@ -6,9 +6,10 @@
     print_summary(d, console)
 
 The steps: fit the step model on the server's step records (stepmodel.py); build per-metric
-samples with each cause's raw part (samples.py); split the tail's excess over the median into
-shares (attribution.py) with evidence and advice (advice.py); find the windows where the P99
-jumps (windows.py); and say it in a few sentences.
+samples with each cause's raw part (samples.py; the wait for a grammar, grammar.py); split the
+tail's excess over the median into shares (attribution.py) with evidence and advice
+(advice.py); find the windows where the P99 jumps (windows.py); and say it in a few
+sentences.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tailserve.analyze.advice import explain
 from tailserve.analyze.attribution import MetricTail, attribute
 from tailserve.analyze.counters import counter_samples
 from tailserve.analyze.data import RunData
+from tailserve.analyze.grammar import GRAMMAR, carve_grammar, explain_grammar
 from tailserve.analyze.samples import (
     CLIENT_CAUSES,
     SERVER_CAUSES,
@@ -93,8 +95,9 @@ def diagnose(run: RunData, percentile: float = 99.0,
     if run.has_timing:
         ws = WindowSums(run.steps, model) if run.steps is not None else None
         samples = server_samples(run, model, ws)
-        judged = SERVER_CAUSES if ws is not None else (
-            "queueing", "own_prefill", "preemption", "client_or_network")
+        carve_grammar(samples, run)
+        judged = (*SERVER_CAUSES, GRAMMAR) if ws is not None else (
+            "queueing", "own_prefill", "preemption", "client_or_network", GRAMMAR)
     elif run.series is not None:
         samples = counter_samples(run)
         judged = _judged_by_signals(run)
@@ -114,6 +117,8 @@ def diagnose(run: RunData, percentile: float = 99.0,
             continue
         for cs in mt.causes:
             explain(cs, mt, s, run, model)
+            if cs.cause == GRAMMAR:
+                explain_grammar(cs, run, s, mt.tail)
         tails[m] = mt
     errors = dict(Counter(q.error_type or "error" for q in run.requests if not q.ok))
     d = Diagnosis(run, percentile, model, samples, tails, find_windows(run, samples), errors,

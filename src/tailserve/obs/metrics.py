@@ -242,6 +242,18 @@ class ServerMetrics:
         self.request_decode_time = histogram(
             "request_decode_time_seconds", "First token to finish.", slow
         )
+        # Structured output's grammar work: each new grammar's compile + first mask in the API
+        # process (server/structured.py; a cached grammar is not compiled again, one over
+        # --grammar-timeout-ms is observed when it ends), and per constrained request its
+        # tailserve_timing.grammar_s (that compile, the engine's matcher build, masks and
+        # advances). Unconstrained requests are not observed.
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds", "Compile + first mask of each new grammar.", fast
+        )
+        self.request_grammar_time = histogram(
+            "request_grammar_time_seconds",
+            "Per constrained request: its grammar's compile, matcher build and masks.", fast,
+        )
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt length of finished requests.", tokens
         )
@@ -416,6 +428,9 @@ class ServerMetrics:
         self._observe(self.request_queue_time, timing, "queue_s")
         self._observe(self.request_prefill_time, timing, "prefill_s")
         self._observe(self.request_decode_time, timing, "decode_s")
+        grammar_s = timing.get("grammar_s")
+        if isinstance(grammar_s, (int, float)) and grammar_s > 0:
+            self.request_grammar_time.observe(float(grammar_s))
         decode_s = timing.get("decode_s")
         if decode_s is not None and rec.output_tokens > 1:
             # TPOT excludes the first token, whose cost is the prefill (TTFT).
@@ -434,6 +449,9 @@ class ServerMetrics:
                 if met is not None:
                     (self.slo_attained if met else self.slo_missed).labels(
                         slo=kind, priority=priority).inc()
+
+    def on_grammar_compiled(self, seconds: float) -> None:
+        self.grammar_compile_time.observe(seconds)
 
     def on_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(reason=reason).inc()

@@ -53,7 +53,9 @@ from tailserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tailserve.server.responses import ResponsesRequest
 from tailserve.server.serving import OpenAIServing
+from tailserve.server.serving_responses import OpenAIServingResponses
 from tailserve.server.settings import ServerSettings
 from tailserve.server.tenants import load_api_keys
 
@@ -66,6 +68,7 @@ _SLO_REASONS = ("ttft_slo", "ttft_slo_unattainable")  # TTFT SLO refusals (429 /
 def create_app(ctx: ServerContext) -> Any:
     app = FastAPI(title="tailserve", version=tailserve.__version__)
     serving = OpenAIServing(ctx)
+    responses = OpenAIServingResponses(serving)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -110,6 +113,10 @@ def create_app(ctx: ServerContext) -> Any:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -109,8 +109,10 @@ class ServerContext:
         # tokenizer's Rust encode releases the GIL, so a few threads keep the loop free; a
         # bounded pool so a burst of huge prompts queues here instead of taking every core.
         self.tokenize_pool = tokenize_pool(settings.tokenizer_workers, settings.tokenizer_nice)
-        # Structured output's grammars: compiled and timed off the event loop, cached.
-        self.grammar = GrammarChecker(tokenizer, settings.grammar_timeout_ms / 1e3)
+        # Structured output's grammars: compiled and timed off the event loop, cached; each
+        # compile's time goes to /metrics.
+        self.grammar = GrammarChecker(tokenizer, settings.grammar_timeout_ms / 1e3,
+                                      on_compiled=metrics.on_grammar_compiled)
         # What a huge prompt's tokenizing took goes back to the OS once it is done (heap.py);
         # the arena cap is set here, before the first tokenize thread starts.
         self.heap = HeapTrimmer(LARGE_REQUEST_BYTES, MALLOC_ARENA_MAX, self.tokenize_pool.submit)

@@ -28,9 +28,10 @@ generation request passes first. A burst far above capacity is mostly refusals, 
 that goes through the whole FastAPI stack (routing, reading and validating the JSON body,
 tokenizing, fanning out ``n``) before it finds the server full costs what an admitted request
 costs to prepare. Here, as pure ASGI ahead of FastAPI (behind the edge's auth and size
-checks), a ``POST`` to ``/v1/completions`` or ``/v1/chat/completions`` is answered at once
-when it can only be refused: 503 while the engine is gone or the server drains, 429 when the
-requests in flight plus those already past the gate fill ``max_num_seqs + max_queue_len``.
+checks), a ``POST`` to ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` is
+answered at once when it can only be refused: 503 while the engine is gone or the server
+drains, 429 when the requests in flight plus those already past the gate fill
+``max_num_seqs + max_queue_len``.
 The body is never read.
 
 A request let in holds a ticket (one sequence's place) until it is admitted or refused by
@@ -66,7 +67,7 @@ Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
 
 AUTH_EXEMPT_PATHS = frozenset({"/health", "/metrics"})
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 DASHBOARD_PATH = "/dashboard"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 

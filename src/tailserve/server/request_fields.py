@@ -1,5 +1,6 @@
-"""Every field of OpenAI's and vLLM's completions and chat request bodies, and what this server
-does with it: served, ignored (it cannot change the output), or refused with a 400 naming it.
+"""Every field of OpenAI's and vLLM's completions, chat and responses request bodies, and what
+this server does with it: served, ignored (it cannot change the output), or refused with a 400
+naming it.
 
 A field the request models do not declare arrives in ``model_extra`` (``extra="allow"``);
 ``check_fields`` refuses the refused ones whenever their value is not a neutral one (``None``,
@@ -17,7 +18,7 @@ from pydantic import BaseModel
 
 from tailserve.server.errors import bad_request
 
-Endpoint = Literal["completions", "chat"]
+Endpoint = Literal["completions", "chat", "responses"]
 Support = Literal["served", "ignored", "refused"]
 BOTH: tuple[Endpoint, ...] = ("completions", "chat")
 
@@ -39,6 +40,7 @@ def _f(name: str, support: Support, why: str = "", endpoints: tuple[Endpoint, ..
 
 C: tuple[Endpoint, ...] = ("completions",)
 CHAT: tuple[Endpoint, ...] = ("chat",)
+R: tuple[Endpoint, ...] = ("responses",)
 
 FIELDS: tuple[RequestField, ...] = (
     # ---- OpenAI, both endpoints
@@ -137,10 +139,53 @@ FIELDS: tuple[RequestField, ...] = (
     _f("mm_processor_kwargs", "refused", "text only", endpoints=CHAT),
     _f("include_reasoning", "served", "false leaves reasoning_content out (with "
        "--reasoning-parser)", endpoints=CHAT),
+    # ---- OpenAI's /v1/responses (server/responses.py): stateless, text and function tools
+    *(_f(name, "served", endpoints=R) for name in (
+        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+        "tools", "tool_choice", "parallel_tool_calls", "stream")),
+    _f("text", "served", "format: text, json_object, json_schema", endpoints=R),
+    _f("stream_options", "ignored", "include_obfuscation: no padding is added to the events",
+       endpoints=R),
+    _f("metadata", "ignored", "echoed in the response; nothing is stored", endpoints=R),
+    *(_f(name, "ignored", why, endpoints=R) for name, why in (
+        ("user", "an end-user id for abuse monitoring"),
+        ("safety_identifier", "an end-user id for abuse monitoring"),
+        ("service_tier", "one tier"),
+        ("prompt_cache_key", "a routing hint; the prefix cache needs none"),
+        ("prompt_cache_retention", "a retention hint"),
+        ("prompt_cache_options", "a retention hint"),
+        ("max_tool_calls", "a limit on built-in tools; there are none"),
+        ("request_id", "the server names requests (x-request-id)"))),
+    _f("previous_response_id", "refused", "nothing is stored: send the whole conversation in "
+       "input", endpoints=R),
+    _f("store", "refused", "nothing is stored; send store: false", endpoints=R,
+       neutral=(None, False)),
+    _f("conversation", "refused", "nothing is stored: send the whole conversation in input",
+       endpoints=R),
+    _f("prompt", "refused", "no stored prompt templates", endpoints=R),
+    _f("background", "refused", "no background responses", endpoints=R,
+       neutral=(None, False)),
+    _f("background_options", "refused", "no background responses", endpoints=R),
+    _f("include", "refused", "no extra output data (logprobs, sources, encrypted reasoning)",
+       endpoints=R, neutral=(None, [])),
+    _f("top_logprobs", "refused", "logprobs are not returned here", endpoints=R,
+       neutral=(None, 0)),
+    _f("truncation", "refused", "the input is never truncated", endpoints=R,
+       neutral=(None, "disabled")),
+    _f("reasoning", "refused", "the model does not reason", endpoints=R, neutral=(None, {})),
+    _f("context_management", "refused", "no context compaction", endpoints=R),
+    _f("moderation", "refused", "no moderation", endpoints=R),
+    _f("access_programs", "refused", "no access programs", endpoints=R),
+    _f("image", "refused", "text only", endpoints=R),
+    # vLLM's sampling extensions and tailserve's own, served as on chat
+    *(_f(name, "served", "as on chat", endpoints=R) for name in (
+        "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "priority",
+        "cache_salt", "slo")),
 )
 
 BY_ENDPOINT: dict[Endpoint, dict[str, RequestField]] = {
-    e: {f.name: f for f in FIELDS if e in f.endpoints} for e in BOTH
+    e: {f.name: f for f in FIELDS if e in f.endpoints} for e in (*BOTH, "responses")
 }
 
 

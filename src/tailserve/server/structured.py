@@ -103,11 +103,14 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
 
 class GrammarChecker:
     """Compile + first mask of each new grammar in one worker thread, bounded by
-    ``timeout_s``; verdicts cached per grammar text."""
+    ``timeout_s``; verdicts cached per grammar text. ``on_compiled`` is told each compile's
+    seconds (in the worker thread), including one that went past the limit, when it ends."""
 
-    def __init__(self, hf_tokenizer: Any, timeout_s: float) -> None:
+    def __init__(self, hf_tokenizer: Any, timeout_s: float,
+                 on_compiled: Callable[[float], None] | None = None) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.timeout_s = timeout_s
+        self._on_compiled = on_compiled
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
         self._tokenizer: Future[Any] | None = None
         self._lock = threading.Lock()
@@ -171,6 +174,8 @@ class GrammarChecker:
         else:
             took = fut.result()
             verdict = self._slow_message(took) if took > self.timeout_s else None
+            if self._on_compiled is not None:
+                self._on_compiled(took)
         with self._lock:
             self._in_flight.pop(grammar, None)
             self._verdicts[grammar] = verdict
