@@ -20,6 +20,7 @@ from typing import Any
 from tailserve.analyze.advice import explain
 from tailserve.analyze.attribution import MetricTail, attribute
 from tailserve.analyze.data import RunData
+from tailserve.analyze.noisy_neighbour import name_noisy_neighbour
 from tailserve.analyze.samples import (
     CLIENT_CAUSES,
     SERVER_CAUSES,
@@ -105,6 +106,7 @@ def diagnose(run: RunData, percentile: float = 99.0,
             explain(cs, mt, s, run, model)
         tails[m] = mt
     errors = dict(Counter(q.error_type or "error" for q in run.requests if not q.ok))
+    name_noisy_neighbour(run, samples, tails)  # tenants (docs/tenants.md)
     d = Diagnosis(run, percentile, model, samples, tails, find_windows(run, samples), errors,
                   cannot, slo=slo_misses(run, samples, slos_ms))
     d.findings = _findings(d)
