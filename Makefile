@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup setup-browser test lint reliability peers-test serve bench docs gpu-check clean
+.PHONY: setup setup-browser test lint reliability peers-test soak serve bench docs gpu-check clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,16 @@ reliability: setup
 # ~/.cache/tailserve-peers (skips without them); ~8 minutes, vLLM's start-up 2 of them.
 peers-test: setup
 	timeout 1800 $(BIN)/pytest tests/peers -p no:cacheprovider --durations=0
+
+# An hour of mixed Poisson traffic from three tenants (a keys file) through vllm-router to two
+# replicas of the bundled model, one of them SIGTERMed and restarted halfway, with early
+# disconnects, oversized and malformed requests and wrong keys mixed in; it reports requests by
+# outcome, 5xx and wrong-length outputs (0), the RSS slope of every process, KV blocks free at
+# the end and P99 TTFT/ITL per 5 minutes, and fails when a target is missed
+# (benchmarks/soak.py; issue 34). Not in `make test`. `make soak MINUTES=3`: a short check.
+MINUTES ?= 60
+soak: setup
+	$(BIN)/python benchmarks/soak.py --minutes $(MINUTES)
 
 # Serves the bundled model on 127.0.0.1:8000 and prints the URL and a ready-to-paste curl.
 serve: setup

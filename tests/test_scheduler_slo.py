@@ -284,7 +284,7 @@ def test_removed_flags_name_their_replacement() -> None:
 def test_blocked_reasons_keep_the_strings_the_timeline_carries() -> None:
     assert [r.value for r in BlockedReason] == [
         "kv_cache", "max_num_seqs", "token_budget", "preemption", "itl_target",
-        "partial_prefills"]
+        "partial_prefills", "tenant_share"]
     assert str(BlockedReason.STEP_TIME) == "itl_target" and BlockedReason("kv_cache") == "kv_cache"
     # COEF is what these schedules were computed with.
     assert COEF == (0.010, 1.0, 0.020, 0.0, 0.0)

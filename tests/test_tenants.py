@@ -9,9 +9,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from server_util import ServerProcess
+from server_util import ServerProcess, metric_value
+from tailserve.data.records import RequestRecord
 from tailserve.errors import ConfigError
+from tailserve.obs.metrics import ServerMetrics
 from tailserve.server.errors import APIError
 from tailserve.server.tenants import (
     Tenant,
@@ -20,6 +23,7 @@ from tailserve.server.tenants import (
     load_api_keys,
     tenant_salt,
 )
+from test_server_lifecycle import poll_metrics
 
 KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
 
@@ -76,7 +80,7 @@ def test_concurrency_limit_counts_what_the_engine_client_holds() -> None:
     limits = TenantLimits(live.__contains__)
     team = Tenant("team-a", max_concurrency=2)
     limits.admit(team, 2)
-    limits.register("team-a", ["r1", "r2"])
+    limits.register(team, ["r1", "r2"])
     live.update({"r1", "r2"})
     with pytest.raises(APIError, match=r"at its max_concurrency \(2 of 2 requests in flight\)") \
             as err:
@@ -86,6 +90,27 @@ def test_concurrency_limit_counts_what_the_engine_client_holds() -> None:
     live.discard("r1")  # finished, aborted or rejected: the client no longer holds it
     limits.admit(team, 1)
     assert limits.inflight("team-a") == 1
+
+
+def test_at_capacity_the_tenant_over_its_share_is_the_one_refused() -> None:
+    live: set[str] = set()
+    limits = TenantLimits(live.__contains__)
+    flood, quiet = Tenant("flood"), Tenant("quiet", weight=3.0)
+    limits.register(flood, ["f1", "f2", "f3", "f4"])
+    live.update({"f1", "f2", "f3", "f4"})
+    assert limits.capacity_share(flood, 1, 4) is None  # nobody else in flight: the plain bound
+    assert limits.capacity_share(quiet, 3, 4) == (True, (
+        "tenant 'quiet' is over its share of the server's capacity (0 requests in flight; "
+        "weight 3 of 4 gives it 3 of max_num_seqs + max_queue_len = 4)"))
+    assert limits.capacity_share(quiet, 4, 4) is not None
+    assert not limits.capacity_share(quiet, 4, 4)[0]  # type: ignore[index]
+    limits.register(quiet, ["q1"])
+    live.add("q1")
+    assert limits.capacity_share(flood, 1, 4) == (False, (
+        "tenant 'flood' is over its share of the server's capacity (4 requests in flight; "
+        "weight 1 of 4 gives it 1 of max_num_seqs + max_queue_len = 4)"))
+    live.discard("q1")  # quiet's request finished: flood is alone again
+    assert limits.capacity_share(flood, 1, 4) is None
 
 
 def test_rate_limit_is_a_token_bucket_with_a_second_of_burst() -> None:
@@ -101,6 +126,38 @@ def test_rate_limit_is_a_token_bucket_with_a_second_of_burst() -> None:
     limits.admit(team, 1)
     with pytest.raises(APIError):
         limits.admit(team, 1)
+
+
+def test_metrics_label_requests_by_tenant_within_the_keys_files_names() -> None:
+    metrics = ServerMetrics(tenant_names=["team-a"])
+    slo = {"ttft_s": 1.0, "itl_s": None, "tpot_s": None, "ttft_met": False, "itl_met": None,
+           "tpot_met": None}
+    timing = {"ttft_s": 2.0, "slo": slo}
+    for tenant in ("team-a", "team-a", None, "stranger"):
+        metrics.on_request_finished(RequestRecord(0.0, "r", "stop", 4, 1, timing=dict(timing),
+                                                  tenant=tenant))
+    metrics.on_request_finished(RequestRecord(0.0, "e", "error", 4, 0, error_type="engine_error",
+                                              tenant="team-a"))
+    metrics.on_rejected("queue_full", "team-a")
+    metrics.on_rejected("unauthorized")  # nobody's
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render()[0].decode())
+               if family.name.startswith("tailserve:tenant_") for s in family.samples
+               if not s.name.endswith("_created")}
+
+    def get(name: str, **labels: str) -> float:
+        return samples.get((f"tailserve:{name}", tuple(sorted(labels.items()))), 0.0)
+
+    assert [get("tenant_requests_total", tenant=t, outcome="success")
+            for t in ("team-a", "default", "other", "stranger")] == [2, 1, 1, 0]
+    assert get("tenant_requests_total", tenant="team-a", outcome="error") == 1
+    assert get("tenant_requests_total", tenant="team-a", outcome="rejected") == 1
+    assert get("tenant_requests_total", tenant="default", outcome="rejected") == 0
+    assert get("tenant_time_to_first_token_seconds_count", tenant="team-a") == 2
+    assert get("tenant_time_to_first_token_seconds_sum", tenant="other") == 2.0
+    assert get("tenant_slo_missed_total", tenant="team-a", slo="ttft") == 2
+    # Bounded: the file's names, default and other; never the stranger's own name.
+    assert {dict(labels)["tenant"] for (_, labels) in samples} == {"team-a", "default", "other"}
 
 
 def test_tenant_names_and_salts() -> None:
@@ -165,6 +222,56 @@ def test_tenants_on_a_live_server(tmp_path: Path) -> None:
         assert second.status_code == 429, second.text
         assert second.json()["error"]["code"] == "tenant_concurrency"
         assert "tenant 'team-a' is at its max_concurrency (1 of 1" in second.text
+
+
+@pytest.mark.slow
+def test_a_flooding_tenant_is_shed_and_its_neighbour_served_on_a_live_server(
+    tmp_path: Path,
+) -> None:
+    """Capacity 4 (2 running + 2 queued), all taken by team-a: team-a's next request is the
+    plain 429; team-b's is admitted (within its share) and served; team-a's next is refused
+    naming its share. /metrics and the timing say who was who."""
+    keys = write_keys(tmp_path / "keys.jsonl", json.dumps({"key": KEY_A, "name": "team-a"}),
+                      json.dumps({"key": KEY_B, "name": "team-b"}))
+    with ServerProcess(["--api-keys", keys, "--max-num-seqs", "2", "--max-queue-len", "2",
+                        "--max-model-len", "1024"]) as srv:
+        async def flood() -> tuple[list[httpx.Response], httpx.Response, str]:
+            async with httpx.AsyncClient(timeout=300) as client:
+                def post(key: str, max_tokens: int) -> asyncio.Future[httpx.Response]:
+                    return asyncio.ensure_future(client.post(
+                        srv.url + "/v1/completions",
+                        json={"prompt": "Count to fifty:", "max_tokens": max_tokens,
+                              "ignore_eos": True},
+                        headers={"Authorization": f"Bearer {key}"}))
+
+                async def until(running: int, waiting: int) -> None:
+                    text = await poll_metrics(client, srv.url, lambda t: (
+                        metric_value(t, "tailserve:num_requests_running") == running
+                        and metric_value(t, "tailserve:num_requests_waiting") == waiting),
+                        timeout=60)
+                    assert metric_value(text, "tailserve:num_requests_waiting") == waiting
+
+                floods = [post(KEY_A, 300) for _ in range(4)]
+                await until(2, 2)
+                plain = await post(KEY_A, 1)
+                assert plain.status_code == 429, plain.text
+                assert "the server is at capacity (4 requests in flight" in plain.text
+                neighbour = post(KEY_B, 8)
+                await until(2, 3)
+                shed = await post(KEY_A, 1)
+                done = list(await asyncio.gather(neighbour, *floods))
+                return done, shed, (await client.get(srv.url + "/metrics")).text
+
+        done, shed, metrics = asyncio.run(flood())
+    assert [r.status_code for r in done] == [200] * 5
+    assert done[0].json()["tailserve_timing"]["tenant"] == "team-b"
+    assert shed.status_code == 429 and shed.json()["error"]["message"].startswith(
+        "tenant 'team-a' is over its share of the server's capacity (4 requests in flight; "
+        "weight 1 of 2 gives it 2 of max_num_seqs + max_queue_len = 4)")
+    assert metric_value(metrics, "tailserve:tenant_requests_total",
+                        {"tenant": "team-a", "outcome": "rejected"}) == 2
+    assert metric_value(metrics, "tailserve:tenant_requests_total",
+                        {"tenant": "team-b", "outcome": "success"}) == 1
 
 
 def test_a_bad_keys_file_stops_the_server_at_start(tmp_path: Path) -> None:

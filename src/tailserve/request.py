@@ -112,6 +112,11 @@ class Request:
     # Prefix-cache isolation (vLLM's ``cache_salt``): cached blocks are shared only among
     # requests with the same salt (None: the unsalted pool).
     cache_salt: str | None = None
+    # The tenant that sent it (the API key's name, ``--api-keys``; None: the one default
+    # tenant) and its weight: waiting requests are served fair-share across tenants
+    # (``engine/tenant_share.py``); with one tenant the schedule is the policy's alone.
+    tenant: str | None = None
+    tenant_weight: float = 1.0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -190,6 +195,7 @@ class Request:
             "output_tokens": self.num_output_tokens,
             "grammar_s": ts.grammar_s,
             **({"slo": self.slo_attainment(ttft_s)} if self.slo.ttft_s is not None else {}),
+            **({"tenant": self.tenant} if self.tenant is not None else {}),
         }
 
     def next_token_deadline(self) -> float | None:

@@ -23,6 +23,7 @@ from tailserve.analyze.attribution import MetricTail, attribute
 from tailserve.analyze.counters import counter_samples
 from tailserve.analyze.data import RunData
 from tailserve.analyze.grammar import GRAMMAR, carve_grammar, explain_grammar
+from tailserve.analyze.noisy_neighbour import name_noisy_neighbour
 from tailserve.analyze.samples import (
     CLIENT_CAUSES,
     SERVER_CAUSES,
@@ -121,6 +122,7 @@ def diagnose(run: RunData, percentile: float = 99.0,
                 explain_grammar(cs, run, s, mt.tail)
         tails[m] = mt
     errors = dict(Counter(q.error_type or "error" for q in run.requests if not q.ok))
+    name_noisy_neighbour(run, samples, tails)  # tenants (docs/tenants.md)
     d = Diagnosis(run, percentile, model, samples, tails, find_windows(run, samples), errors,
                   cannot, slo=slo_misses(run, samples, slos_ms),
                   cannot_why={c: _why_not(run, c) for c in cannot})

@@ -99,3 +99,5 @@ class RequestRecord:
     # One of ABORT_REASONS when the API ended the engine request early, else None.
     abort_reason: str | None = None
     priority: int = 0
+    # The tenant that sent it (docs/tenants.md); None without tenants.
+    tenant: str | None = None

@@ -30,6 +30,8 @@ class BlockedReason(str, enum.Enum):
     PREEMPTION = "preemption"  # the step preempted a running request: no admission follows
     STEP_TIME = "itl_target"  # the step's time budget (the decodes' slack) is spent
     PARTIAL_PREFILLS = "partial_prefills"  # max_num_partial_prefills / max_long_...
+    # Its tenant holds its share of the KV pool while another tenant waits.
+    TENANT_SHARE = "tenant_share"
 
     def __str__(self) -> str:
         return self.value

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from tailserve.engine.tenant_share import queue_share
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.kv.manager import cdiv
 from tailserve.request import Request
@@ -58,12 +59,21 @@ def check_queue_bound(s: Scheduler, req: Request) -> None:
         startable += 1
     # Those that must wait, this one included.
     queued = len(s.waiting) + 1 - startable
-    if queued > limit:
-        predicted, idle = s.predict_ttft(req)
-        wait = max(predicted - idle, 0.0)
-        raise QueueFullError(
-            f"the waiting queue is full ({queued - 1} of {limit} waiting beyond the "
-            f"{startable} that fit the free KV blocks and slots; {len(s.running)} of "
-            f"{s.config.max_num_seqs} running); predicted wait {wait * 1e3:.0f} ms",
-            retry_after_s=max(1.0, math.ceil(wait)),
-        )
+    if queued <= limit:
+        return
+    share = queue_share(s, req, limit)
+    if share is None:
+        why = (f"the waiting queue is full ({queued - 1} of {limit} waiting beyond the "
+               f"{startable} that fit the free KV blocks and slots; {len(s.running)} of "
+               f"{s.config.max_num_seqs} running)")
+    else:
+        # Several tenants: the full queue sheds the one over its share first; a tenant
+        # within its share is queued still (the queue stays within about twice the
+        # limit: the over-share ones no longer grow it).
+        mine, places, why = share
+        if mine < places:
+            return
+    predicted, idle = s.predict_ttft(req)
+    wait = max(predicted - idle, 0.0)
+    raise QueueFullError(f"{why}; predicted wait {wait * 1e3:.0f} ms",
+                         retry_after_s=max(1.0, math.ceil(wait)))

@@ -112,7 +112,8 @@ class EngineLoop:
                     req = Request(
                         msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                         arrival_time=msg.arrival_time, priority=msg.priority,
-                        cache_salt=msg.cache_salt,
+                        cache_salt=msg.cache_salt, tenant=msg.tenant,
+                        tenant_weight=msg.tenant_weight,
                         slo=SLO(msg.slo_ttft_s, msg.slo_itl_s, msg.slo_tpot_s),
                     )
                     self.core.add_request(req)

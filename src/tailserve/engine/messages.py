@@ -34,6 +34,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     slo_itl_s: float | None = None
     slo_tpot_s: float | None = None
     cache_salt: str | None = None  # Request.cache_salt
+    tenant: str | None = None  # Request.tenant
+    tenant_weight: float = 1.0  # Request.tenant_weight
 
 
 class FinishRequests(msgspec.Struct, tag="finish"):

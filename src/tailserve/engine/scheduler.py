@@ -35,6 +35,7 @@ and assert exact block ids and chunk sizes.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -57,6 +58,7 @@ from tailserve.engine.latency import (
 )
 from tailserve.engine.step_budget import StepBudget
 from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
+from tailserve.engine.tenant_share import TenantShares
 from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
 from tailserve.errors import InvalidRequestError
 from tailserve.kv.manager import KVCacheManager, cdiv
@@ -105,6 +107,8 @@ class Scheduler:
             config.scheduling_policy, config.prefill_scheduling, config.prefill_aging_s_per_token,
             self.own_prefill_s, self.idle_prefill_s)
         self.running: list[Request] = []
+        # Fair share across tenants (engine/tenant_share.py); idle with one tenant.
+        self.tenants = TenantShares()
         self._admit_counter = itertools.count()
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
@@ -118,6 +122,9 @@ class Scheduler:
         )
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
+        if not (math.isfinite(req.tenant_weight) and 0 < req.tenant_weight <= 1000):
+            raise InvalidRequestError(
+                f"tenant_weight must be in (0, 1000], got {req.tenant_weight}")
         check_admissible(self, req)
 
     def add_request(self, req: Request) -> None:
@@ -152,8 +159,16 @@ class Scheduler:
         mine = self.waiting.prefill_key(req, len(self.running) + len(self.waiting), now)
         pending = [r for r in self.running if not is_decode(r)]
         pending += list(self.waiting)
-        ahead = [r for i, r in enumerate(pending)
-                 if self.waiting.prefill_key(r, i, now) <= mine]
+        keyed = [(self.waiting.prefill_key(r, i, now), r) for i, r in enumerate(pending)]
+        if any(r.tenant != req.tenant for _, r in keyed):
+            # Across tenants the budget goes by fair share: a flood from another tenant is
+            # not all ahead of this one.
+            keyed.append((mine, req))
+            keyed.sort(key=lambda c: c[0])
+            fair = self.tenants.order(keyed)
+            ahead = fair[:next(i for i, r in enumerate(fair) if r is req)]
+        else:
+            ahead = [r for k, r in keyed if k <= mine]
         itl = [r.slo.itl_s for r in self.running if is_decode(r) and r.slo.itl_s is not None]
         budget = (step_time_budget(self.step_model, min(itl))
                   if itl and self.config.enable_chunked_prefill else None)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from tailserve.data.step import BlockedReason, ScheduledRequest, SchedulerOutput
 from tailserve.engine.latency import is_decode, time_limited_chunk
 from tailserve.engine.step_budget import StepBudget
+from tailserve.kv.manager import cdiv
 from tailserve.request import Request, RequestStatus
 from tailserve.stepcost import StepShape
 
@@ -55,8 +56,10 @@ def schedule_prefills(s: Scheduler, b: StepBudget, partials: list[Request]) -> N
     base = len(cands)
     cands += [(s.waiting.prefill_key(r, base + i, b.now), r) for i, r in enumerate(s.waiting)]
     cands.sort(key=lambda c: c[0])
+    # Across tenants, fair share (engine/tenant_share.py); with one, the policy's order.
+    s.tenants.sync(r.tenant for _, r in cands)
     b.partial_ids = {r.request_id for r in partials}
-    for _, req in cands:
+    for req in s.tenants.order(cands):
         if req.status == RequestStatus.RUNNING:
             if req.request_id in b.num_new or req not in s.running:
                 continue  # preempted (and re-queued) or already served this step
@@ -108,6 +111,7 @@ def continue_partial(s: Scheduler, b: StepBudget, req: Request) -> bool:
         return False
     if allocate_running(s, b, req, n):
         b.take_chunk(req.request_id, start, n)
+        s.tenants.charge(req, n)
         if start + n >= req.num_tokens:
             b.partial_ids.discard(req.request_id)
     return True
@@ -146,6 +150,12 @@ def admit(s: Scheduler, b: StepBudget, req: Request) -> None:
     reserve = None
     if cfg.admission_policy == "reserve":
         reserve = req.num_prompt_tokens + req.max_tokens
+    if s.tenants.competing and s.tenants.kv_over_share(
+            s, req, cdiv(reserve or num_hit_tokens + n, s.cache_config.block_size)):
+        # Past its tenant's share of the pool while another tenant waits: the others
+        # (later in the order) may still be admitted.
+        b.note(BlockedReason.TENANT_SHARE)
+        return
     if not s.kv.allocate_slots(req, n, hits, apply_watermark=True, reserve_up_to=reserve):
         b.stop_admitting(BlockedReason.KV_CACHE)
         return
@@ -161,6 +171,7 @@ def admit(s: Scheduler, b: StepBudget, req: Request) -> None:
     req.admit_seq = s.next_admit_seq()
     s.running.append(req)
     b.take_chunk(req.request_id, num_hit_tokens, n)
+    s.tenants.charge(req, n)
     if n < remaining:
         b.partial_ids.add(req.request_id)
 

@@ -19,7 +19,7 @@ own names, so the gauges they schedule on are also rendered as ``vllm:`` aliases
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -32,6 +32,7 @@ from prometheus_client import (
 
 from tailserve.data.records import ABORT_REASONS, EngineState, RequestRecord
 from tailserve.data.step import StepStats
+from tailserve.obs.tenant_metrics import TenantMetrics
 
 PREFIX = "tailserve:"
 VLLM_PREFIX = "vllm:"
@@ -89,7 +90,8 @@ class ServerMetrics:
     ``enable_vllm_metrics=False`` leaves every ``vllm:`` family out.
     """
 
-    def __init__(self, model_name: str = "tailserve", enable_vllm_metrics: bool = True) -> None:
+    def __init__(self, model_name: str = "tailserve", enable_vllm_metrics: bool = True,
+                 tenant_names: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry()
         self.enable_vllm_metrics = enable_vllm_metrics
         # process_resident_memory_bytes, process_cpu_seconds_total, ... of the API process.
@@ -222,6 +224,11 @@ class ServerMetrics:
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token (engine clock).", slow
         )
+        # Labelled by tenant, the keys file's names bounding the label (obs/tenant_metrics.py).
+        self.tenants = TenantMetrics(
+            counter, lambda name, doc, buckets, labels: Histogram(
+                PREFIX + name, doc, labels, buckets=buckets, registry=self.registry),
+            slow, tenant_names)
         self.inter_token_latency = histogram(
             "inter_token_latency_seconds", "Gaps between a request's streamed tokens.", fast
         )
@@ -419,6 +426,8 @@ class ServerMetrics:
         elif rec.finish_reason == "error":
             # An engine-reported failure without a classified type still has to show up.
             self.request_errors.labels(type="unknown").inc()
+        self.tenants.on_request_finished(
+            rec, rec.error_type is None and rec.finish_reason in SUCCESS_REASONS)
 
         timing = rec.timing
         if timing is None:  # never reached the engine: no engine times or lengths to observe
@@ -453,8 +462,12 @@ class ServerMetrics:
     def on_grammar_compiled(self, seconds: float) -> None:
         self.grammar_compile_time.observe(seconds)
 
-    def on_rejected(self, reason: str) -> None:
+    def on_rejected(self, reason: str, tenant: str | None = None) -> None:
+        """``tenant``: who was refused (None: the default tenant); a refusal for a missing
+        or wrong key is nobody's."""
         self.requests_rejected.labels(reason=reason).inc()
+        if reason != "unauthorized":
+            self.tenants.on_rejected(tenant)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for the ``/metrics`` response."""

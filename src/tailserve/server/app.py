@@ -78,7 +78,8 @@ def create_app(ctx: ServerContext) -> Any:
         if exc.status == 503:
             reason = exc.code or "unavailable"
         if reason is not None:
-            ctx.metrics.on_rejected(reason)
+            tenant = request.scope.get("state", {}).get("tenant")
+            ctx.metrics.on_rejected(reason, tenant.name if tenant is not None else None)
         return error_response(exc)
 
     @app.exception_handler(InvalidRequestError)
@@ -326,7 +327,8 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     tokenizer = await tokenizer_task
     names = served_names(engine_args.model, source, settings.served_model_name)
     # The vllm: aliases carry the name clients send as "model", as vLLM's model_name label does.
-    metrics = ServerMetrics(model_name=names[0], enable_vllm_metrics=settings.enable_vllm_metrics)
+    metrics = ServerMetrics(model_name=names[0], enable_vllm_metrics=settings.enable_vllm_metrics,
+                            tenant_names=[t.name for t in (tenant_keys or {}).values()])
     timeline = Timeline(settings.timeline, maxlen=settings.timeline_buffer)
     ctx = ServerContext(settings, client, tokenizer, names, metrics, timeline, tracer,
                         tenant_keys=tenant_keys)

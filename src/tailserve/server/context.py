@@ -166,11 +166,12 @@ class ServerContext:
         return self.model_names[0]
 
     # ---------------------------------------------------------------- admission
-    def early_refusal(self) -> APIError | None:
+    def early_refusal(self, tenant: Tenant | None = None) -> APIError | None:
         """The answer for a generation request before its body is read, if it can only be a
         refusal: 503 while the engine is gone or the server drains, 429 when the requests in
         flight and those already past this gate fill the capacity (every request is at least
-        one sequence). ``None``: let it in; it takes a ticket (``take_ticket``)."""
+        one sequence) -- unless other tenants are in flight and ``tenant`` is within its
+        share of it (``admit``). ``None``: let it in; it takes a ticket (``take_ticket``)."""
         if self.client.gone_reason is not None:
             return self.dead_error()
         if self.draining:
@@ -181,6 +182,11 @@ class ServerContext:
         capacity = cfg.max_num_seqs + cfg.max_queue_len
         inflight = self.client.num_inflight
         if inflight + self.num_pending + 1 > capacity:
+            share = (None if tenant is None
+                     else self.tenant_limits.capacity_share(tenant, 1, capacity))
+            if share is not None:
+                within, why = share
+                return None if within else self.queue_full_error(why)
             arriving = f" and {self.num_pending} arriving" if self.num_pending else ""
             return self.queue_full_error(
                 f"the server is at capacity ({inflight} requests in flight{arriving}; "
@@ -223,6 +229,14 @@ class ServerContext:
             return
         inflight = self.client.num_inflight
         if inflight + num_prompts * n > capacity:
+            tenant: Tenant | None = (state or {}).get("tenant")
+            share = (None if tenant is None else
+                     self.tenant_limits.capacity_share(tenant, num_prompts * n, capacity))
+            if share is not None:
+                within, why = share
+                if within:
+                    return  # the tenants over their share are the ones refused
+                raise self.queue_full_error(why)
             raise self.queue_full_error(
                 f"the server is at capacity ({inflight} requests in flight; "
                 f"max_num_seqs {cfg.max_num_seqs} + max_queue_len {cfg.max_queue_len})"

@@ -76,6 +76,8 @@ class Generation:
         record_id: str,
         slo: SLO | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         """``parents``: the request's prompts, shaped and validated by the input processor,
         each with its ``n`` engine requests; ``params`` is what the request asked for."""
@@ -88,6 +90,8 @@ class Generation:
         self.priority = priority
         self.slo = slo or SLO()
         self.cache_salt = cache_salt
+        self.tenant = tenant
+        self.tenant_weight = tenant_weight
         self.on_choice_finished = on_choice_finished
         self.processor = OutputProcessor(tokenizer)
         self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
@@ -127,7 +131,8 @@ class Generation:
                     self.client.add_request(
                         AddRequest(child_id, ids, child_params, self.arrival_time, self.priority,
                                    self.slo.ttft_s, self.slo.itl_s, self.slo.tpot_s,
-                                   cache_salt=self.cache_salt),
+                                   cache_salt=self.cache_salt, tenant=self.tenant,
+                                   tenant_weight=self.tenant_weight),
                         self.queue,
                     )
                     added.append(child_id)
@@ -263,6 +268,7 @@ class Generation:
             finished_time=wall_from_monotonic(finished),
             itl_s=choice.itl_s,
             priority=self.priority,
+            tenant=self.tenant,
         )
 
     def delta(self, choice: Choice, holdback: bool) -> Delta:

@@ -299,10 +299,12 @@ class SheddingMiddleware:
             await self.app(scope, receive, send)
             return
         ctx = self.ctx
-        refusal = ctx.early_refusal()
+        tenant: Tenant | None = scope.get("state", {}).get("tenant")  # EdgeMiddleware's
+        refusal = ctx.early_refusal(tenant)
         if refusal is not None:
             ctx.metrics.on_rejected("queue_full" if refusal.status == 429
-                                    else refusal.code or "unavailable")
+                                    else refusal.code or "unavailable",
+                                    tenant.name if tenant is not None else None)
             await error_response(refusal)(scope, receive, send)
             return
         state: dict[str, Any] = scope.setdefault("state", {})

@@ -244,7 +244,8 @@ class OpenAIServing:
         gen = Generation(
             ctx.client, self.tokenizer, parents, params, arrival, priority,
             ctx.on_choice_finished(http, params), record_id=http.state.request_id, slo=slo,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, tenant=tenant.name if tenant else None,
+            tenant_weight=tenant.weight if tenant else 1.0,
         )
         try:
             gen.submit()
@@ -252,7 +253,7 @@ class OpenAIServing:
             # Died between the admission and a child's send: nothing of it is left in flight.
             raise ctx.dead_error(str(exc)) from None
         if tenant is not None:
-            ctx.tenant_limits.register(tenant.name, list(gen.choices))
+            ctx.tenant_limits.register(tenant, list(gen.choices))
         return gen
 
     # ---------------------------------------------------------------- running it

@@ -125,6 +125,7 @@ def tenant_salt(tenant: str, cache_salt: str | None) -> str:
 
 @dataclass
 class _Usage:
+    weight: float = 1.0
     request_ids: list[str] = field(default_factory=list)
     tokens: float = 0.0  # the rate bucket's level
     refilled: float | None = None  # when it was last refilled (monotonic); None: never
@@ -178,5 +179,28 @@ class TenantLimits:
                     headers={"Retry-After": str(max(1, math.ceil(wait)))})
             usage.tokens -= 1.0
 
-    def register(self, tenant: str, request_ids: list[str]) -> None:
-        self._usage.setdefault(tenant, _Usage()).request_ids.extend(request_ids)
+    def register(self, tenant: Tenant, request_ids: list[str]) -> None:
+        usage = self._usage.setdefault(tenant.name, _Usage())
+        usage.weight = tenant.weight
+        usage.request_ids.extend(request_ids)
+
+    def capacity_share(self, tenant: Tenant, num_requests: int,
+                       capacity: int) -> tuple[bool, str] | None:
+        """When the server is at capacity (``max_num_seqs + max_queue_len`` in flight) and
+        other tenants have requests in flight: whether ``num_requests`` more keep ``tenant``
+        within its weighted share of that capacity (at least one), and a sentence naming
+        the share; None with no other tenant in flight (the plain bound applies). So a flood
+        sheds the flooder, and its neighbours are still admitted."""
+        others = 0.0
+        for name, usage in self._usage.items():
+            if name != tenant.name and self.inflight(name):
+                others += usage.weight
+        if others == 0.0:
+            return None
+        total = others + tenant.weight
+        places = max(1, math.floor(capacity * tenant.weight / total))
+        mine = self.inflight(tenant.name)
+        why = (f"tenant {tenant.name!r} is over its share of the server's capacity ({mine} "
+               f"requests in flight; weight {tenant.weight:g} of {total:g} gives it {places} "
+               f"of max_num_seqs + max_queue_len = {capacity})")
+        return mine + num_requests <= places, why
