@@ -434,3 +434,33 @@ def test_chat_messages_over_the_bound_are_refused_before_the_template(tokenizer:
     messages[0]["content"] = "s" * 1900
     assert len(inputs.chat(messages).token_ids) > 64  # fan_out refuses it by its token count
     assert counting.calls == 3
+
+
+# A template that reads tools (as Hermes / Qwen templates do), reduced to what it shows.
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}"
+    "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+)
+
+
+def test_tools_reach_a_template_that_reads_them(tokenizer: Any) -> None:
+    from tailserve.server.tools import template_messages
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOLS_TEMPLATE
+    reads = InputProcessor(tok, LIMITS)
+    assert reads.template_reads_tools
+    assert not InputProcessor(tokenizer, LIMITS).template_reads_tools  # SmolLM2's does not
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = template_messages([
+        {"role": "user", "content": "Paris?", "tool_calls": None},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
+    ])
+    p = reads.chat(messages, add_generation_prompt=False, tools=tools)
+    assert p.text == ("TOOLS get_weather\nuser: Paris?\nassistant: CALL get_weather Paris\n"
+                      "tool: 18 C [call_1]\n")

@@ -22,6 +22,7 @@ Torch-free: the tokenizer is a Hugging Face fast tokenizer, used as an object.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,9 +90,18 @@ class InputProcessor:
             param="prompt",
         )
 
-    def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Prompt:
+    @functools.cached_property
+    def template_reads_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (one of its variables)."""
+        return "tools" in template_variables(getattr(self.tokenizer, "chat_template", None))
+
+    def chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Prompt:
         """One conversation through the model's chat template; the template writes the special
-        tokens itself, so the text is tokenized without adding any."""
+        tokens itself, so the text is tokenized without adding any. ``tools`` (OpenAI's
+        function tools) go to a template that reads them (``template_reads_tools``)."""
         self.check_text_bytes(
             sum(_utf8_len(t) for m in messages for t in _message_texts(m)), "messages",
             "messages",
@@ -114,6 +124,7 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in messages], tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools is not None else {}),
             )
         except Exception as exc:  # the template raises for conversations it does not accept
             raise InvalidRequestError(
@@ -216,9 +227,33 @@ def _message_texts(message: Message) -> list[str]:
     return []
 
 
-def _template_message(message: Message) -> dict[str, str]:
-    """A message as chat templates take it: text parts joined, no content as ""."""
+# What a message may carry for templates that render tool calls and their results.
+TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def _template_message(message: Message) -> dict[str, Any]:
+    """A message as chat templates take it: text parts joined, no content as "", and the
+    tool fields when it has them."""
     content = message.get("content")
     if isinstance(content, list):
         content = "".join(str(part.get("text", "")) for part in content)
-    return {"role": str(message.get("role")), "content": content or ""}
+    out: dict[str, Any] = {"role": str(message.get("role")), "content": content or ""}
+    for key in TOOL_MESSAGE_KEYS:
+        if message.get(key) is not None:
+            out[key] = message[key]
+    return out
+
+
+def template_variables(template: Any) -> set[str]:
+    """The variables a Jinja chat template reads (empty for no template, or one that does
+    not parse: apply_chat_template reports that)."""
+    if not isinstance(template, str):
+        return set()
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return set(meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return set()

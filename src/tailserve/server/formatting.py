@@ -13,7 +13,15 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+from tailserve.server.chat_output import (
+    ChatDelta,
+    ChatOutput,
+    ChatOutputParser,
+    parse_chat_output,
+)
 from tailserve.server.generation import Choice, Delta, Generation
+from tailserve.server.reasoning import ReasoningParserName
+from tailserve.server.tools import ToolRequest
 
 
 class OpenAIFormatter(ABC):
@@ -40,20 +48,24 @@ class OpenAIFormatter(ABC):
         """The fields of a streamed choice between ``index`` and ``finish_reason``;
         ``first``: the choice's first chunk."""
 
+    def finish_reason(self, c: Choice) -> str | None:
+        """The choice's finish_reason once it finished (after its fields were built)."""
+        return c.out.finish_reason
+
     # ---------------------------------------------------------------- shared
     def response(self, rid: str, gen: Generation) -> dict[str, Any]:
         """The body of a non-streamed response (``gen`` is done)."""
-        choices = [
-            {
+        choices = []
+        for c in gen.ordered_choices():
+            fields = self.choice_fields(c)
+            choices.append({
                 "index": c.index,
-                **self.choice_fields(c),
-                "finish_reason": c.out.finish_reason,
+                **fields,
+                "finish_reason": self.finish_reason(c),
                 "stop_reason": c.out.stop_reason,
                 # With several choices each carries its own; the response's is the first's.
                 **({"tailserve_timing": c.timing} if len(gen.choices) > 1 else {}),
-            }
-            for c in gen.ordered_choices()
-        ]
+            })
         return {
             "id": rid, "object": self.object_name, "created": int(time.time()),
             "model": self.model, "choices": choices,
@@ -62,15 +74,15 @@ class OpenAIFormatter(ABC):
 
     def chunk(self, rid: str, deltas: list[Delta], started: set[int]) -> dict[str, Any]:
         """One streamed chunk; ``started``: the indexes of choices already streamed."""
-        choices = [
-            {
+        choices = []
+        for d in deltas:
+            fields = self.delta_fields(d, d.choice.index not in started)
+            choices.append({
                 "index": d.choice.index,
-                **self.delta_fields(d, d.choice.index not in started),
-                "finish_reason": d.finish_reason,
+                **fields,
+                "finish_reason": self.finish_reason(d.choice) if d.finish_reason else None,
                 "stop_reason": d.choice.out.stop_reason if d.finish_reason else None,
-            }
-            for d in deltas
-        ]
+            })
         return {
             "id": rid, "object": self.chunk_object_name, "created": int(time.time()),
             "model": self.model, "choices": choices,
@@ -157,15 +169,66 @@ class ChatFormatter(OpenAIFormatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, tokenizer: Any, model: str, top_logprobs: int,
+                 tools: ToolRequest | None = None,
+                 reasoning: ReasoningParserName | None = None,
+                 include_reasoning: bool = True) -> None:
+        super().__init__(tokenizer, model, top_logprobs)
+        self.tools = tools
+        self.reasoning = reasoning
+        # vLLM's include_reasoning: false still splits the thinking off, and leaves it out.
+        self.show_reasoning = reasoning is not None and include_reasoning
+        # Per choice index: the parsed message (non-streamed) or the stream's parser.
+        self.outputs: dict[int, ChatOutput] = {}
+        self._streams: dict[int, ChatOutputParser] = {}
+
+    def output(self, c: Choice) -> ChatOutput:
+        """The finished choice's message as data: content, reasoning, tool calls."""
+        if c.index not in self.outputs:
+            self.outputs[c.index] = parse_chat_output(c.out.text, self.tools, self.reasoning)
+        return self.outputs[c.index]
+
+    def finish_reason(self, c: Choice) -> str | None:
+        if self.tools is None:
+            return c.out.finish_reason
+        stream = self._streams.get(c.index)
+        calls = stream.num_calls if stream is not None else len(self.output(c).tool_calls)
+        # A call the model finished (its own end, or the grammar's) is OpenAI's "tool_calls".
+        if calls and c.out.finish_reason == "stop":
+            return "tool_calls"
+        return c.out.finish_reason
+
     def choice_fields(self, c: Choice) -> dict[str, Any]:
-        return {
-            "message": {"role": "assistant", "content": c.out.text},
-            "logprobs": self.logprobs(c.out.token_ids, c.out.logprobs),
-        }
+        out = self.output(c)
+        message: dict[str, Any] = {"role": "assistant", "content": out.content}
+        if self.show_reasoning:
+            message["reasoning_content"] = out.reasoning_content
+        if out.tool_calls:
+            message["tool_calls"] = [call.openai() for call in out.tool_calls]
+        return {"message": message, "logprobs": self.logprobs(c.out.token_ids, c.out.logprobs)}
 
     def delta_fields(self, d: Delta, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        delta["content"] = d.text
+        if self.tools is None and self.reasoning is None:
+            delta["content"] = d.text
+        else:
+            parser = self._streams.get(d.choice.index)
+            if parser is None:
+                parser = self._streams[d.choice.index] = ChatOutputParser(
+                    self.tools, self.reasoning)
+            part = parser.feed(d.text)
+            if d.finish_reason is not None:
+                end = parser.finish()
+                part = ChatDelta(part.content + end.content,
+                                 part.reasoning_content + end.reasoning_content,
+                                 part.tool_calls + end.tool_calls)
+            thought = part.reasoning_content if self.show_reasoning else ""
+            if thought:
+                delta["reasoning_content"] = thought
+            if part.content or not (thought or part.tool_calls):
+                delta["content"] = part.content
+            if part.tool_calls:
+                delta["tool_calls"] = [t.openai() for t in part.tool_calls]
         return {"delta": delta, "logprobs": self.logprobs(d.token_ids, d.logprobs)}
 
     def logprobs(

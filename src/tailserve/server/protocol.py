@@ -122,6 +122,10 @@ class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant's calls ({"id", "type": "function", "function": {"name", "arguments"}})
+    # and a tool message's answer to one; checked in server/tools.py.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -132,7 +136,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
+    # Tool calling (server/tools.py): function tools, "none" | "auto" | "required" |
+    # {"type": "function", "function": {"name": ...}}, and whether several calls may come.
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's: with --reasoning-parser, false leaves reasoning_content out.
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(_Base):

@@ -68,10 +68,10 @@ FIELDS: tuple[RequestField, ...] = (
     # ---- OpenAI, chat only
     _f("messages", "served", endpoints=CHAT),
     _f("top_logprobs", "served", endpoints=CHAT),
-    _f("tools", "refused", "tool calling is not served yet", endpoints=CHAT, neutral=(None,)),
-    _f("tool_choice", "refused", "needs tools", endpoints=CHAT),
-    _f("parallel_tool_calls", "ignored", "there are no tool calls without tools",
+    _f("tools", "served", "function tools (server/tools.py)", endpoints=CHAT),
+    _f("tool_choice", "served", "none, auto, required or a named function; needs tools",
        endpoints=CHAT),
+    _f("parallel_tool_calls", "served", "false: at most one call", endpoints=CHAT),
     _f("functions", "refused", "the deprecated functions API is not served", endpoints=CHAT),
     _f("function_call", "refused", "the deprecated functions API is not served",
        endpoints=CHAT, neutral=(None, "none")),
@@ -137,8 +137,8 @@ FIELDS: tuple[RequestField, ...] = (
     _f("chat_template_kwargs", "refused", "the template takes no extra arguments",
        endpoints=CHAT, neutral=(None, {})),
     _f("mm_processor_kwargs", "refused", "text only", endpoints=CHAT),
-    _f("include_reasoning", "ignored", "no reasoning parser: there is no reasoning to leave "
-       "out", endpoints=CHAT),
+    _f("include_reasoning", "served", "false leaves reasoning_content out (with "
+       "--reasoning-parser)", endpoints=CHAT),
     # ---- OpenAI's /v1/responses (server/responses.py): stateless, text and function tools
     *(_f(name, "served", endpoints=R) for name in (
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",

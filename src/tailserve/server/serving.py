@@ -35,6 +35,14 @@ from tailserve.server.request_fields import Endpoint, check_fields
 from tailserve.server.slo import request_slo
 from tailserve.server.structured import structured_outputs_of
 from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
+from tailserve.server.tools import (
+    ToolRequest,
+    check_tool_messages,
+    check_tool_schemas,
+    generic_messages,
+    template_messages,
+    tool_request,
+)
 
 
 class OpenAIServing:
@@ -73,15 +81,11 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         arrival = time.monotonic()
         self.ctx.check_model(body.model)
-        if body.tools is None and (body.model_extra or {}).get("tool_choice") is not None:
-            raise bad_request("tool_choice requires tools", param="tool_choice")
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         _check_common(body, "chat")
         if body.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
-        if body.tools:
-            raise bad_request("tools are not supported", param="tools")
-        messages = [m.model_dump(include={"role", "content"}) for m in body.messages]
-        prompt = await self.ctx.off_loop(self.inputs.chat, messages, body.add_generation_prompt)
+        prompt = await self.ctx.off_loop(self._chat_prompt, body, tools)
         max_tokens = (
             body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens
@@ -102,9 +106,12 @@ class OpenAIServing:
             logprobs = body.top_logprobs or 0
         elif body.top_logprobs is not None:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-        structured, grammar_s = await self._structured(body)
+        structured, grammar_s = await self._structured(body, tools)
         params = self._sampling_params(body, max_tokens, logprobs, structured)
-        fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0)
+        if tools is not None and tools.choice == "none":
+            tools = None  # the text is all content
+        fmt = ChatFormatter(self.tokenizer, self.ctx.model_name(), params.logprobs or 0,
+                            tools, self.ctx.settings.reasoning_parser, body.include_reasoning)
         slo = request_slo(http.headers, body.slo)
         gen = self._start(http, [prompt], params, arrival, body.priority, slo,
                           body.cache_salt)  # as in completions
@@ -147,12 +154,39 @@ class OpenAIServing:
             for item, what in zip(items, whats, strict=True)
         ]
 
+    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None) -> Prompt:
+        """The conversation through the chat template: with the tools and tool messages as
+        they are when the template reads tools, else in the generic prompt (tools.py)."""
+        messages = [m.model_dump(include={"role", "content", "name", "tool_calls",
+                                          "tool_call_id"}) for m in body.messages]
+        check_tool_messages(messages)
+        has_tool_messages = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if tools is None and not has_tool_messages:
+            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+            return self.inputs.chat(plain, body.add_generation_prompt)
+        if self.inputs.template_reads_tools:
+            listed = None if tools is None or tools.choice == "none" else [
+                f.openai() for f in tools.functions.values()]
+            return self.inputs.chat(template_messages(messages), body.add_generation_prompt,
+                                    tools=listed)
+        return self.inputs.chat(generic_messages(messages, tools), body.add_generation_prompt)
+
     async def _structured(
-        self, body: _SamplingFields
+        self, body: _SamplingFields, tools: ToolRequest | None = None
     ) -> tuple[StructuredOutputsParams | None, float]:
-        """The body's grammar, compiled within --grammar-timeout-ms (or a 400), and the
-        seconds that took here."""
+        """The body's grammar (or the one a forced tool call needs), compiled within
+        --grammar-timeout-ms (or a 400), and the seconds that took here."""
         found = structured_outputs_of(body)
+        forced = tools.grammar() if tools is not None else None
+        if forced is not None:
+            if found is not None:
+                raise bad_request(f"a forced tool call (tool_choice required or a named "
+                                  f"function) cannot be combined with {found[1]}",
+                                  param="tool_choice")
+            found = forced, "tools"
+        elif tools is not None and tools.choice != "none":
+            # auto: no grammar, but a parameters schema llguidance cannot read is still a 400.
+            await self.ctx.off_loop(check_tool_schemas, tools)
         if found is None:
             return None, 0.0
         so, param = found

@@ -8,6 +8,7 @@ from typing import Literal
 
 from tailserve.errors import ConfigError
 from tailserve.obs.timeline import DEFAULT_MAXLEN as DEFAULT_TIMELINE_MAXLEN
+from tailserve.server.reasoning import ReasoningParserName
 
 
 @dataclass
@@ -80,6 +81,11 @@ class ServerSettings:
         metadata={"help": "a structured-output grammar (JSON schema, regex, choice, Lark/GBNF) "
                   "whose compile and first mask take longer is refused with a 400 naming the "
                   "figure; verdicts are cached per grammar"})
+    reasoning_parser: ReasoningParserName | None = field(
+        default=None,
+        metadata={"help": "put chat answers' thinking (the text in think tags) into "
+                  "reasoning_content: deepseek_r1 (all before the closing tag) or qwen3 (only "
+                  "an answer that opens with the tag); unset: the text is all content"})
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     def __post_init__(self) -> None:
