@@ -1,6 +1,7 @@
 """``tailserve bench``: an open-loop load generator for any OpenAI-compatible server.
 
-    datasets.py  what to send (random, mixed, prefix, sharegpt, jsonl), lengths in tokens
+    datasets.py  what to send (random, mixed, prefix, structured, sharegpt, jsonl), lengths in
+                 tokens; schemas.py the structured dataset's JSON schemas
     tokens.py    how long a text is in the target model's tokens (local, server, estimate)
     preflight.py the checks before any load: URL, key, model, what the server offers
     client.py    one streamed request, timed chunk by chunk (aiohttp; the SSE parser)
@@ -17,7 +18,7 @@
 from __future__ import annotations
 
 # Here, not in datasets.py, so building the CLI parser imports neither numpy nor aiohttp.
-DATASETS = ("random", "mixed", "prefix", "sharegpt", "jsonl")
+DATASETS = ("random", "mixed", "prefix", "structured", "sharegpt", "jsonl")
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 128
 DEFAULT_MIX = "128:0.7,1024:0.2,8192:0.1"

@@ -95,6 +95,8 @@ def build_payload(
         body["max_completion_tokens"] = req.output_len
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM / tailserve extension: outputs get the asked length
+    if req.extra:
+        body.update(req.extra)
     if extra_body:
         body.update(extra_body)
     return msgspec.json.encode(body)

@@ -86,6 +86,11 @@ class DatasetOptions:
         default=DEFAULT_MIX, metadata={"help": "mixed: LEN:WEIGHT or IN/OUT:WEIGHT items"})
     prefix_len: int = field(default=256, metadata={"help": "prefix: shared tokens"})
     num_prefixes: int = field(default=4, metadata={"help": "prefix: distinct prefixes"})
+    num_schemas: int = field(
+        default=32, metadata={"help": "structured: distinct JSON schemas in the pool"})
+    structured_share: float = field(
+        default=1.0,
+        metadata={"help": "structured: share of requests with a schema (the rest unconstrained)"})
     endpoint: str = field(default="completions", metadata={"cli": False})
     seed: int = field(default=0, metadata={"cli": False})  # set per step from BenchConfig's
 

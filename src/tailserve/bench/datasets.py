@@ -7,6 +7,11 @@
   long-and-short traffic whose tail this project is about.
 - ``prefix``: ``--num-prefixes`` shared system prompts of ``--prefix-len`` tokens, each
   request one of them plus its own ``--input-len`` tokens: exercises prefix caching.
+- ``structured``: ``--input-len`` token prompts asking for a JSON record, a
+  ``--structured-share`` of them with OpenAI's ``response_format`` json_schema (strict), the
+  schema one of a seeded pool of ``--num-schemas`` (schemas.py: 8 to 30 properties, some
+  nested; Zipf-like popularity, so some repeat and some arrive cold); outputs end where the
+  JSON does (max_tokens ``--output-len``, 512 by default).
 - ``sharegpt``: the ShareGPT JSON (a list of ``{id, conversations: [{from, value}]}``); the
   first human turn is the prompt, the first reply after it gives the output length; sampled
   with the seed and filtered as vLLM does (prompt and reply >= 4 tokens, prompt <= 1024,
@@ -33,6 +38,7 @@ from tailserve.bench import (
     BenchError,
 )
 from tailserve.bench.config import DatasetOptions
+from tailserve.bench.schemas import response_format, schema_pool, zipf_weights
 from tailserve.bench.tokens import PromptSynth, TokenCounter
 
 # vLLM's ShareGPT filter (benchmarks/datasets.py is_valid_sequence).
@@ -51,6 +57,7 @@ class BenchRequest:
     system: str | None = None  # prefix dataset on chat: the shared system prompt
     user: str | None = None  # prefix dataset on chat: the request's own part
     messages: list[dict[str, Any]] | None = None  # jsonl lines given as messages
+    extra: dict[str, Any] | None = None  # body fields of this request (structured: the schema)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         if self.messages is not None:
@@ -84,6 +91,8 @@ def load_dataset(opts: DatasetOptions, counter: TokenCounter) -> Dataset:
         return _mixed(opts, counter, rng)
     if opts.name == "prefix":
         return _prefix(opts, counter, rng)
+    if opts.name == "structured":
+        return _structured(opts, counter, rng)
     if opts.name == "sharegpt":
         return _sharegpt(opts, counter, rng)
     if opts.name == "jsonl":
@@ -172,6 +181,35 @@ def _prefix(opts: DatasetOptions, counter: TokenCounter, rng: np.random.Generato
             reqs.append(BenchRequest(prompt, counter.count(prompt), int(o)))
     return Dataset("prefix", reqs, notes=[
         f"{opts.num_prefixes} shared prefixes of {opts.prefix_len} tokens"
+    ])
+
+
+STRUCTURED_OUTPUT_LEN = 512  # room for a 30-property record with nested items
+_ASK = "Fill in the record as JSON from these notes: "
+
+
+def _structured(opts: DatasetOptions, counter: TokenCounter,
+                rng: np.random.Generator) -> Dataset:
+    if opts.num_schemas < 1 or not 0.0 <= opts.structured_share <= 1.0:
+        raise BenchError(f"--num-schemas must be >= 1 and --structured-share in [0, 1], got "
+                         f"{opts.num_schemas} and {opts.structured_share}")
+    pool = schema_pool(opts.num_schemas, rng)
+    n = opts.num_prompts
+    which = rng.choice(len(pool), size=n, p=zipf_weights(len(pool)))
+    constrained = rng.random(n) < opts.structured_share
+    ins = jitter(rng, opts.input_len, opts.range_ratio, n)
+    out_len = opts.output_len or STRUCTURED_OUTPUT_LEN
+    synth = PromptSynth(counter, rng)
+    reqs = []
+    for k, c, i in zip(which, constrained, ins, strict=True):
+        notes, _ = synth.text(int(i))
+        prompt = _ASK + notes
+        extra = {"response_format": response_format(pool[int(k)], int(k))} if c else None
+        reqs.append(BenchRequest(prompt, counter.count(prompt), out_len, extra=extra))
+    used = len({int(k) for k, c in zip(which, constrained, strict=True) if c})
+    return Dataset("structured", reqs, notes=[
+        f"{int(constrained.sum())} of {n} requests constrained by {used} of "
+        f"{opts.num_schemas} schemas (Zipf-like popularity)"
     ])
 
 

@@ -37,9 +37,6 @@ PARAM_NAMES = {
     "messages": "input", "response_format": "text",
     "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
 }
-# Whether the chat path serves tools yet. Until it does, function tools and function-call
-# items are a 400 saying so, never dropped.
-TOOLS_SERVED = False
 
 
 class TextFormat(BaseModel):
@@ -95,7 +92,10 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be at least 1, got {body.max_output_tokens}",
                           param="max_output_tokens")
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
+    # A --reasoning-parser's reasoning_content has no place here (no reasoning items): it is
+    # left out, as the request's "reasoning" field is refused.
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
+                            "include_reasoning": False}
     if body.stream:
         # The chat path's last chunk then carries the usage the final event reports.
         chat["stream_options"] = {"include_usage": True}
@@ -150,9 +150,6 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                   f"got {role!r}", param="input")
             messages.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind in ("function_call", "function_call_output"):
-            if not TOOLS_SERVED:
-                raise bad_request(f"{where}: {kind} items are not supported yet (tool calling "
-                                  "is not served)", param="input")
             messages.append(_tool_message(item, kind, where, messages))
         else:
             raise bad_request(f"{where}.type {kind!r} is not supported: input items are "
@@ -205,9 +202,6 @@ _FUNCTION_TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
-    if not TOOLS_SERVED:
-        raise bad_request("tools are not supported yet (tool calling is not served)",
-                          param="tools")
     if tool.get("type") != "function":
         raise bad_request(f"tools[{i}].type {tool.get('type')!r} is not supported: only "
                           "function tools are served", param="tools")
