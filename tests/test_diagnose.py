@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +297,6 @@ def test_end_to_end_prefill_interference(heavy_model_dir: str, tmp_path: Path) -
     from tailserve.bench.datasets import DatasetOptions
     from tailserve.bench.run import BenchConfig, run_bench
 
-    t0 = time.monotonic()
     path = tmp_path / "result.json"
     # Chunked prefill off and a budget that fits a whole long prompt: each 1500-token prompt
     # is one step that every running decode waits through.
@@ -317,7 +315,6 @@ def test_end_to_end_prefill_interference(heavy_model_dir: str, tmp_path: Path) -
     assert top(d, "itl") == "prefill_interference", itl
     assert shares(d, "itl")["prefill_interference"] > 0.5, itl
     assert itl["causes"][0]["evidence"]["largest_prefill_tokens"] >= 1500
-    assert time.monotonic() - t0 < 120
 
 
 # ---------------------------------------------------------------- the ITL target and the load
