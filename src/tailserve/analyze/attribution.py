@@ -164,7 +164,9 @@ def reference(s: Samples) -> tuple[float, bool]:
     ok = ~np.isnan(s.values)
     vals = s.values
     p50 = float(np.median(vals[ok]))
-    parts = {c: np.nan_to_num(p) for c, p in s.parts.items()}
+    # The request's own prefill is service time it must pay, not a fault that inflates the
+    # median: a run of long prompts (or a slow host) has a long clean TTFT too.
+    parts = {c: np.nan_to_num(p) for c, p in s.parts.items() if c != "own_prefill"}
     clean = vals - sum(parts.values(), np.zeros(len(vals)))
     ref = float(np.clip(np.median(clean[ok]), 0.0, p50))
     whole_run = p50 > NONE_FACTOR * ref + NONE_MIN_S

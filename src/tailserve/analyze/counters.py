@@ -7,15 +7,17 @@ them). The engine's ``/metrics`` samples, once a second or so, add what the clie
 
 - **kv_cache_pressure**: the part of a request's wait for its first token spent in windows
   where requests were waiting (``waiting`` > 0, the mean of the window's two scrapes) while
-  the KV cache was near full (``kv_usage`` >= ``KV_FULL`` at either scrape): admission was
-  held by free blocks, not by a sequence slot.
+  the KV cache was near full (``kv_usage`` >= ``KV_FULL`` at either scrape), or at least half
+  used with a sequence slot free (fewer running than the run's most): admission was held by
+  free blocks, not by a sequence slot.
   That share of the fitted queue time moves from ``queueing`` to ``kv_cache_pressure``.
 - **preemption**: a preempted request stops streaming until it is rescheduled and its prompt
-  recomputed, so each preemption is one long gap that *starts* in the window where the
-  ``preemptions`` counter rose. In every such window the counter's increase is charged to that
-  many of the longest gaps starting there (longer than ``STALL_OVER_MEDIAN`` x the median gap),
-  each by what it took beyond the median gap; a request's charged gaps are its E2EL and TPOT
-  part too.
+  recomputed, so each preemption is one long gap that touches the window where the
+  ``preemptions`` counter rose (vLLM 0.32 counts it when the request resumes: the gap *ends*
+  there; an engine that counts at the preemption has it *start* there). In every such window
+  the counter's increase is charged to that many of the longest gaps overlapping it (longer
+  than ``STALL_OVER_MEDIAN`` x the median gap, not yet charged), each by what it took beyond
+  the median gap; a request's charged gaps are its E2EL and TPOT part too.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from tailserve.analyze.engines import Series
 from tailserve.analyze.samples import Samples, client_samples
 
 KV_FULL = 0.9  # KV usage at or above this, with requests waiting: admission held by blocks
+KV_BUSY = 0.5  # ... or at or above this with a sequence slot free (kv_bound)
 STALL_OVER_MEDIAN = 2.0  # a gap a preemption could explain is at least this x the median
-# A preempted request's last chunk left just before the step that preempted it; the window's
-# start is widened by this much so a gap that began at its edge is still a candidate.
+# The least widening of a counter's window (below); a gap at its edge is still a candidate.
 EDGE_S = 0.25
 
 
@@ -70,13 +72,19 @@ def _kv(sr: Series) -> str | None:
 
 
 def kv_bound(sr: Series) -> np.ndarray:
-    """Per interval: 1.0 where requests waited while the KV cache was near full."""
+    """Per interval: 1.0 where requests waited while the KV cache was near full, or busy with
+    a sequence slot free (fewer running than the run has shown it can run: what held the
+    waiting back was blocks; with large blocks "full" is a few blocks short of 100%)."""
     key = _kv(sr)
     if key is None or not sr.has("waiting"):
         return np.zeros(len(sr))
     waiting = np.nan_to_num(sr.interval_mean("waiting"))
     kv = np.nan_to_num(sr.interval_max(key))
-    return ((waiting > 0) & (kv >= KV_FULL)).astype(float)
+    seat = np.zeros(len(sr), dtype=bool)
+    if sr.has("running"):
+        running = np.nan_to_num(sr.interval_mean("running"))
+        seat = running < np.nanmax(sr.value["running"])
+    return ((waiting > 0) & ((kv >= KV_FULL) | (seat & (kv >= KV_BUSY)))).astype(float)
 
 
 def _kv_share(run: RunData, sr: Series, n: int) -> np.ndarray:
@@ -101,10 +109,12 @@ def _preempted_gaps(itl: Samples, sr: Series) -> np.ndarray:
     start = itl.t - itl.values
     long = itl.values > STALL_OVER_MEDIAN * med
     lo = np.concatenate([sr.t[:1], sr.t[:-1]])
+    # A chunk is stamped on arrival, a step or two from the counter's update: widen by that.
+    edge = max(EDGE_S, 2.0 * med)
     for j in np.flatnonzero(sr.delta["preemptions"] > 0):
         k = round(float(sr.delta["preemptions"][j]))
-        cand = np.flatnonzero(long & (part == 0) & (start > lo[j] - EDGE_S)
-                              & (start <= sr.t[j]))
+        cand = np.flatnonzero(long & (part == 0) & (start <= sr.t[j] + edge)
+                              & (itl.t > lo[j] - edge))
         for g in cand[np.argsort(-itl.values[cand])][:k]:
             part[g] = itl.values[g] - med
     return part

@@ -240,7 +240,7 @@ def run_from_result(result: dict[str, Any],
                   max_concurrency=result.get("max_concurrency"),
                   slos_ms=_bench_slos(ts.get("goodput")))
     _fill_server_times(run)
-    _identify(run, server, result.get("environment"))
+    _identify(run, server, ts.get("environment") or result.get("environment"))
     return run
 
 

@@ -17,6 +17,11 @@ def _ranges(rs: list[list[float]]) -> str:
     return ", ".join(parts)
 
 
+def _dur(ms: float) -> str:
+    """Milliseconds as a person says them: "8.4 ms", "162.2 s"."""
+    return f"{ms / 1e3:.1f} s" if ms >= 10_000 else f"{ms:.1f} ms"
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.0f}%"
 
@@ -25,14 +30,14 @@ def _pct(x: float) -> str:
 _Template = tuple[tuple[str, ...], Callable[[dict[str, Any]], str]]
 TEMPLATES: list[_Template] = [
     (("tail_samples_affected", "tail_samples", "mean_ms_per_affected_sample"),
-     lambda e: f"It adds {e['mean_ms_per_affected_sample']:.1f} ms on average to "
+     lambda e: f"It adds {_dur(e['mean_ms_per_affected_sample'])} on average to "
                f"{e['tail_samples_affected']} of the {e['tail_samples']} tail samples."),
     (("windows_s",), lambda e: f"Those samples fall at {_ranges(e['windows_s'])}."
      if e["windows_s"] else ""),
     # queueing
     (("queue_p50_ms", "queue_max_ms"),
-     lambda e: f"The server's queue time was {e['queue_p50_ms']:.1f} ms at the median and "
-               f"up to {e['queue_max_ms']:.1f} ms."),
+     lambda e: f"The server's queue time was {_dur(e['queue_p50_ms'])} at the median and "
+               f"up to {_dur(e['queue_max_ms'])}."),
     (("offered_req_per_s", "served_req_per_s"),
      lambda e: f"The client offered {e['offered_req_per_s']:g} req/s and the server "
                f"completed {e['served_req_per_s']:g} req/s."),
@@ -43,9 +48,9 @@ TEMPLATES: list[_Template] = [
      lambda e: f"Up to {e['max_waiting']} requests waited, at t={e['max_waiting_at_s']:g} s."),
     (("max_waiting",), lambda e: f"Up to {e['max_waiting']} requests waited at once."),
     (("server_queue_mean_ms",),
-     lambda e: f"The server's queue-time histogram says {e['server_queue_mean_ms']:.0f} ms per "
+     lambda e: f"The server's queue-time histogram says {_dur(e['server_queue_mean_ms'])} per "
                "request on average"
-               + (f", {e['server_queue_worst_window_mean_ms']:.0f} ms in the worst window "
+               + (f", {_dur(e['server_queue_worst_window_mean_ms'])} in the worst window "
                   f"(t={e['server_queue_worst_window_at_s']:g} s)."
                   if "server_queue_worst_window_mean_ms" in e else ".")),
     # kv_cache_pressure
