@@ -5,11 +5,17 @@ the calibration's synthetic batch of each shape (``decodes,ctx,chunk,start``, as
 runs, layer by layer on the real weights and pools, the ops ``decode_layers.cpp`` runs, each
 timed on its own: the four projections (``quant_linear``), rope, the K/V write, the decode
 attention, the norms and SwiGLU; then the LM head and, for comparison, the one call itself.
-Decode-only shapes only (the chunks' attention is the prefill kernel's). Each op's sum over
-the 30 layers, the best of ``--rounds``; a Python call costs a few microseconds per op, the
-same at every shape, so the growth with the row count is the kernels'.
+A shape with a chunk runs its attention as decode_layers does: the decode rows on the decode
+kernel, then the chunk on ``paged_prefill_attention`` (the attention column is both). Each
+op's sum over the 30 layers, the best of ``--rounds``; a Python call costs a few microseconds
+per op, the same at every shape, so the growth with the row count is the kernels'. The
+products' column includes quantizing their input rows to int8 (quant_linear does both).
+``--clock thread`` times the calling thread's CPU time (with ``--threads 1`` it runs every
+work item), which a busy neighbour disturbs far less than the wall clock.
 
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src python benchmarks/step_ops.py 1,256,0,0 16,256,0,0
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src python benchmarks/step_ops.py 0,0,128,0 0,0,2000,0 \
+        --threads 1 --clock thread
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ OPS = ("norm", "qkv", "rope", "write_kv", "attention", "o", "gate_up", "silu", "
 
 
 def replay(runner, block_size: int, shape: tuple[int, int, int, int],  # type: ignore[no-untyped-def]
-           acc: dict[str, float]) -> None:
+           acc: dict[str, float], clock: Callable[[], float] = time.perf_counter) -> None:
     ops = torch.ops.tailserve
     graph = runner.decode_graph
     sched = _batch(*shape, block_size, runner.num_kv_blocks)
@@ -45,10 +51,21 @@ def replay(runner, block_size: int, shape: tuple[int, int, int, int],  # type: i
     x = graph.model.embed_tokens(batch.input_ids)
 
     def timed(name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn(*args)
-        acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+        acc[name] = acc.get(name, 0.0) + clock() - t0
         return out
+
+    nd = meta.num_decodes
+    qsl = torch.tensor(meta.query_start_loc, dtype=torch.int64)
+
+    def attention(out: torch.Tensor, q: torch.Tensor, pool: torch.Tensor) -> None:
+        if nd:  # as decode_layers: the decode rows, then the chunks after them
+            ops.paged_decode_attention(out.narrow(0, 0, nd), q.narrow(0, 0, nd), pool,
+                                       meta.block_tables, meta.seq_lens, meta.scale)
+        if nd < meta.num_seqs:
+            ops.paged_prefill_attention(out, q, pool, meta.block_tables, meta.seq_lens, qsl, nd,
+                                        meta.scale)
 
     residual = x
     h = ops.rms_norm(x, w[0], graph.eps)
@@ -65,15 +82,16 @@ def replay(runner, block_size: int, shape: tuple[int, int, int, int],  # type: i
         timed("write_kv", ops.write_kv_cache, pool, k, v, meta.slot_mapping)
         q = qkv.narrow(1, 0, q_size).view(tokens, heads, head_dim)
         attn = torch.empty(tokens, heads, head_dim)
-        timed("attention", ops.paged_decode_attention, attn, q, pool, meta.block_tables,
-              meta.seq_lens, meta.scale)
+        timed("attention", attention, attn, q, pool)
         h = timed("o", ops.quant_linear, attn.view(tokens, q_size), lw[3], None)
         timed("norm", ops.fused_add_rms_norm, h, residual, lw[4], graph.eps)
         gate_up = timed("gate_up", ops.quant_linear, h, lw[5], None)
         act = timed("silu", ops.silu_and_mul, gate_up)
         x = timed("down", ops.quant_linear, act, lw[6], None)
     ops.fused_add_rms_norm(x, residual, graph.final_norm, graph.eps)
-    timed("lm_head", runner.model.compute_logits, x)
+    # The LM head reads the sampled rows only: every decode row and each chunk's last token.
+    rows = torch.tensor(sorted({*range(nd), *(e - 1 for e in meta.query_start_loc[nd + 1:])}))
+    timed("lm_head", runner.model.compute_logits, x.index_select(0, rows))
     timed("one call", graph, batch.input_ids, batch.positions, runner.kv_caches, meta)
 
 
@@ -81,24 +99,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("shapes", nargs="*", default=["1,256,0,0", "16,256,0,0", "32,256,0,0"])
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
-    if any(s[2] for s in shapes):
-        raise SystemExit("decode-only shapes only (decodes,ctx,0,0)")
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     runner, block_size = build("packed")
     best: dict[tuple[int, ...], dict[str, float]] = {}
     with torch.inference_mode():
         for rnd in range(args.rounds + 1):  # round 0 warms up
             for s in shapes:
                 acc: dict[str, float] = {}
-                replay(runner, block_size, s, acc)  # type: ignore[arg-type]
+                replay(runner, block_size, s, acc, clock)  # type: ignore[arg-type]
                 if rnd:
                     prev = best.setdefault(s, acc)
                     for k, v in acc.items():
                         prev[k] = min(prev[k], v)
     print(f"best of {args.rounds} rounds, ms (sum over the layers), threads "
-          f"{torch.get_num_threads()}")
-    print(f"{'(decodes, ctx, 0, 0)':22}" + "".join(f"{k:>10}" for k in OPS))
+          f"{torch.get_num_threads()}, {args.clock} clock")
+    print(f"{'(decodes, ctx, chunk, start)':22}" + "".join(f"{k:>10}" for k in OPS))
     for s, d in best.items():
         print(f"{s!s:22}" + "".join(f"{d[k] * 1e3:10.2f}" for k in OPS))
 

@@ -6,6 +6,7 @@ import gc
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -299,6 +300,44 @@ def test_rms_norm_and_fused_residual_add() -> None:
         ops.fused_add_rms_norm(x, r, w, 1e-5)
         torch.testing.assert_close(r, ref_r)
         torch.testing.assert_close(x, ref)
+
+
+def serial_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm in float32 with each row's squares added one by one in index order (numpy's
+    accumulate is that serial loop): the order the kernel keeps at every row count."""
+    xn = x.numpy()
+    ss = np.add.accumulate(xn * xn, axis=1, dtype=np.float32)[:, -1:]
+    n = np.float32(x.shape[1])
+    inv = np.float32(1) / np.sqrt(ss / n + np.float32(eps))
+    return torch.from_numpy(xn * inv * w.numpy())
+
+
+def test_rms_norm_adds_each_rows_squares_in_order() -> None:
+    # 16-row blocks side by side (AVX512) and a ragged last block must not change a row's bits.
+    g = torch.Generator().manual_seed(1)
+    for n in (576, 64):
+        w = torch.randn(n, generator=g)
+        for rows in (1, 16, 17, 40, 300):
+            x = torch.randn(rows, n, generator=g) * 3
+            x[0, :7] = 0
+            assert torch.equal(ops.rms_norm(x, w, 1e-5), serial_rms_norm(x, w, 1e-5))
+            r = torch.randn(rows, n, generator=g)
+            want_r = x + r
+            want = serial_rms_norm(want_r, w, 1e-5)
+            ops.fused_add_rms_norm(x, r, w, 1e-5)
+            assert torch.equal(r, want_r) and torch.equal(x, want)
+
+
+def test_silu_and_mul_is_the_same_at_every_vector_width() -> None:
+    # half = 24: lanes 0-15 take the 16-wide loop (where the CPU has AVX512), 16-23 the 8-wide
+    # one; the same gate and up values in both must give the same bits.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 48, generator=g) * 6
+    x[0, :8] = torch.tensor([-100.0, -30.0, -1e-6, 0.0, -0.0, 1e-6, 30.0, 88.0])
+    x[:, 16:24] = x[:, 0:8]
+    x[:, 40:48] = x[:, 24:32]
+    y = ops.silu_and_mul(x)
+    assert torch.equal(y[:, 16:24], y[:, 0:8])
 
 
 def test_silu_and_mul() -> None:
