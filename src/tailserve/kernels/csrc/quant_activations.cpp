@@ -21,20 +21,7 @@ namespace {
 // every integer.
 inline void quantize_block(const float* v, int8_t* o, float* d_out, float* s16, float* s32,
                            int32_t* i32) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  // The AVX2 path's values on 16 lanes: the max of |x| and the sums of the rounded values
-  // are exact in any order (integers below 2^24), and x * (1 / d) rounds lane by lane.
-  const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-  const float d = amax / 127.f;
-  const float id = d != 0.f ? 1.f / d : 0.f;
-  const __m512 idv = _mm512_set1_ps(id);
-  const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r0)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r1)));
-  const float lo = _mm512_reduce_add_ps(r0), hi = _mm512_reduce_add_ps(r1);
-#elif defined(TS_AVX2)
+#ifdef TS_AVX2
   __m256 x[4];
   for (int i = 0; i < 4; ++i) x[i] = _mm256_loadu_ps(v + 8 * i);
   const __m256 sign = _mm256_set1_ps(-0.f);
