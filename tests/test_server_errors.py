@@ -708,7 +708,7 @@ def served_ranges(schema: dict[str, Any], model: str, vocab_size: int) -> dict[s
              "items": integer(0, vocab_size - 1)},
         ]},
         "echo": {"const": False}, "suffix": nullable, "best_of": nullable,
-        "logit_bias": nullable, "tools": nullable,
+        "logit_bias": nullable, "tools": nullable, "tool_choice": nullable,
         # a random grammar is mostly a 400: served mode leaves structured output alone
         "response_format": nullable, "structured_outputs": nullable, "guided_json": nullable,
         "guided_regex": nullable, "guided_choice": nullable, "guided_grammar": nullable,
@@ -722,6 +722,10 @@ def served_ranges(schema: dict[str, Any], model: str, vocab_size: int) -> dict[s
     components["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] = 3
     message = components["ChatMessage"]["properties"]
     message["content"] = {"anyOf": [{"type": "string", "maxLength": 100}, nullable]}
+    # Tool messages are checked in server/tools.py (tests/test_server_tools.py): a random
+    # call or a tool message without its call's id is a 400.
+    message["tool_calls"] = nullable
+    message["tool_call_id"] = {"type": "string", "maxLength": 20}
     return schema
 
 

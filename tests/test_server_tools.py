@@ -169,16 +169,16 @@ def test_auto_reads_calls_in_the_documented_format(client: openai.OpenAI) -> Non
 
 @pytest.mark.slow
 def test_auto_with_a_tool_using_prompt(client: openai.OpenAI) -> None:
-    # What the model writes on its own, whichever it is: a call that validates, or text.
-    done = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Add 2 and 3 with the add tool."}],
-        tools=TOOLS, temperature=0, max_tokens=120)
-    c = done.choices[0]
-    if c.message.tool_calls:
-        assert c.finish_reason == "tool_calls"
-        _check_calls(c.message, {"get_weather", "add"})
-    else:
-        assert c.finish_reason in ("stop", "length") and c.message.content
+    # The bundled 135M model, greedy, answers these in prose (it never wrote the call format
+    # on its own in 5 prompts tried, few-shot included): auto leaves its text as content and
+    # makes no call out of it. The forced-format test above covers the parse.
+    for content in ("Add 2 and 3 with the add tool.", ASK[0]["content"]):
+        c = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], tools=TOOLS,
+            temperature=0, max_tokens=120).choices[0]
+        # (stop or length: the prose's length varies with what ran before on this server)
+        assert c.finish_reason in ("stop", "length") and c.message.tool_calls is None
+        assert c.message.content and "<tool_call>" not in c.message.content
 
 
 @pytest.mark.slow
