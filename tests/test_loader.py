@@ -179,6 +179,13 @@ def test_sharded_tiny_llama_equals_its_state_dict(tmp_path: Path) -> None:
         "rope_scaling": None,
         "checkpoint_dtype": "float32",
         "sliding_window": None,
+        "sliding_window_layers": (),
+        "hidden_act": "silu",
+        "sandwich_norms": False,
+        "embedding_scale": None,
+        "rope_local_theta": None,
+        "query_pre_attn_scalar": None,
+        "final_logit_softcapping": None,
     }
     assert (loaded.config.bos_token_id, loaded.config.eos_token_ids) == (1, (2,))
     tok = loaded.tokenizer

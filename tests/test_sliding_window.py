@@ -1,9 +1,12 @@
-"""No silent wrong answers from checkpoint features the decoder does not serve (issue 32, item 0).
+"""Sliding-window attention served, and no silent wrong answers from checkpoint features the
+decoder does not serve (issue 32, items 0 and 3).
 
 A sliding-window checkpoint (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, the
-``layer_types`` spelling) is served up to its window only: ``max_model_len`` resolves to at most
-the window, where its answers equal a global-attention decoder's; past it the engine would be
-another model. Every other config field the decoder does not serve is refused by name.
+``layer_types`` spelling, Gemma 3's ``sliding_window_pattern``) attends within its window on
+CPU, per layer, past the window too: greedy tokens equal transformers', also with chunked
+prefill and a prefix-cache hit. Where the window is not served (CUDA's Triton kernels)
+``max_model_len`` resolves to at most the window. Every other config field the decoder does not
+serve is refused by name.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from transformers import AutoModelForCausalLM
 
 from tailserve import LLM, SamplingParams
 from tailserve.config import EngineArgs, ModelConfig, resolve_max_model_len
-from tailserve.errors import ConfigError, InvalidRequestError, ModelLoadError
-from tailserve.model_features import sliding_window, unsupported_features
+from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.model_features import sliding_window, sliding_window_layers, unsupported_features
 from tailserve.platforms import Platform
-from test_engine_parity import hf_greedy
+from test_engine_parity import hf_greedy, ts_greedy
 from tiny_models import build_tiny_mistral, build_tiny_qwen2
 
 LLAMA: dict[str, Any] = {
@@ -31,21 +34,37 @@ LLAMA: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("cfg,window", [
-    ({}, None),
-    ({"sliding_window": None}, None),
-    ({"sliding_window": 4096}, 4096),  # Mistral-7B-v0.1: every layer
+@pytest.mark.parametrize("cfg,window,layers", [
+    ({}, None, ()),
+    ({"sliding_window": None}, None, ()),
+    ({"sliding_window": 4096}, 4096, (0, 1, 2, 3)),  # Mistral-7B-v0.1: every layer
     # Qwen2 checkpoints carry a window they do not use while the switch is off
-    ({"sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28}, None),
-    ({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 2}, 512),
-    ({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 4}, None),
-    ({"sliding_window": 512, "layer_types": ["full_attention"] * 4}, None),
+    ({"sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28}, None, ()),
+    ({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 2}, 512, (2, 3)),
+    ({"sliding_window": 512, "use_sliding_window": True, "max_window_layers": 4}, None, ()),
+    ({"sliding_window": 512, "layer_types": ["full_attention"] * 4}, None, ()),
     ({"sliding_window": 512,
-      "layer_types": ["sliding_attention", "full_attention"] * 2}, 512),
+      "layer_types": ["sliding_attention", "full_attention"] * 2}, 512, (0, 2)),
+    # Gemma 3's older spelling: every pattern-th layer global
+    ({"sliding_window": 512, "sliding_window_pattern": 2}, 512, (0, 2)),
 ])
-def test_sliding_window_spellings(cfg: dict[str, Any], window: int | None) -> None:
+def test_sliding_window_spellings(cfg: dict[str, Any], window: int | None,
+                                  layers: tuple[int, ...]) -> None:
     assert sliding_window({**LLAMA, **cfg}) == window
-    assert ModelConfig.from_hf({**LLAMA, **cfg}).sliding_window == window
+    assert sliding_window_layers({**LLAMA, **cfg}) == layers
+    model = ModelConfig.from_hf({**LLAMA, **cfg})
+    assert (model.sliding_window, model.sliding_window_layers) == (window, layers)
+    assert [model.layer_sliding_window(i) for i in range(4)] == [
+        window if i in layers else None for i in range(4)]
+
+
+def test_gemma3_slides_five_layers_of_six_unless_told() -> None:
+    gemma = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12,
+             "sliding_window": 512}
+    assert ModelConfig.from_hf(gemma).sliding_window_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    with pytest.raises(ModelLoadError, match="layer_types names 2 layers, but num_hidden_layers "
+                                             "is 12"):
+        ModelConfig.from_hf({**gemma, "layer_types": ["sliding_attention"] * 2})
 
 
 @pytest.mark.parametrize("value", [0, -8, "4096", 1.5])
@@ -55,10 +74,11 @@ def test_a_malformed_window_is_refused(value: Any) -> None:
 
 
 @pytest.mark.parametrize("cfg,named", [
-    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act='gelu_pytorch_tanh'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"hidden_activation": "relu"}, "hidden_act='relu'"),
     ({"mlp_bias": True}, "mlp_bias=True"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
      "partial_rotary_factor=0.25"),
@@ -76,54 +96,91 @@ def test_unserved_fields_are_refused_by_name(cfg: dict[str, Any], named: str) ->
 def test_served_fields_are_not_refused() -> None:
     served = {"hidden_act": "silu", "mlp_bias": False, "attn_logit_softcapping": None,
               "partial_rotary_factor": 1.0, "attention_bias": True, "tie_word_embeddings": True,
-              "head_dim": 32, "pretraining_tp": 2, "attention_dropout": 0.1}
+              "head_dim": 32, "pretraining_tp": 2, "attention_dropout": 0.1,
+              "final_logit_softcapping": 30.0, "use_bidirectional_attention": False}
     assert unsupported_features({**LLAMA, **served}) == []
+    assert unsupported_features({**LLAMA, "hidden_activation": "gelu_pytorch_tanh"}) == []
 
 
-def test_max_model_len_is_capped_at_the_window(caplog: pytest.LogCaptureFixture) -> None:
+def test_max_model_len_is_capped_at_the_window_where_it_is_not_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     model = ModelConfig.from_hf({**LLAMA, "sliding_window": 1024})
+    # Served (CPU): the model's whole context.
+    assert resolve_max_model_len(None, model) == 4096
+    assert resolve_max_model_len(3000, model) == 3000
     with caplog.at_level(logging.WARNING, logger="tailserve.config"):
-        assert resolve_max_model_len(None, model) == 1024
+        assert resolve_max_model_len(None, model, window_served=False) == 1024
     assert "sliding window of 1024 tokens" in caplog.text
     assert "capped at 1024" in caplog.text
-    assert resolve_max_model_len(1024, model) == 1024
-    assert resolve_max_model_len(300, model) == 300
+    assert resolve_max_model_len(1024, model, window_served=False) == 1024
+    assert resolve_max_model_len(300, model, window_served=False) == 300
     with pytest.raises(ConfigError, match=r"max_model_len \(1025\) exceeds the model's sliding "
                                           r"attention window \(1024 tokens\)"):
-        resolve_max_model_len(1025, model)
+        resolve_max_model_len(1025, model, window_served=False)
     with pytest.raises(ConfigError, match="exceeds the model's context length"):
         resolve_max_model_len(5000, model)
     # A window at least the context length never binds.
     wide = ModelConfig.from_hf({**LLAMA, "sliding_window": 4096})
-    assert resolve_max_model_len(None, wide) == 4096
+    assert resolve_max_model_len(None, wide, window_served=False) == 4096
 
 
-def test_mistral_with_a_window_is_served_up_to_it_and_matches_transformers(
-    tmp_path: Path,
-) -> None:
-    """The issue's checkpoint: a Mistral with ``sliding_window`` shorter than its context. Within
-    the window tailserve's greedy tokens are transformers'; a prompt past it is refused with the
-    numbers instead of answered by a model without a window."""
-    folder = build_tiny_mistral(tmp_path / "m", sliding_window=24)
-    llm = LLM(folder, dtype="float32", num_kv_blocks=64)
-    assert llm.engine.config.scheduler.max_model_len == 24
-    prompt = torch.randint(20, 1000, (16,), generator=torch.Generator().manual_seed(7)).tolist()
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    out = llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert out == hf_greedy(hf, [prompt], 8)[0]
-    with pytest.raises(InvalidRequestError, match="max_model_len is 24"):
-        llm.generate({"prompt_token_ids": prompt * 2}, sp)
-
-
-def test_asking_past_the_window_is_a_start_up_error(tmp_path: Path) -> None:
-    folder = build_tiny_qwen2(tmp_path / "q", use_sliding_window=True, sliding_window=32,
-                              max_window_layers=1)
-    with pytest.raises(ConfigError, match=r"sliding attention window \(32 tokens\)"):
-        LLM(folder, dtype="float32", num_kv_blocks=64, max_model_len=64)
-
-
-def test_engine_args_resolution_caps_without_a_flag() -> None:
+def test_engine_args_resolution_caps_on_cuda_only() -> None:
     model = ModelConfig.from_hf({**LLAMA, "sliding_window": 256})
-    unsized = EngineArgs(dtype="float32").resolve_unsized(model, Platform(cuda_available=False))
-    assert unsized.scheduler.max_model_len == 256
+    cpu = EngineArgs(dtype="float32").resolve_unsized(model, Platform(cuda_available=False))
+    assert cpu.scheduler.max_model_len == 4096
+    cuda = EngineArgs(dtype="float32").resolve_unsized(model, Platform(cuda_available=True))
+    assert cuda.scheduler.max_model_len == 256
+
+
+WINDOW = 8
+NEW_TOKENS = 64
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(20, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("builder,overrides", [
+    (build_tiny_mistral, {"sliding_window": WINDOW}),  # every layer slides
+    # Qwen2: the second layer slides, the first is global (per-layer windows)
+    (build_tiny_qwen2, {"use_sliding_window": True, "sliding_window": WINDOW,
+                        "max_window_layers": 1}),
+], ids=["mistral", "qwen2-per-layer"])
+def test_sliding_window_matches_transformers_past_the_window(
+    tmp_path: Path, builder: Any, overrides: dict[str, Any], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The issue's checkpoint: a Mistral with ``sliding_window=8`` and prompts of 24 and 40
+    tokens (and 64 generated), far past the window: greedy tokens equal transformers' with the
+    CPU kernels (whose attention, and the one-call step, hand a step with a context past the
+    window to the reference attention: logged), with chunked prefill and a prefix-cache hit."""
+    folder = builder(tmp_path / "m", **overrides)
+    prompts = _prompts([24, 40, 5])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = hf_greedy(hf, prompts, NEW_TOKENS)
+    with caplog.at_level(logging.INFO, logger="tailserve.model.cpu_decode"):
+        # A 16-token budget prefills the 40-token prompt in three chunks.
+        llm = LLM(folder, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+                  max_num_seqs=4, slo_itl_ms=None, scheduling_policy="fcfs")
+    assert llm.engine.config.scheduler.max_model_len == 512
+    if llm.engine.runner.cpu_kernels:
+        assert f"sliding window of {WINDOW} tokens" in caplog.text
+    assert ts_greedy(llm, prompts, NEW_TOKENS) == want
+    # A prefix-cache hit: the cached blocks' K/V are read through the window mask.
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert again[1].num_cached_tokens >= 32
+
+
+def test_sliding_window_without_the_kernels(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAILSERVE_CPU_KERNELS", "0")
+    folder = build_tiny_mistral(tmp_path / "m", sliding_window=WINDOW)
+    prompts = _prompts([24, 3])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+              max_num_seqs=4, slo_itl_ms=None, scheduling_policy="fcfs")
+    assert not llm.engine.runner.cpu_kernels
+    assert ts_greedy(llm, prompts, 32) == hf_greedy(hf, prompts, 32)

@@ -10,6 +10,7 @@ that transformers initializes to constants, so a parity test notices a dropped b
     path = build_tiny_llama(tmp_path / "l3", rope_scaling={"rope_type": "llama3", ...})
     path = build_tiny_qwen2(tmp_path / "qwen2")              # q/k/v biases, untied
     path = build_tiny_mistral(tmp_path / "m", sliding_window=8)  # every layer slides
+    path = build_tiny_gemma3(tmp_path / "g")  # local and global layers, four norms each
     path = build_tiny_llama(tmp_path / "b", dtype=torch.bfloat16)  # stored in bfloat16
     path = save_default_model_as_hf(tmp_path / "smol", torch.bfloat16)  # the bundled GGUF's
 """
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -93,6 +96,23 @@ def build_tiny_phi3(path: str | os.PathLike[str], **overrides: Any) -> str:
     config = Phi3Config(**{**base, "pad_token_id": base["eos_token_id"], **TINY_SHAPE,
                            **overrides})
     return _build(path, Phi3ForCausalLM, config, seed)
+
+
+def build_tiny_gemma3(path: str | os.PathLike[str], **overrides: Any) -> str:
+    """A random ``Gemma3ForCausalLM`` (transformers' ``Gemma3TextConfig``): two sliding layers
+    (window 8, rope base 10,000) then a global one (rope base 1,000,000 with linear scaling),
+    QK-norm, four norms per layer, tanh-GELU, head_dim 32 (not 64 / 4), an attention scale from
+    ``query_pre_attn_scalar`` 24 (not head_dim), final-logit soft-capping, tied embeddings."""
+    seed = overrides.pop("seed", 0)
+    shape = {**TINY_SHAPE, "num_hidden_layers": 3, "head_dim": 32, "tie_word_embeddings": True}
+    config = Gemma3TextConfig(**{
+        **_base_config(), **shape, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 8, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0,
+        **overrides,
+    })
+    return _build(path, Gemma3ForCausalLM, config, seed)
 
 
 def _base_config() -> dict[str, Any]:

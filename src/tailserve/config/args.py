@@ -31,6 +31,7 @@ from tailserve.config.model import (
     check_tensor_parallel,
     kv_block_bytes,
     resolve_max_model_len,
+    sliding_window_served,
 )
 from tailserve.errors import ConfigError
 from tailserve.platforms import (
@@ -355,9 +356,10 @@ class EngineArgs:
     def resolve_unsized(self, model: ModelConfig, platform: Platform) -> UnsizedEngineConfig:
         """Everything but the KV pool's size, which on CUDA needs a profiling forward of the
         model built with this configuration (``UnsizedEngineConfig.needs_kv_measurement``)."""
-        max_model_len = resolve_max_model_len(self.max_model_len, model)
-        check_tensor_parallel(model, self.tensor_parallel_size)
         runner = self.resolve_runner(platform, model.checkpoint_dtype)
+        max_model_len = resolve_max_model_len(self.max_model_len, model,
+                                              sliding_window_served(runner.device))
+        check_tensor_parallel(model, self.tensor_parallel_size)
         budget = self.max_num_batched_tokens
         if budget is None:
             # The default must hold every running decode, and whole prompts when not chunking.

@@ -11,7 +11,12 @@ from typing import Any
 
 from tailserve.errors import ConfigError, ModelLoadError
 from tailserve.families import FAMILIES
-from tailserve.model_features import sliding_window, unsupported_features
+from tailserve.model_features import (
+    hidden_act,
+    sliding_window,
+    sliding_window_layers,
+    unsupported_features,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +49,29 @@ class ModelConfig:
     # The dtype the checkpoint stores its weights in (config.json's torch_dtype); None where
     # the loader produces float32 (GGUF). ``dtype=auto`` keeps a 16-bit one on CPU.
     checkpoint_dtype: str | None = None
-    # The window of the checkpoint's sliding-window layers (None: every layer is global).
-    # Attention past it is not served yet, so max_model_len resolves to at most this.
+    # The window of the checkpoint's sliding-window layers (None: every layer is global) and
+    # which layers slide: a token there attends to the last ``sliding_window`` positions only.
     sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation (model_features.SERVED_ACTIVATIONS)
+    # The families' declarations (families/base.py), resolved for this checkpoint.
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None  # token embeddings times this (Gemma: sqrt(hidden))
+    rope_local_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
+    # The attention scale is query_pre_attn_scalar ** -0.5 where set (Gemma), else
+    # head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends within, or None where it attends to everything."""
+        return self.sliding_window if layer in self.sliding_window_layers else None
+
+    @property
+    def attention_scale(self) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5  # as transformers' Gemma computes
+        return 1.0 / math.sqrt(self.head_dim)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -66,9 +91,17 @@ class ModelConfig:
                 f"{', '.join(unsupported)}"
             )
         rope_scaling = cfg.get("rope_scaling") or None
-        # transformers >= 4.45 nests rope settings under rope_parameters in some exports.
+        # transformers >= 4.45 nests rope settings under rope_parameters in some exports, and
+        # per layer type where the types have their own (Gemma 3).
         rope_params = cfg.get("rope_parameters") or {}
+        local_params = rope_params.get("sliding_attention") or {}
+        rope_params = rope_params.get("full_attention", rope_params)
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        local_theta = cfg.get("rope_local_base_freq",
+                              local_params.get("rope_theta", family.local_rope_theta))
+        if local_params.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"rope scaling on sliding-window layers is not served: "
+                                 f"rope_parameters.sliding_attention={local_params!r}")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
         if rope_scaling is not None:
@@ -83,6 +116,9 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        window_layers = sliding_window_layers(cfg, family.sliding_window_pattern)
+        softcap = cfg.get("final_logit_softcapping")
+        scalar = cfg.get("query_pre_attn_scalar")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -95,7 +131,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tie_word_embeddings)),
             attention_bias=bool(cfg.get("attention_bias") if cfg.get("attention_bias")
                                 is not None else family.attention_bias),
             qk_norm=family.qk_norm,
@@ -103,7 +139,14 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            sliding_window=sliding_window(cfg),
+            sliding_window=sliding_window(cfg) if window_layers else None,
+            sliding_window_layers=window_layers,
+            hidden_act=hidden_act(cfg, family.hidden_act),
+            sandwich_norms=family.sandwich_norms,
+            embedding_scale=float(hidden) ** 0.5 if family.scale_embeddings else None,
+            rope_local_theta=None if local_theta is None else float(local_theta),
+            query_pre_attn_scalar=None if scalar is None else float(scalar),
+            final_logit_softcapping=None if softcap is None else float(softcap),
         )
 
 
@@ -156,29 +199,37 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
     return block_size * kv_bytes_per_token(model, DTYPE_BYTES[dtype], tensor_parallel_size)
 
 
-def resolve_max_model_len(asked: int | None, model: ModelConfig) -> int:
-    """``--max-model-len`` against the model: at most its context length, and at most its
-    sliding window, since attention past a window is not served yet. Up to the window a
-    sliding-window layer attends to every earlier token, as a global one does, so the answers
-    are the checkpoint's own; past it they would silently be another model's. Asked for more
-    than the window: refused; left to default: capped, with a warning that says so."""
+def sliding_window_served(device: str) -> bool:
+    """Whether attention within a sliding window is served on ``device``: by the torch
+    reference and the CPU kernels' backends, not yet by the Triton (CUDA) one."""
+    return device != "cuda"
+
+
+def resolve_max_model_len(asked: int | None, model: ModelConfig,
+                          window_served: bool = True) -> int:
+    """``--max-model-len`` against the model: at most its context length, and, where attention
+    within a sliding window is not served (``window_served`` False: CUDA), at most the window.
+    Up to the window a sliding-window layer attends to every earlier token, as a global one
+    does, so the answers are the checkpoint's own; past it they would silently be another
+    model's. Asked for more than the window there: refused; left to default: capped, with a
+    warning that says so."""
     limit = model.max_position_embeddings
     if asked is not None and asked > limit:
         raise ConfigError(
             f"max_model_len ({asked}) exceeds the model's context length ({limit})"
         )
     window = model.sliding_window
-    if window is None or window >= (asked or limit):
+    if window_served or window is None or window >= (asked or limit):
         return asked or limit
     if asked is not None:
         raise ConfigError(
             f"max_model_len ({asked}) exceeds the model's sliding attention window ({window} "
-            f"tokens): attention past the window is not served yet, so a longer sequence "
-            f"would get another model's answers; set --max-model-len {window} or less"
+            f"tokens): attention past the window is not served on this device yet, so a longer "
+            f"sequence would get another model's answers; set --max-model-len {window} or less"
         )
     log.warning(
         "the model attends within a sliding window of %d tokens, and attention past the window "
-        "is not served yet: max_model_len capped at %d (the model's context length is %d)",
-        window, window, limit,
+        "is not served on this device yet: max_model_len capped at %d (the model's context "
+        "length is %d)", window, window, limit,
     )
     return window

@@ -2,4 +2,4 @@
 
 from tailserve.families.base import Family
 
-FAMILY = Family("LlamaForCausalLM", gguf_architecture="llama")
+FAMILY = Family("LlamaForCausalLM", gguf_architecture="llama", gguf_qk_permuted=True)

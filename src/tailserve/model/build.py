@@ -29,7 +29,6 @@ on CPU unless ``enforce_eager``, the one-call step graph (``CpuDecodeGraph``).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -212,7 +211,7 @@ class BuiltModel:
 
     @property
     def scale(self) -> float:
-        return 1.0 / math.sqrt(self.model_config.head_dim)
+        return self.model_config.attention_scale
 
     def describe(self) -> str:
         """One line for the start-up log: each applied transform and what it swapped."""

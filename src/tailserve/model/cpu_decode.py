@@ -14,7 +14,10 @@ module forward; ``enforce_eager`` turns this path off.
 The graph replaces the module forward only for a model it knows module by module: ``build``
 checks every module of the model against ``_MODEL_PARTS`` / ``_LAYER_PARTS`` (exact types) and
 refuses, with a logged reason, any it does not know, so a new model feature is never skipped on
-the steps it runs while the module forward would run it.
+the steps it runs while the module forward would run it. Features that are not modules are
+checked by name: scaled embeddings refuse the model; a sliding window refuses each step in which
+some context is longer than the window (the compiled attention attends to every cached
+position), and those steps run the module forward.
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ class CpuDecodeGraph:
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        # Steps with a context longer than this run the module forward (sliding windows).
+        self.window = cfg.sliding_window if cfg.sliding_window_layers else None
 
     @classmethod
     def build(cls, model: nn.Module) -> CpuDecodeGraph | None:
@@ -135,6 +140,9 @@ class CpuDecodeGraph:
                 raise _Refused("the model has no decoder layers")
             layers = [_layer_weights(f"layers.{i}", typing.cast(LlamaDecoderLayer, layer))
                       for i, layer in enumerate(llama.layers)]
+            if llama.config.embedding_scale is not None:
+                raise _Refused(f"the embeddings are scaled (by {llama.config.embedding_scale:g}),"
+                               " which it does not do")
             if llama.config.head_dim % 16:
                 # CpuKernelAttentionBackend gives such heads to the reference attention.
                 raise _Refused(f"head_dim {llama.config.head_dim} is not a multiple of 16, "
@@ -144,6 +152,11 @@ class CpuDecodeGraph:
             return None
         panels = [path for path, m in model.named_modules()
                   if type(m) is KernelLinear and _LAYER_PATH.fullmatch(path)]
+        window = llama.config.sliding_window if llama.config.sliding_window_layers else None
+        if window is not None:
+            log.info("one-call step (decode_layers) on for steps whose contexts fit the sliding "
+                     "window of %d tokens: it attends to every cached position, so a step with a "
+                     "longer context runs the module forward", window)
         if panels:
             log.info("one-call step (decode_layers) on for steps of up to %d tokens: %s and "
                      "%d more projections are float32 panels, which the module forward gives "
@@ -153,9 +166,11 @@ class CpuDecodeGraph:
     def supports(self, meta: AttentionMetadata) -> bool:
         """Whether this step runs here: any mix of decodes and prefill chunks, of up to
         ``max_tokens`` tokens (float32 panels: PANEL_MAX_ROWS, where the module forward
-        leaves the panel kernel for oneDNN; GGUF blocks and 16-bit panels: any count)."""
+        leaves the panel kernel for oneDNN; GGUF blocks and 16-bit panels: any count), none of
+        whose contexts is longer than a sliding window of the model."""
         tokens = meta.query_start_loc[-1]
-        return meta.num_seqs > 0 and (self.max_tokens is None or tokens <= self.max_tokens)
+        return (meta.num_seqs > 0 and (self.max_tokens is None or tokens <= self.max_tokens)
+                and not meta.window_binds(self.window))
 
     def __call__(
         self,

@@ -58,7 +58,8 @@ _SCALAR_FORMATS = {
 _MAX_STRING_ARRAY = 1024
 _BLOCKS_PER_WIDE_ROW = 512  # 16 such rows of Q8_0 or Q4 blocks: ~1 MB of float32 per group
 
-# GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``).
+# GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``); a
+# family's ``gguf_names`` override these where its layers differ.
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -69,6 +70,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -260,8 +263,11 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
         "rope_scaling": _rope_scaling(md, arch),
-        # llama.cpp writes a window for every layer of the architectures read here.
+        # llama.cpp writes one window; which layers use it is the family's pattern
+        # (Family.sliding_window_pattern; every layer where it has none).
         "sliding_window": md.get(f"{arch}.attention.sliding_window"),
+        "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
+        "attn_logit_softcapping": md.get(f"{arch}.attn_logit_softcapping"),
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         # End of text, end of turn, end of message: llama.cpp stops on all three, and so do we.
         "eos_token_id": list(
@@ -289,7 +295,7 @@ def packed_storage(f: GGUFFile) -> dict[str, str]:
     blocks (the others become float32): what ``tailserve plan`` counts, from the header."""
     out = {}
     for name, info in f.tensors.items():
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, f.architecture)
         if hf_name is not None and _kept_packed(info):
             out[hf_name] = PACKED_FORMATS[info.ggml_type].name
     return out
@@ -304,7 +310,7 @@ def load_gguf_weights(
     names: dict[str, str] = {}
     unknown: list[str] = []
     for name in f.tensors:
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, f.architecture)
         if hf_name is None:
             unknown.append(name)
         else:
@@ -316,6 +322,7 @@ def load_gguf_weights(
         )
     weights: dict[str, torch.Tensor] = {}
     fallback: list[str] = []
+    permuted = GGUF_FAMILIES[f.architecture].gguf_qk_permuted  # gguf_model_config checked it
     for name, hf_name in names.items():
         info = f.tensors[name]
         try:
@@ -327,10 +334,10 @@ def load_gguf_weights(
                 tensor = f.dequantize(name)
         except NotImplementedError as exc:  # a type gguf's numpy code has no dequantizer for
             raise ModelLoadError(f"{f.path}: cannot dequantize {name}: {exc}") from exc
-        # Only llama.cpp's "llama" converter permutes; its qwen2 converter stores HF order.
-        if f.architecture == "llama" and ".self_attn.q_proj." in hf_name:
+        # Only llama.cpp's "llama" converter permutes; the others store HF order.
+        if permuted and ".self_attn.q_proj." in hf_name:
             tensor = unpermute_rows(tensor, config.num_attention_heads).contiguous()
-        elif f.architecture == "llama" and ".self_attn.k_proj." in hf_name:
+        elif permuted and ".self_attn.k_proj." in hf_name:
             tensor = unpermute_rows(tensor, config.num_key_value_heads).contiguous()
         weights[hf_name] = tensor
     if fallback:
@@ -356,14 +363,17 @@ def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
     return scaling  # ModelConfig.from_hf rejects the kinds it cannot run (yarn, ...)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    family = GGUF_FAMILIES.get(arch)
+    overrides = family.gguf_names if family is not None else {}
+    hf_part = overrides.get(part, _LAYER_NAMES.get(part))
+    return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{kind}"
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

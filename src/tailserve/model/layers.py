@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, SwiGLU, rotary embeddings; pure torch.
+"""Building blocks of a Llama-family decoder: RMSNorm, SwiGLU / GeGLU, rotary embeddings; pure
+torch.
 
 Faster forms of these (compiled CPU kernels, oneDNN) are swapped in by a model transform
 (``tailserve.model.transforms``), never switched on inside them.
@@ -78,6 +79,22 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """[tokens, 2 * I] -> [tokens, I]: tanh-approximated GELU of the first half times the second
+    (GeGLU, Gemma's ``gelu_pytorch_tanh``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# config.json's activation name -> the gated MLP's module (model_features.SERVED_ACTIVATIONS).
+GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+}
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -1,9 +1,12 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) over flattened, paged
-batches. What differs between the families is declared in ``tailserve/families/`` and reaches
-this file as ``ModelConfig`` fields (``attention_bias``, ``qk_norm``, ...), never as a branch
-on the architecture's name.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2, Gemma 3) over
+flattened, paged batches. What differs between the families is declared in
+``tailserve/families/`` and reaches this file as ``ModelConfig`` fields (``attention_bias``,
+``qk_norm``, ``sandwich_norms``, per-layer sliding windows, ...), never as a branch on the
+architecture's name.
 
-Read top to bottom: embed -> N x (RMSNorm, attention, RMSNorm, SwiGLU MLP) -> RMSNorm -> LM head.
+Read top to bottom: embed -> N x (RMSNorm, attention, RMSNorm, gated MLP) -> RMSNorm -> LM head;
+with ``sandwich_norms`` (Gemma) the attention's and the MLP's outputs are normed too before each
+residual add.
 Inputs are one step's tokens flattened across sequences; attention goes through the
 ``AttentionBackend`` chosen for the device, so this file never branches on hardware.
 """
@@ -17,12 +20,14 @@ from torch import nn
 
 from tailserve.config import ModelConfig
 from tailserve.model.attention import AttentionBackend, AttentionMetadata
-from tailserve.model.layers import ApplyRope, RMSNorm, RotaryEmbedding, SiluAndMul
+from tailserve.model.layers import GATED_ACTIVATIONS, ApplyRope, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
+        # This layer's window (None: it attends to the whole context).
+        self.sliding_window = cfg.layer_sliding_window(layer)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -61,7 +66,8 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta)  # [num_tokens, num_heads, head_dim]
+        # [num_tokens, num_heads, head_dim]
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -71,18 +77,23 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = SiluAndMul()
+        self.act = GATED_ACTIVATIONS[cfg.hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = LlamaAttention(cfg, backend, layer)
+        # Without sandwich norms: the pre-MLP norm (fused with the residual add). With them
+        # (Gemma): the attention output's norm, and two more around the MLP.
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps) if cfg.sandwich_norms else None
         self.mlp = LlamaMLP(cfg)
 
     def forward(
@@ -104,6 +115,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, kv_cache, meta)
+        if (self.pre_feedforward_layernorm is not None
+                and self.post_feedforward_layernorm is not None):
+            h = self.post_attention_layernorm(h)
+            h, residual = self.pre_feedforward_layernorm(h, residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -113,15 +129,29 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        # One rope table; each step looks its positions up once for every layer.
-        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rope: RotaryEmbedding
+        self.local_rope: RotaryEmbedding | None
+        self.build_rope(max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers)
         )
+        self._local_rope_layers = [cfg.layer_sliding_window(i) is not None
+                                   for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def build_rope(self, max_position: int) -> None:
+        """The rope tables of positions below ``max_position``, on the current device (made
+        again after a meta build). One table; each step looks its positions up once for every
+        layer. Gemma 3's sliding layers have their own (another base, no scaling)."""
+        cfg = self.config
+        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.local_rope = (
+            RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_local_theta, None)
+            if cfg.rope_local_theta is not None and cfg.sliding_window_layers else None
+        )
 
     def forward(
         self,
@@ -131,17 +161,23 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:
+            x = x * self.config.embedding_scale
         rope = self.rope.lookup(positions)
+        local = rope if self.local_rope is None else self.local_rope.lookup(positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        for layer, kv_cache, is_local in zip(self.layers, kv_caches, self._local_rope_layers,
+                                             strict=True):
+            x, residual = layer(local if is_local else rope, x, residual, kv_cache, meta)
         if residual is None:  # a model without layers
             return self.norm(x)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the rows that sample reach here: the LM head is the widest matmul of the model.
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -186,3 +222,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            for norm, name in ((layer.pre_feedforward_layernorm, "pre_feedforward_layernorm"),
+                               (layer.post_feedforward_layernorm, "post_feedforward_layernorm")):
+                if norm is not None:
+                    norm.weight.copy_(take(p + name + ".weight"))

@@ -210,11 +210,23 @@ def _load_hf_folder(folder: str, quantization: str | None = None,
     weights = _read_safetensors(folder, convert, _unfuse(config))
     if convert is not None:
         log.info("%s", convert.describe())
+    _offset_norms(weights, FAMILIES[config.architecture].norm_weight_offset)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some exports save the tied copy too
     _check_weights(weights, config, folder)
     tokenizer = load_hf_tokenizer(folder)
     return LoadedModel(_with_special_ids(config, tokenizer), weights, tokenizer, folder)
+
+
+def _offset_norms(weights: dict[str, torch.Tensor], offset: float) -> None:
+    """Every RMSNorm weight plus the family's ``norm_weight_offset`` (Gemma's norms compute
+    x * (1 + w), the decoder's x * w), in float32 as transformers adds it: a bf16 1 + w would
+    round w to the spacing of 1."""
+    if not offset:
+        return
+    for name, tensor in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = tensor.float() + offset
 
 
 def _unfuse(

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tailserve.model.layers import RotaryEmbedding
 from tailserve.model.llama import LlamaForCausalLM
 
 
@@ -43,7 +42,7 @@ class skip_init(TorchFunctionMode):  # a context manager, named like torch.no_gr
 
 def materialize_model(model: LlamaForCausalLM, device: torch.device, max_model_len: int) -> None:
     """Give a meta-built model real (uninitialized) tensors wherever it still has meta ones:
-    the parameters ``load_weights`` fills, and a rope table computed again on ``device``."""
+    the parameters ``load_weights`` fills, and the rope tables computed again on ``device``."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
@@ -52,10 +51,8 @@ def materialize_model(model: LlamaForCausalLM, device: torch.device, max_model_l
                     made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
                                                    requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]
-    cfg = model.config
     with torch.device(device):
-        model.rope = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta,
-                                     cfg.rope_scaling)
+        model.build_rope(max_model_len)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"tensors left on the meta device: {left[:4]}")

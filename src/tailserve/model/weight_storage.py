@@ -91,6 +91,11 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if config.sandwich_norms:
+            shapes |= {
+                p + "pre_feedforward_layernorm.weight": (h,),
+                p + "post_feedforward_layernorm.weight": (h,),
+            }
         if config.qk_norm:
             shapes |= {
                 p + "self_attn.q_norm.weight": (config.head_dim,),

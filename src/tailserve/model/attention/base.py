@@ -38,6 +38,11 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    def window_binds(self, sliding_window: int | None) -> bool:
+        """Whether a layer with this window attends differently from a global one in this
+        step: some sequence's context is longer than the window."""
+        return sliding_window is not None and max(self.seq_lens_list, default=0) > sliding_window
+
 
 class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache, then attends over each sequence's blocks."""
@@ -61,5 +66,8 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        ...
+        """``sliding_window``: the calling layer's window (None: global). A token at position
+        p then attends to positions p - sliding_window + 1 .. p only (transformers' mask);
+        every position's K/V stays in the cache either way."""

@@ -13,8 +13,9 @@ gather, no mask tensor) and the KV write to ``write_kv_cache``: both run on the 
 pool like the products around them, where SDPA and ``index_copy_`` ran on OpenMP's threads and
 the two pools spun against each other on a small host (benchmarks/notes/cpu_kernels.md,
 "Prefill on one pool").
-Queries in another dtype than float32, or a head_dim the kernel does not tile (not a multiple
-of 16), keep the reference path.
+Queries in another dtype than float32, a head_dim the kernel does not tile (not a multiple
+of 16), and a sliding-window layer in a step where some context is longer than its window (the
+kernels attend to every cached position) keep the reference path.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if q.dtype != torch.float32 or q.shape[-1] % 16:
-            return super().forward(q, k, v, kv_cache, meta)
+        if q.dtype != torch.float32 or q.shape[-1] % 16 or meta.window_binds(sliding_window):
+            return super().forward(q, k, v, kv_cache, meta, sliding_window)
         torch.ops.tailserve.write_kv_cache(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:

@@ -8,12 +8,14 @@ page-fault its way in each time, which on CPU cost 5x the copy itself (measured 
 Decodes are sorted longest first by the runner and attended in groups of ``DECODE_GROUP``: each
 group is padded only to its own longest context, then one SDPA call with a length mask covers
 the group (GQA without repeating K/V). Prefill chunks run one SDPA per sequence; a chunk with no
-earlier context attends to its own K/V with no gather at all.
+earlier context attends to its own K/V with no gather at all. A sliding-window layer's masks also
+hide the positions before its window (the blocks are gathered all the same: this is the
+reference, not the fast path).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,19 @@ class _Group:
     num_blocks: int  # blocks per sequence after padding
     block_index: torch.Tensor  # [(end - start) * num_blocks] block ids, padded with block 0
     mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size] bool
+    # The same mask less the positions before a window, by window (made by the first
+    # sliding layer of the step that needs it, reused by the others).
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            # The query sits at seq_len - 1 and sees the window's positions seq_len - window ..
+            first = seq_lens[self.start : self.end, None] - window
+            self.window_masks[window] = self.mask & (positions[None, :] >= first)[:, None, None]
+        return self.window_masks[window]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -37,9 +52,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._workspace = torch.empty(0)
         self._wide = torch.empty(0)  # a 16-bit cache's gathered K/V, widened (same reuse)
         self._groups: list[_Group] = []
+        self._planned: AttentionMetadata | None = None  # the step self._groups are for
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan the decode groups once per step; every layer reuses the plan."""
+        self._planned = meta
         self._groups = []
         bs = meta.block_size
         for start in range(0, meta.num_decodes, DECODE_GROUP):
@@ -80,7 +97,10 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if self._planned is not meta:  # a subclass that plans otherwise hands a step over
+            TorchAttentionBackend.begin_step(self, meta)
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
         v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
@@ -91,23 +111,19 @@ class TorchAttentionBackend(AttentionBackend):
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            self._decode_all(out, q, kv_cache, meta)
+            for group in self._groups:  # the first num_decodes tokens, one per sequence
+                out[group.start : group.end] = self._decode(q, kv_cache, meta, group,
+                                                            sliding_window)
         for i in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], kv_cache, meta, i
+                q[start:end], k[start:end], v[start:end], kv_cache, meta, i, sliding_window
             )
         return out
 
-    def _decode_all(
-        self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> None:
-        """Attention of the first ``meta.num_decodes`` tokens (one per decoding sequence)."""
-        for group in self._groups:
-            out[group.start : group.end] = self._decode(q, kv_cache, meta, group)
-
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, group: _Group
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, group: _Group,
+        window: int | None,
     ) -> torch.Tensor:
         n = group.end - group.start
         keys, values = self._gather(kv_cache, group.block_index, q.dtype)
@@ -117,7 +133,7 @@ class TorchAttentionBackend(AttentionBackend):
             q[group.start : group.end].unsqueeze(2),  # [n, H, 1, D]
             keys.view(shape).transpose(1, 2),
             values.view(shape).transpose(1, 2),
-            attn_mask=group.mask,
+            attn_mask=group.window_mask(meta.seq_lens, window),
             scale=meta.scale,
             enable_gqa=True,
         )  # [n, H, 1, D]
@@ -131,20 +147,27 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         i: int,
+        window: int | None,
     ) -> torch.Tensor:
         n = q.shape[0]
         ctx = meta.seq_lens_list[i]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        mask: torch.Tensor | None = None
         if ctx == n:
             keys, values = k, v
-            mask = None
         else:
             table = meta.block_tables[i, : -(-ctx // meta.block_size)]
             keys, values = self._gather(kv_cache, table, q.dtype)
             keys, values = keys[:ctx], values[:ctx]
-            # Query j sits at position ctx - n + j and sees keys 0 .. ctx - n + j.
-            qpos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = (torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None])[None, None]
+        if ctx != n or (window is not None and window < ctx):
+            # Query j sits at position ctx - n + j and sees keys 0 .. ctx - n + j, within a
+            # window only the last ``window`` of them.
+            qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            visible = kpos <= qpos
+            if window is not None:
+                visible &= kpos > qpos - window
+            mask = visible[None, None]
         out = F.scaled_dot_product_attention(
             qh,
             keys.transpose(0, 1).unsqueeze(0),

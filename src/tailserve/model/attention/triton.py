@@ -62,7 +62,12 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if meta.window_binds(sliding_window):
+            # config.resolve_max_model_len caps max_model_len at the window on CUDA.
+            raise NotImplementedError("sliding-window attention past the window is not served "
+                                      "by the Triton kernels")
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = meta.num_decodes
