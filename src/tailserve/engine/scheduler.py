@@ -59,7 +59,7 @@ from tailserve.engine.latency import (
 from tailserve.engine.step_budget import StepBudget
 from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
 from tailserve.engine.tenant_share import TenantShares
-from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
+from tailserve.engine.waiting_queue import WaitingQueue, late_yield_s, make_waiting_queue
 from tailserve.errors import InvalidRequestError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import (
@@ -297,7 +297,7 @@ class Scheduler:
         # then the larger of its SLO and its own prefill): late by its own size or not, it
         # has had its best-effort window (on a host 4x slower than usual every 500-token
         # prompt is "too long" for a 1 s SLO, and the queue would never drain).
-        if r.timestamps.first_scheduled is None and waited > slo + max(slo, idle):
+        if r.timestamps.first_scheduled is None and waited > slo + late_yield_s(r, idle):
             return True
         return waited > slo and idle <= slo
 

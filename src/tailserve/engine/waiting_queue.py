@@ -127,6 +127,13 @@ class PriorityQueue(FCFSQueue):
         return max(candidates, key=lambda r: (r.priority, r.admit_seq))
 
 
+def late_yield_s(req: Request, idle_prefill_s: float) -> float:
+    """How much later a request that can no longer meet its deadline is keyed: its TTFT SLO,
+    or its whole prompt's prefill alone (``idle_prefill_s``) when that is longer. The
+    deadline policy's key and the scheduler's overdue-queue rule share it."""
+    return max(req.slo.ttft_s or 0.0, idle_prefill_s)
+
+
 class DeadlineQueue(FCFSQueue):
     """Earliest deadline first: the prefill budget goes to the request whose next token is
     due first (``Request.next_token_deadline``: arrival + its TTFT SLO for a first token; a
@@ -154,9 +161,7 @@ class DeadlineQueue(FCFSQueue):
         self._idle_prefill_s = idle_prefill_s
 
     def yield_s(self, req: Request) -> float:
-        """How much later a request that can no longer meet its deadline is keyed: its TTFT
-        SLO, or its whole prompt's prefill alone when that is longer."""
-        return max(req.slo.ttft_s or 0.0, self._idle_prefill_s(req))
+        return late_yield_s(req, self._idle_prefill_s(req))
 
     def starvation_bound(self, req: Request) -> float | None:
         """The latest key the request can have (None without a deadline)."""
