@@ -205,20 +205,30 @@ def test_tenants_on_a_live_server(tmp_path: Path) -> None:
                           headers={"Authorization": f"Bearer {KEY_B}",
                                    "x-tenant-id": "a b"}).status_code == 400
 
-        async def at_once() -> list[httpx.Response]:
+        async def at_once() -> tuple[httpx.Response, httpx.Response]:
+            # team-a's first request streams a long answer and is held open until the two
+            # others are answered, so no host is fast enough to finish it first.
             async with httpx.AsyncClient(timeout=120) as client:
                 def post(key: str) -> asyncio.Future[httpx.Response]:
                     return asyncio.ensure_future(client.post(
                         srv.url + "/v1/completions",
-                        json={"prompt": "Count to fifty:", "max_tokens": 200,
+                        json={"prompt": "Count to fifty:", "max_tokens": 8,
                               "ignore_eos": True},
                         headers={"Authorization": f"Bearer {key}"}))
-                first = post(KEY_A)
-                await asyncio.sleep(1.0)  # admitted and decoding
-                return list(await asyncio.gather(first, post(KEY_A), post(KEY_B)))
+                async with client.stream(
+                    "POST", srv.url + "/v1/completions",
+                    json={"prompt": "Count to fifty:", "max_tokens": 1500, "ignore_eos": True,
+                          "stream": True},
+                    headers={"Authorization": f"Bearer {KEY_A}"},
+                ) as first:
+                    assert first.status_code == 200
+                    await poll_metrics(client, srv.url, lambda t: metric_value(
+                        t, "tailserve:num_requests_running") == 1, timeout=60)
+                    second, other = await asyncio.gather(post(KEY_A), post(KEY_B))
+                return second, other
 
-        first, second, other = asyncio.run(at_once())
-        assert first.status_code == 200 and other.status_code == 200
+        second, other = asyncio.run(at_once())
+        assert other.status_code == 200, other.text
         assert second.status_code == 429, second.text
         assert second.json()["error"]["code"] == "tenant_concurrency"
         assert "tenant 'team-a' is at its max_concurrency (1 of 1" in second.text
