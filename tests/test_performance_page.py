@@ -127,3 +127,44 @@ def test_the_committed_page_is_what_make_docs_writes(pp: ModuleType) -> None:
     committed = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     assert committed == pp.render(pp.load_reports(pp.RESULTS)), (
         "docs/performance.md is stale: run `make docs`")
+
+
+def _cap(rates: dict[float, float], capacity: float | None, missing: float | None,
+         resolved: bool) -> dict[str, Any]:
+    return {"workload": "chat", "num_prompts": 30, "slos_ms": {"ttft_ms": 1000.0, "itl_ms": 100.0},
+            "targets": [{"target": 0.9, "capacity_req_s": capacity,
+                         "lowest_missing_rate": missing, "resolved": resolved},
+                        {"target": 0.99, "capacity_req_s": None, "lowest_missing_rate": 0.25,
+                         "resolved": False}],
+            "points": [{"rate": r, "goodput_share": g} for r, g in rates.items()]}
+
+
+def test_capacity_and_targets_are_read_off_the_runs(pp: ModuleType) -> None:
+    """The latest run with a capacity sweep gives the capacity table (a bound where the search
+    did not bracket the rate), and the targets are computed from the figures, met or not."""
+    main = {**REPORT, "rows": [
+        _row("tailserve", "mixed", p99_ttft_ms=1368.2, p99_itl_ms=90.4),
+        _row("vllm", "mixed", p99_ttft_ms=1182.0, p99_itl_ms=525.8),
+        _row("tailserve", "prompt128", median_ttft_ms=76.0),
+        _row("vllm", "prompt128", median_ttft_ms=121.8),
+        _row("tailserve", "long-mix", short_p99_ttft_ms=154.1, short_median_ttft_ms=80.8),
+    ]}
+    sweep = {**REPORT, "commit": "cap0001", "rows": [], "capacity": {
+        "vllm": _cap({0.5: 0.5, 0.25: 0.8}, None, 0.25, False),
+        "tailserve": _cap({0.5: 0.83, 0.25: 0.97, 0.42: 0.93}, 0.42, 0.5, True),
+        "llama.cpp": _cap({0.25: 0.6, 0.125: 0.9}, 0.125, 0.25, False),
+    }}
+    page = pp.render({"2026-12-03-cap.json": sweep, "2026-12-04.json": main})
+    assert ("| tailserve | 0.42 | < 0.25 | 0.25 → 97%, 0.42 → 93%, 0.5 → 83% |\n"
+            "| vLLM-CPU | < 0.25 | < 0.25 | 0.25 → 80%, 0.5 → 50% |\n"
+            "| llama-server | 0.125 (< 0.25) | < 0.25 | 0.125 → 90%, 0.25 → 60% |") in page
+    assert "`2026-12-03-cap.json`: commit cap0001" in page.split("## Runs")[0]
+    assert ("| 29: mixed P99 TTFT <= vLLM's | 1,368.2 | 1,182.0 | 1.16x | **not met** |\n"
+            "| 29: mixed P99 ITL <= 1/2 vLLM's | 90.4 | 525.8 | 0.17x | met |\n"
+            "| 29: long-mix short TTFT P99 <= 3x P50 | 154.1 | 80.8 | 1.91x | met |\n"
+            "| 29: capacity at SLO >= 3x llama-server's (req/s) | 0.420 | 0.125 | 3.36x | met |\n"
+            "| 30: TTFT of a 128-token prompt <= 0.7x vLLM's | 76.0 | 121.8 | 0.62x | met |\n"
+            ) in page
+    # vLLM's capacity was below every rate tried: no ratio is claimed against it.
+    assert "1.5x vLLM-CPU's" not in page
+    assert len(page.splitlines()) <= 150
