@@ -138,11 +138,12 @@ def test_a_request_that_can_no_longer_meet_its_deadline_yields_to_one_that_can()
 
 
 def test_a_late_request_is_passed_only_by_requests_that_arrived_before_its_bound() -> None:
-    """The starvation bound: a late request's key is at most arrival + its TTFT SLO + the
-    larger of that SLO and its own prefill alone (0.3 + 0.41 s here), and
-    every key is at least its request's arrival, so no request that arrives after that bound
-    gets its first token before it, however many keep coming (here more than the engine
-    serves); before it gets the budget it takes what the others leave."""
+    """The starvation bound: a late request's key is arrival + its TTFT SLO + the larger of
+    that SLO and its own prefill alone (0.3 + 0.41 s here) + the time it has been prefilled,
+    which grows only while it gets tokens, and every key is at least its request's arrival,
+    so no request that arrives after that bound gets its first token before it, however many
+    keep coming (here more than the engine serves); before it gets the budget it takes what
+    the others leave."""
     clock = Clock()
     slo = 0.3
     s = make(clock, max_num_batched_tokens=64, scheduling_policy="deadline", slo_ttft_s=slo,
@@ -172,6 +173,35 @@ def test_a_late_request_is_passed_only_by_requests_that_arrived_before_its_bound
     assert before and max(arrived[r] for r in before) <= bound
     # Requests that arrived after the bound were waiting while it went, and did not pass it.
     assert any(t > bound and r not in before for r, t in arrived.items())
+
+
+def test_a_late_prompt_being_prefilled_is_passed_by_a_short_one_that_is_on_time() -> None:
+    """A late request's key moves on by the time of the steps that carry its prompt: "big"
+    (400 tokens, late from the start; its old bound 0.71 s) shares its steps with a 40-token
+    prompt every 60 ms (they arrive before its key and go first) and is still being
+    prefilled past 0.71 s. A 40-token prompt arriving then, on time, takes its whole prompt
+    first and big the rest. With the key fixed at 0.71 big went first and such a prompt got
+    what big's chunk left, a few tokens a step, for as long as big's prefill lasted."""
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64, scheduling_policy="deadline", slo_ttft_s=0.3,
+             enable_prefix_caching=False)
+    runner = FakeRunner()
+    s.add_request(req("big", 400, 0.0))
+    big = s.requests["big"]
+    assert isinstance(s.waiting, DeadlineQueue)
+    k, next_arrival = 0, 0.0
+    while clock.t <= 0.75:
+        while next_arrival <= clock.t:
+            s.add_request(req(f"f{k}", 40, next_arrival))
+            k, next_arrival = k + 1, next_arrival + 0.060
+        step(s, runner, clock)
+    assert big.num_computed_tokens < 400  # still in its prompt, past its old bound
+    served = big.timestamps.prefill_time
+    assert 0 < served <= clock.t
+    assert s.waiting.starvation_bound(big) == pytest.approx(0.71 + served)
+    assert s.waiting.starvation_bound(big) > clock.t + 0.3  # the newcomer's key
+    s.add_request(req("small", 40, clock.t))
+    assert dict(step(s, runner, clock)) == {"big": 24, "small": 40}
 
 
 def _preempted(policy: str) -> list[str]:

@@ -144,14 +144,18 @@ class DeadlineQueue(FCFSQueue):
     A request that can no longer meet its deadline (``now`` + its own remaining prefill,
     predicted as one step, is past it) yields: its key moves later by the larger of its TTFT
     SLO and its whole prompt's prefill alone (``yield_s``), behind those that still can, best
-    effort after them. Its key never passes ``arrival + TTFT SLO + yield_s``, and every key is
-    at least its request's arrival, so no request that arrives after that passes it: the
-    starvation bound (``starvation_bound``). It scales with the request's own size: a prompt
-    that needs 4 s alone may be passed for ~4 s, not one SLO. With one SLO's yield, short
-    prompts that arrived more than an SLO after a 4,000-token prompt waited for all of it,
-    and for the next such prompt too (3-12 s behind three of them, issue 29's long-mix run of
-    2026-12-03). Preemption takes the running request with the most slack (the newest
-    admission among equals).
+    effort after them. Its key is ``arrival + TTFT SLO + yield_s`` plus the time of the steps
+    that have carried its prompt so far (``timestamps.prefill_time``): it moves only while the
+    request is being served, and every key is at least its request's arrival, so a request
+    that gets no tokens is passed by nothing that arrives after its key: the starvation bound
+    (``starvation_bound``). It scales with the request's own size: a prompt that needs 4 s
+    alone may be passed for ~4 s, not one SLO. With one SLO's yield, short prompts that
+    arrived more than an SLO after a 4,000-token prompt waited for all of it (3-12 s behind
+    three of them, issue 29's long-mix run of 2026-12-03); without the served time, those that
+    arrived more than its own prefill time after it waited behind each of its chunks, 8-32
+    tokens a step beside it, 465-760 ms against a median of 87 (the quiet run of 2026-12-04
+    00:31), though the long prompt was progressing all along. Preemption takes the running
+    request with the most slack (the newest admission among equals).
     """
 
     def __init__(self, own_prefill_s: Callable[[Request], float],
@@ -164,18 +168,20 @@ class DeadlineQueue(FCFSQueue):
         return late_yield_s(req, self._idle_prefill_s(req))
 
     def starvation_bound(self, req: Request) -> float | None:
-        """The latest key the request can have (None without a deadline)."""
+        """The latest key the request can have until it is served again (None without a
+        deadline)."""
         due = req.next_token_deadline()
-        return None if due is None else due + self.yield_s(req)
+        return None if due is None else due + self.yield_s(req) + req.timestamps.prefill_time
 
     def deadline(self, req: Request, now: float) -> float:
-        """The request's key: its next token's deadline, one TTFT SLO later when it can no
-        longer meet it; a request without an SLO is due at its arrival."""
+        """The request's key: its next token's deadline; when it can no longer meet it, that
+        plus its yield and the time it has been prefilled; a request without an SLO is due at
+        its arrival."""
         due = req.next_token_deadline()
         if due is None:
             return req.arrival_time
         if now + self._own_prefill_s(req) > due:
-            due += self.yield_s(req)
+            due += self.yield_s(req) + req.timestamps.prefill_time
         return due
 
     def prefill_key(self, req: Request, index: int, now: float) -> tuple[float, ...]:
