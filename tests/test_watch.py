@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ from tailserve.analyze.watch.hist import (
 from tailserve.analyze.watch.scrape import Fetcher, WatchError, parse_page
 from tailserve.analyze.watch.view import dashboard_sample, fmt_latency, window_lines
 from tailserve.analyze.watch.watcher import Watcher
-from tailserve.analyze.watch.window import Window
+from tailserve.analyze.watch.window import MetricWindow, Window, name_cause
 from tailserve.cli import main
 from tailserve.cli.watch import WatchBoard
 from tailserve.data.records import EngineState, RequestRecord
@@ -110,6 +111,35 @@ def test_parse_page_sums_label_sets_and_flags_bad_histograms() -> None:
     assert s.values['vllm:num_requests_waiting{engine="0"}'] == 4.0
     with pytest.raises(WatchError, match="not Prometheus text"):
         parse_page("<html><body>hello</body></html>", 1.0)
+
+
+def _named(metric: str, sig: dict[str, float], usual: dict[str, float]) -> tuple[Any, str]:
+    mw = MetricWindow(metric)
+    name_cause(mw, sig, usual)
+    return mw.cause, mw.why
+
+
+def test_cause_rules_in_their_order() -> None:
+    assert _named("ttft", {"preemptions": 2.0, "kv_usage": 0.97, "waiting": 3.0}, {}) == (
+        "preemption", "2 preemptions in the window with the KV cache 97% used")
+    assert _named("ttft", {"kv_bound": 1.0, "waiting": 4.0, "kv_usage": 1.0,
+                           "queue_share": 0.9}, {}) == (
+        "kv_cache_pressure", "up to 4 requests waited while the KV cache was 100% used")
+    assert _named("ttft", {"queue_share": 0.4, "waiting": 2.0, "prompt_tokens_per_request": 900.0},
+                  {"prompt_tokens_per_request": 300.0}) == (
+        "own_prefill", "prompts averaged 900 tokens (usually 300)")  # queued, but not mostly
+    assert _named("ttft", {"waiting": 2.0}, {}) == ("queueing", "up to 2 requests waiting")
+    assert _named("itl", {"prefill_token_share": 0.6, "prompt_tokens_per_s": 9.0},
+                  {"prefill_token_share": 0.1, "prompt_tokens_per_s": 1.0}) == (
+        "prefill_interference", "prefill was 60% of the steps' tokens (usually 10%)")
+    assert _named("itl", {"prefill_token_share": 0.1, "step_max_s": 0.25},
+                  {"prefill_token_share": 0.1, "step_max_s": 0.02}) == (
+        "engine_stall", "the longest step took 250 ms (usually 20 ms) with no prefill to "
+                        "explain it")
+    assert _named("itl", {"running": 12.0, "waiting": 0.0}, {"running": 4.0}) == (
+        None, "no cause named: running rose with it")
+    assert _named("itl", {}, {}) == (None, "no cause named: nothing the engine exports moved "
+                                           "with it")
 
 
 # ---------------------------------------------------------------- recorded pages, replayed
@@ -254,6 +284,19 @@ def _run_cli(*argv: str) -> tuple[int, str, str]:
     with redirect_stdout(out), redirect_stderr(err):
         rc = main(["watch", *argv])
     return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_terminal_view_on_llama_pages() -> None:
+    pages = _llama_pages()[:3]
+    with Replay([p for _, p in pages]) as srv:
+        rc, out, err = _run_cli(srv.url, "--windows", "2", "--interval", "0.01", "--no-gpu")
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"watching llama-server at {srv.url} every 0.01 s (no load sent); SLO: " \
+                       "none given"
+    assert lines[1].startswith("  cannot judge: TTFT: llama-server exports no TTFT histogram")
+    assert [re.fullmatch(r"#(\d) \d\d:\d\d:\d\d  running \d waiting \d", x)[1]
+            for x in lines[3:]] == ["1", "2"]
 
 
 def test_bad_input_is_one_line_and_exit_2() -> None:

@@ -125,7 +125,7 @@ def _cmd_watch(ns: argparse.Namespace) -> int:
                       None if ns.no_gpu else GpuWatermark(), timeline=not ns.no_timeline)
     watcher.start()
     # With --json, stdout carries the JSON lines only; the rest goes to stderr.
-    console = Console(stderr=ns.json, highlight=False)
+    console = Console(stderr=ns.json, highlight=False, soft_wrap=True)  # a line per window
     for line in header(ns.url, watcher.engine.name, ns.interval, slos, watcher.notes):
         console.print(line, markup=False)
     board = None
