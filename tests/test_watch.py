@@ -149,7 +149,8 @@ class Replay:
     """A loopback server answering GET /metrics with the next recorded page (the last one
     again once they run out); other paths 404, as on an engine without a timeline."""
 
-    def __init__(self, pages: list[str], status: int = 200) -> None:
+    def __init__(self, pages: list[str], status: int = 200, then: int | None = None) -> None:
+        """``then``: the status of every GET after the pages ran out (a server gone bad)."""
         self.pages, self.i = pages, 0
         replay = self
 
@@ -162,8 +163,9 @@ class Replay:
                     self.send_error(404)
                     return
                 body = replay.pages[min(replay.i, len(replay.pages) - 1)].encode()
+                over = replay.i >= len(replay.pages) and then is not None
                 replay.i += 1
-                self.send_response(status)
+                self.send_response(then if over and then is not None else status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -297,6 +299,25 @@ def test_cli_terminal_view_on_llama_pages() -> None:
     assert lines[1].startswith("  cannot judge: TTFT: llama-server exports no TTFT histogram")
     assert [re.fullmatch(r"#(\d) \d\d:\d\d:\d\d  running \d waiting \d", x)[1]
             for x in lines[3:]] == ["1", "2"]
+
+
+def test_a_server_that_stops_answering_ends_watch_with_1() -> None:
+    pages = _llama_pages()[:2]
+    with Replay([p for _, p in pages], then=503) as srv:
+        rc, out, err = _run_cli(srv.url, "--windows", "5", "--interval", "0.01", "--json")
+    assert rc == 1 and [json.loads(x)["window"] for x in out.splitlines()] == [1]
+    assert err.splitlines()[-4:] == [
+        *(f"scrape failed ({i} in a row): {srv.url}/metrics answered HTTP 503" for i in (1, 2, 3)),
+        "error: the server stopped answering; watch ends"]
+
+
+def test_sglang_histograms_by_the_adapters_names() -> None:
+    from tailserve.analyze.engines import sglang
+    from tailserve.analyze.watch.watcher import histogram_names, watch_engine
+
+    assert histogram_names(watch_engine(sglang.ENGINE)) == {
+        "ttft": ("sglang:time_to_first_token_seconds",),
+        "itl": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds")}
 
 
 def test_bad_input_is_one_line_and_exit_2() -> None:

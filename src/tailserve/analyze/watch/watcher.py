@@ -56,7 +56,7 @@ def histogram_names(engine: Engine) -> dict[str, tuple[str, ...]]:
     ttft = engine.signals.get("ttft_sum")
     first = (ttft.metric.removesuffix("_sum"),) if ttft else ()
     p = engine.prefix
-    return {"ttft": (*first, f"{p}time_to_first_token_seconds"),
+    return {"ttft": tuple(dict.fromkeys((*first, f"{p}time_to_first_token_seconds"))),
             "itl": (f"{p}inter_token_latency_seconds", f"{p}time_per_output_token_seconds")}
 
 
