@@ -469,6 +469,7 @@ def test_dashboard_page_shows_the_watch_panel(browser: Any) -> None:
         jumps = page.text_content("#watch-jumps") or ""
         assert "kv_cache_pressure" in jumps and "preemption" in jumps
         assert page.title() == "tailserve watch — vLLM"
+        assert page.text_content("#ttft >> xpath=.. >> .label") == "TTFT P50 / P99 (window)"
     finally:
         page.close()
         board.close()

@@ -112,7 +112,7 @@ def dashboard_sample(w: Window, preemptions_total: float, alerts_total: int,
         s[f"{m}_p50"], s[f"{m}_p99"], s[f"{m}_n"] = _point(mw.p50), _point(mw.p99), mw.n
     if "steps" in sig:
         s |= {"steps": sig["steps"], "step_p50": sig.get("step_p50_s"),
-              "step_max": sig.get("step_max_s")}
+              "step_p99": sig.get("step_p99_s"), "step_max": sig.get("step_max_s")}
     s["preemptions_total"] = preemptions_total
     if w.gpus:
         s["memory"] = {"device_used": sum(g.used_bytes for g in w.gpus),

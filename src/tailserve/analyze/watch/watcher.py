@@ -204,6 +204,7 @@ class Watcher:
         out["steps"] = float(len(steps))
         out["step_max_s"] = float(step_s.max())
         out["step_p50_s"] = float(np.median(step_s))
+        out["step_p99_s"] = float(np.percentile(step_s, 99))
         tokens = float(prefill.sum() + decode.sum())
         if tokens > 0:
             out["prefill_token_share"] = float(prefill.sum()) / tokens

@@ -172,6 +172,11 @@
     document.title = `tailserve watch — ${s.watch.engine}`;
     document.querySelector("h1").firstChild.textContent = `watch: ${s.watch.engine} `;
     $("latency-caption").textContent = "TTFT and ITL per window (ms; P99 from histogram buckets)";
+    // The tiles tailserve's own feed fills per second / per 60 s hold one window each here.
+    for (const [id, text] of [["ttft", "TTFT P50 / P99 (window)"], ["itl", "ITL P50 / P99 (window)"],
+      ["step", "step P50 / P99 (window)"], ["preemptions", "preemptions (60 windows / since start)"]]) {
+      $(id).parentElement.querySelector(".label").textContent = text;
+    }
     for (const m of ["ttft", "itl"]) {
       const mw = w.metrics[m];
       $(`watch-${m}`).textContent = !mw || mw.slo_ms === null ? "no SLO given"
