@@ -1,8 +1,9 @@
 """The ``tailserve`` command: ``serve``, ``generate``, ``bench``, ``diagnose``, ``compare``,
-``plan`` and ``tune``. The flags of ``serve``, ``generate``, ``bench`` and ``tune`` are
-generated from the fields of ``EngineArgs``, ``ServerSettings``, ``SamplingParams``,
+``plan``, ``tune`` and ``watch``. The flags of ``serve``, ``generate``, ``bench`` and ``tune``
+are generated from the fields of ``EngineArgs``, ``ServerSettings``, ``SamplingParams``,
 ``BenchConfig`` and ``Slos`` (cli_flags.py). One module per group of commands: ``serve.py``
-(generate, serve), ``bench.py``, ``analyze.py`` (diagnose, compare, plan), ``tune.py``."""
+(generate, serve), ``bench.py``, ``analyze.py`` (diagnose, compare, plan), ``tune.py``,
+``watch.py``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tailserve.cli.serve import (
     server_settings_from,
 )
 from tailserve.cli.tune import add_tune
+from tailserve.cli.watch import add_watch
 
 # What callers import from the command's package (tests, the sweep's subprocess command).
 __all__ = [
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare(sub)
     add_plan(sub)
     add_tune(sub)
+    add_watch(sub)
     return parser
 
 

@@ -154,6 +154,42 @@
         : num(x.preemptions_total) - num(samples[i - 1].preemptions_total))),
     }], (v) => v.toFixed(v < 10 ? 1 : 0));
     renderErrors(s, first);
+    if (s.watch) renderWatch(s);
+  }
+
+  // ---------------------------------------------------------------- tailserve watch
+  // Samples from `tailserve watch --dashboard` carry a window of another server's /metrics:
+  // SLO shares as the histogram buckets bound them, and the jumps with their likely cause.
+  function share(b) {
+    if (!b || b.low === null) return "–";
+    const lo = (100 * b.low).toFixed(1);
+    return b.high === null || b.high === b.low ? (b.high === null ? `≥ ${lo}%` : `${lo}%`)
+      : `${lo}–${(100 * b.high).toFixed(1)}%`;
+  }
+  function renderWatch(s) {
+    const w = s.watch.window;
+    $("watch").hidden = false;
+    document.title = `tailserve watch — ${s.watch.engine}`;
+    document.querySelector("h1").firstChild.textContent = `watch: ${s.watch.engine} `;
+    $("latency-caption").textContent = "TTFT and ITL per window (ms; P99 from histogram buckets)";
+    // The tiles tailserve's own feed fills per second / per 60 s hold one window each here.
+    for (const [id, text] of [["ttft", "TTFT P50 / P99 (window)"], ["itl", "ITL P50 / P99 (window)"],
+      ["step", "step P50 / P99 (window)"], ["preemptions", "preemptions (60 windows / since start)"]]) {
+      $(id).parentElement.querySelector(".label").textContent = text;
+    }
+    for (const m of ["ttft", "itl"]) {
+      const mw = w.metrics[m];
+      $(`watch-${m}`).textContent = !mw || mw.slo_ms === null ? "no SLO given"
+        : `${share(mw.attained)} / ${share(w.slo_attained_since_start[m])}`;
+    }
+    $("watch-source").textContent = s.watch.url;
+    const jumps = [];
+    for (const x of samples) {
+      if (!x.watch) continue;
+      for (const line of x.watch.lines) if (line.includes("jumped") || line.includes("ALERT")) jumps.push(line.trim());
+    }
+    $("watch-jumps").replaceChildren(...(jumps.length ? jumps.slice(-10) : ["none in the last 60 windows"])
+      .map((text) => { const li = document.createElement("li"); li.textContent = text; return li; }));
   }
 
   function renderErrors(s, first) {
