@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,6 +90,12 @@ def replica_command(args: argparse.Namespace, i: int, serve_args: list[str]) -> 
     return cmd
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def router_command(
     args: argparse.Namespace, router_bin: str, replicas: list[Replica]
 ) -> list[str]:
@@ -98,7 +105,10 @@ def router_command(
            "--worker-startup-check-interval", "1",
            # A dead replica leaves the rotation after two failed checks a second apart.
            "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-           "--health-check-endpoint", "/health", "--log-level", args.router_log_level]
+           "--health-check-endpoint", "/health", "--log-level", args.router_log_level,
+           # vLLM-router's own default (29000) is one port for every router on the host: a
+           # second router (a test beside a soak) died with "Address already in use".
+           "--prometheus-port", str(getattr(args, "router_metrics_port", None) or _free_port())]
     if args.policy == "kv_aware":
         for r in replicas:
             if r.kv_events_endpoint is not None:
@@ -148,6 +158,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--router-arg", action="append", default=[],
                    help="one more argument for vllm-router (repeat)")
     p.add_argument("--router-log-level", default="warning")
+    p.add_argument("--router-metrics-port", type=int, default=None,
+                   help="vllm-router's Prometheus port (default: a free one)")
     p.add_argument("--replica-env", action="append", default=[], metavar="I:NAME=VALUE",
                    help="an environment variable for replica I only (repeat), e.g. "
                    "1:OMP_NUM_THREADS=1 (tests/fault_site/fault_injection.py's fault_env "
