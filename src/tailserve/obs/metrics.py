@@ -34,6 +34,7 @@ from tailserve.data.records import ABORT_REASONS, EngineState, RequestRecord
 from tailserve.data.step import StepStats
 from tailserve.obs.config_metrics import ConfigMetrics
 from tailserve.obs.memory_metrics import MemoryMetrics
+from tailserve.obs.step_model_metrics import StepModelMetrics
 from tailserve.obs.tenant_metrics import TenantMetrics
 
 PREFIX = "tailserve:"
@@ -218,27 +219,8 @@ class ServerMetrics:
         self.engine_step_seconds = histogram(
             "engine_step_seconds", "Wall time of one engine step.", fast
         )
-        # The step-time model (stepcost.py): its prediction of each step, made before the step
-        # ran, next to the measured time; rate(abs_error) / rate(step_seconds_sum) is its mean
-        # relative error. The coefficients and the ITL target in force as gauges.
-        self.engine_step_predicted_seconds = histogram(
-            "engine_step_predicted_seconds", "The step-time model's prediction of each step.",
-            fast,
-        )
-        self.step_time_prediction_abs_error = counter(
-            "step_time_prediction_abs_error_seconds_total",
-            "Sum over steps of |measured - predicted| step time.",
-        )
-        self.step_time_model = gauge(
-            "step_time_model", "The step-time model's coefficients after the latest step "
-            "(term: base_ms, ms_per_1k_prefill_tokens, ms_per_10_decode_seqs, "
-            "ms_per_10k_context_tokens, ms_per_1m_attention_pairs, scale, residual_sigma_ms).",
-            ("term",),
-        )
-        self.itl_target_seconds = gauge(
-            "itl_target_seconds", "The time budget of the latest step with decodes: their "
-            "smallest slack under the ITL SLO less the margin (0: none)."
-        )
+        # The step-time model's prediction, coefficients and targets (stepcost.py).
+        self.step_model = StepModelMetrics(gauge, counter, histogram, fast)
         # Who met the SLO (the server's, or a request's own).
         self.slo_attained = counter(
             "slo_attained_total", "Finished requests that met an SLO, by part (ttft, itl: every "
@@ -246,10 +228,6 @@ class ServerMetrics:
         self.slo_missed = counter(
             "slo_missed_total", "Finished requests that missed an SLO, by part and priority.",
             ("slo", "priority"))
-        self.min_decode_slack_seconds = gauge(
-            "min_decode_slack_seconds", "The slack of the tightest running decode at the latest "
-            "step with decodes (its next token's deadline - the step's start; < 0: late).")
-        self._min_slack_s: float | None = None
         # The newest engine report's gauge values, set on the gauges when the page is
         # rendered (_flush). Every step delivered two reports (its state and its stats) and
         # each set ~25 gauges under prometheus_client's per-value locks: 12% of the API
@@ -257,8 +235,6 @@ class ServerMetrics:
         # only its last ones. Counters and histograms still take every step as it comes.
         self._load: tuple[int, int, int, int] | None = None
         self._memory: dict[str, float] = {}
-        self._step_model: Mapping[str, float] | None = None
-        self._itl_target_s = 0.0
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -310,13 +286,7 @@ class ServerMetrics:
 
     def on_step(self, stats: StepStats) -> None:
         self.engine_step_seconds.observe(stats.step_s)
-        if stats.predicted_s is not None:
-            self.engine_step_predicted_seconds.observe(stats.predicted_s)
-            self.step_time_prediction_abs_error.inc(abs(stats.step_s - stats.predicted_s))
-        self._step_model = stats.step_model
-        self._itl_target_s = stats.itl_target_s or 0.0
-        if stats.min_decode_slack_s is not None:
-            self._min_slack_s = stats.min_decode_slack_s
+        self.step_model.on_step(stats)
         # A decode sequence contributes exactly one token to the step.
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_seqs)
         # StepStats carries per-step deltas, so they add straight into the counters (a zero
@@ -401,14 +371,7 @@ class ServerMetrics:
         if self._memory:
             self.memory_metrics.set(self._memory, self._device)
             self._memory = {}
-        if self._step_model is not None:
-            for term, value in self._step_model.items():
-                self.step_time_model.labels(term=term).set(value)
-            self.itl_target_seconds.set(self._itl_target_s)
-            self._step_model = None
-        if self._min_slack_s is not None:
-            self.min_decode_slack_seconds.set(self._min_slack_s)
-            self._min_slack_s = None
+        self.step_model.flush()
 
     @staticmethod
     def _observe(hist: Histogram, timing: Mapping[str, object], key: str) -> None:
