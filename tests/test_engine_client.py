@@ -14,7 +14,8 @@ import pytest
 from tailserve.config import EngineArgs
 from tailserve.data.records import EngineState
 from tailserve.data.step import EngineOutput
-from tailserve.engine.client import EngineDeadError, InprocEngineClient, StreamItem
+from tailserve.engine.client import EngineDeadError, StreamItem
+from tailserve.engine.inproc_client import InprocEngineClient
 from tailserve.engine.loop import HEARTBEAT_S
 from tailserve.engine.messages import AddRequest, Ready, Shutdown
 from tailserve.errors import InvalidRequestError, QueueFullError

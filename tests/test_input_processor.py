@@ -321,7 +321,7 @@ def test_the_server_path_changes_no_params(tiny_model_dir: str) -> None:
     """Input processor + Generation + an in-process engine (which shares the params objects):
     the request's params are as given after the run, max_tokens=None included; the children
     carry the budget the input processor resolved for all n of them."""
-    from tailserve.engine.client import InprocEngineClient
+    from tailserve.engine.inproc_client import InprocEngineClient
     from tailserve.model.loader import load_tokenizer
     from tailserve.server.generation import Generation
 

@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tailserve.model.sampler import (
-    TRUNCATION_CANDIDATES,
     Sampler,
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
     argmax_rows,
 )
+from tailserve.model.top_k_top_p import TRUNCATION_CANDIDATES
 from tailserve.sampling_params import SamplingParams
 
 # chi-square quantiles at p = 0.001; every statistical test below uses a fixed seed, so it is

@@ -21,7 +21,8 @@ import uvicorn
 
 from server_util import free_port, metric_value
 from tailserve.config import EngineArgs
-from tailserve.engine.client import EngineDeadError, InprocEngineClient
+from tailserve.engine.client import EngineDeadError
+from tailserve.engine.inproc_client import InprocEngineClient
 from tailserve.engine.messages import AddRequest, EngineInput, FinishRequests
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.obs.metrics import ServerMetrics

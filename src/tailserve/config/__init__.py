@@ -3,14 +3,14 @@
 - ``config.model``: ``ModelConfig`` (what the weights are) and the sizes that follow from it;
 - ``config.load``: how the checkpoint is read (``--gguf-weights``, ``--quantization``);
 - ``config.args``: ``EngineArgs``, the user's arguments (the CLI's flags, ``LLM(**kwargs)``);
-- ``config.engine``: the frozen ``EngineConfig`` they resolve to, and its parts.
+- ``config.engine``: the frozen ``EngineConfig`` they resolve to, and its parts;
+- ``config.resolve``: that resolution (``EngineArgs.resolve`` and its ``resolve_*`` steps).
 
 The names are re-exported here so that ``from tailserve.config import EngineArgs`` stays the
 one import a caller needs; each is defined in exactly one of the modules above.
 """
 
 from tailserve.config.args import (
-    DEFAULT_BATCHED_TOKENS,
     DEFAULT_SLO_ITL_MS,
     DEFAULT_SLO_TTFT_MS,
     MAX_ITL_SLO_MS,
@@ -54,6 +54,7 @@ from tailserve.config.model import (
     resolve_max_model_len,
     shard_config,
 )
+from tailserve.config.resolve import DEFAULT_BATCHED_TOKENS
 
 __all__ = [
     "DEFAULT_BATCHED_TOKENS", "DEFAULT_SLO_ITL_MS", "DEFAULT_SLO_TTFT_MS", "DTYPE_BYTES",

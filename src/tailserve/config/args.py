@@ -1,6 +1,7 @@
 """``EngineArgs``: every argument of an engine, the one dataclass behind the offline
 ``LLM(**engine_args)`` and the CLI (every field becomes a ``--flag`` of the same name:
-``max_num_seqs`` <-> ``--max-num-seqs``), and its one resolution into an ``EngineConfig``."""
+``max_num_seqs`` <-> ``--max-num-seqs``), with the checks of what the user gave. Its one
+resolution into an ``EngineConfig`` is ``config/resolve.py``'s."""
 
 from __future__ import annotations
 
@@ -23,25 +24,16 @@ from tailserve.config.load import (
     RTN_BLOCK,
     LoadConfig,
     check_quantization_group_size,
-    check_quantization_supported,
-    resolve_gguf_weights,
 )
-from tailserve.config.model import (
-    ModelConfig,
-    check_tensor_parallel,
-    kv_block_bytes,
-    resolve_max_model_len,
-    sliding_window_served,
+from tailserve.config.model import ModelConfig
+from tailserve.config.resolve import (
+    DEFAULT_BATCHED_TOKENS,
+    resolve_load,
+    resolve_runner,
+    resolve_unsized,
 )
 from tailserve.errors import ConfigError
-from tailserve.platforms import (
-    DeviceType,
-    Platform,
-    compute_dtype,
-    resolve_device,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-)
+from tailserve.platforms import Platform
 
 # The SLO a request is held to unless it brings its own (docs/slo.md says why these): the first
 # token within 1 s, every next one within 100 ms. A reader takes ~4-8 tokens a second, so 100 ms
@@ -85,10 +77,6 @@ def parse_optional_ms(value: str | float | None) -> float | None:
         return float(value)
     except ValueError:
         raise ConfigError(f"expected milliseconds or 'none', got {value!r}") from None
-# Default token budget per step (max_num_batched_tokens) by device type.
-DEFAULT_BATCHED_TOKENS: dict[DeviceType, int] = {"cpu": 512, "cuda": 4096}
-
-
 
 
 # EngineArgs.dtype's and kv_cache_dtype's choices (auto resolves against the platform).
@@ -356,87 +344,15 @@ class EngineArgs:
     def resolve_unsized(self, model: ModelConfig, platform: Platform) -> UnsizedEngineConfig:
         """Everything but the KV pool's size, which on CUDA needs a profiling forward of the
         model built with this configuration (``UnsizedEngineConfig.needs_kv_measurement``)."""
-        runner = self.resolve_runner(platform, model.checkpoint_dtype)
-        max_model_len = resolve_max_model_len(self.max_model_len, model,
-                                              sliding_window_served(runner.device))
-        check_tensor_parallel(model, self.tensor_parallel_size)
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            # The default must hold every running decode, and whole prompts when not chunking.
-            budget = max(DEFAULT_BATCHED_TOKENS[runner.device], self.max_num_seqs)
-            if not self.enable_chunked_prefill:
-                budget = max(budget, max_model_len)
-        scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            admission_policy=self.admission_policy,
-            scheduling_policy=self.scheduling_policy,
-            max_queue_len=self.max_queue_len,
-            max_request_tokens=self.max_request_tokens,
-            slo_ttft_s=self.slo_ttft_ms / 1e3,
-            slo_itl_s=None if self.slo_itl_ms is None else self.slo_itl_ms / 1e3,
-            slo_tpot_s=None if self.slo_tpot_ms is None else self.slo_tpot_ms / 1e3,
-            enable_slo_admission=self.enable_slo_admission,
-            prefill_scheduling=self.prefill_scheduling,
-            prefill_aging_s_per_token=self.prefill_aging_s_per_1k_tokens / 1e3,
-            max_num_partial_prefills=self.max_num_partial_prefills,
-            max_long_partial_prefills=self.max_long_partial_prefills,
-        )
-        observability = ObservabilityConfig(
-            memory_alert=self.memory_alert,
-            assert_steady_memory=self.assert_steady_memory,
-            steady_memory_tolerance=self.steady_memory_tolerance,
-            steady_memory_warmup=self.steady_memory_warmup,
-        )
-        kv_events = KVEventsConfig.parse(self.kv_events_config)
-        # CPU: the pool is given in GiB; CUDA: whatever the profiling forward leaves.
-        kv_bytes = None if runner.device == "cuda" else int(self.kv_cache_memory * (1 << 30))
-        return UnsizedEngineConfig(
-            model=model,
-            runner=runner,
-            scheduler=scheduler,
-            observability=observability,
-            block_size=self.block_size,
-            block_bytes=kv_block_bytes(model, self.block_size, runner.kv_cache_dtype,
-                                       runner.tensor_parallel_size),
-            watermark=self.watermark,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_bytes=kv_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_events=kv_events,
-        )
+        return resolve_unsized(self, model, platform)
 
     def resolve_load(self, platform: Platform) -> LoadConfig:
-        """What the loader is asked for, before the model is read (its checkpoint dtype
-        unknown yet: a 16-bit checkpoint neither packs nor quantizes, float32 decides)."""
-        runner = self.resolve_runner(platform)
-        check_quantization_supported(self.quantization, runner.device, runner.dtype,
-                                     platform.cpu_kernels)
-        gguf = resolve_gguf_weights(self.gguf_weights, runner.device, runner.dtype,
-                                    platform.cpu_kernels, self.tensor_parallel_size)
-        return LoadConfig(self.model, gguf, self.quantization, self.quantization_group_size)
+        """What the loader is asked for, before the model is read."""
+        return resolve_load(self, platform)
 
     def resolve_runner(
         self, platform: Platform, checkpoint_dtype: str | None = None
     ) -> RunnerConfig:
-        """Device and dtypes resolved from ``auto`` (the loader needs the device and the weight
-        dtype before the model; ``checkpoint_dtype`` is what the checkpoint stores, if known)."""
-        device = resolve_device(self.device, platform)
-        if self.quantization is not None:  # blocks + float32: what the packed kernels serve
-            checkpoint_dtype = None
-        weights = resolve_dtype(self.dtype, device, platform, checkpoint_dtype)
-        compute = compute_dtype(weights, device, platform)
-        return RunnerConfig(
-            device=device,
-            dtype=weights,
-            compute_dtype=compute,
-            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, compute),
-            seed=self.seed,
-            enforce_eager=self.enforce_eager,
-            tensor_parallel_size=self.tensor_parallel_size,
-        )
+        """Device and dtypes resolved from ``auto`` (``checkpoint_dtype``: what the checkpoint
+        stores, if known)."""
+        return resolve_runner(self, platform, checkpoint_dtype)

@@ -4,8 +4,9 @@ Two implementations behind one interface:
 
 - ``MPEngineClient``: the engine runs in its own process (``engine/process.py``) and talks over
   ZMQ IPC sockets with msgpack messages; HTTP work can never stall the step loop.
-- ``InprocEngineClient``: the same ``EngineLoop``, run by the same driver (``engine/loop.py``'s
-  ``drive``) on a thread of this process, messages passed as objects; for tests and embedding.
+- ``InprocEngineClient`` (``engine/inproc_client.py``): the same ``EngineLoop``, run by the same
+  driver (``engine/loop.py``'s ``drive``) on a thread of this process, messages passed as
+  objects; for tests and embedding.
 
 The client owns one ``asyncio.Queue`` per engine request id. The engine's messages are
 dispatched on the event loop: outputs go to their queue, stats to the listeners (metrics,
@@ -20,10 +21,8 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import queue
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -395,78 +394,6 @@ class MPEngineClient(EngineClient):
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
         return self.exitcode
-
-
-class InprocEngineClient(EngineClient):
-    """The engine loop on a thread of this process (tests, embedding). Same messages, no bytes."""
-
-    def __init__(self, engine_args: EngineArgs, loaded: Any = None) -> None:
-        super().__init__(watchdog_timeout_s=float("inf"))
-        self.engine_args = engine_args
-        self._loaded = loaded
-        self._inbox: queue.Queue[EngineInput] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._aloop: asyncio.AbstractEventLoop | None = None
-
-    async def start(self) -> Ready:
-        from tailserve.engine.core import EngineCore
-        from tailserve.engine.loop import EngineLoop, drive
-
-        self._aloop = asyncio.get_running_loop()
-        core = await asyncio.to_thread(EngineCore.from_args, self.engine_args, self._loaded)
-        engine_loop = EngineLoop(core, self._emit)
-        self.info = engine_loop.ready_message()
-
-        def run() -> None:
-            try:
-                drive(engine_loop, self._wait_for_inputs, self._loop_gone)
-            finally:
-                core.close()
-
-        self._thread = threading.Thread(target=run, name="tailserve-engine", daemon=True)
-        self._thread.start()
-        return self.info
-
-    def _emit(self, msg: EngineMessage) -> None:
-        assert self._aloop is not None
-        # The event loop may close between the driver's check and this call; then nobody is
-        # left to read the message.
-        with contextlib.suppress(RuntimeError):
-            self._aloop.call_soon_threadsafe(self._dispatch, msg)
-
-    def _loop_gone(self) -> bool:
-        """The in-process host's "parent": once its event loop is closed, the engine stops."""
-        return self._aloop is None or self._aloop.is_closed()
-
-    def _wait_for_inputs(self, timeout_s: float) -> list[EngineInput]:
-        batch: list[EngineInput] = []
-        try:
-            batch.append(self._inbox.get(timeout=timeout_s) if timeout_s > 0
-                         else self._inbox.get_nowait())
-        except queue.Empty:
-            return batch
-        while True:
-            try:
-                batch.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return batch
-
-    def _send(self, msg: EngineInput) -> None:
-        self._inbox.put(msg)
-
-    def engine_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _gone_message(self) -> str:
-        if self._thread is None:
-            return "the engine thread was not started"
-        return "the engine thread has stopped"
-
-    async def shutdown(self, timeout_s: float = 10.0) -> int | None:
-        self._send(Shutdown())
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
-        return None
 
 
 def _rejection(msg: Rejected) -> Exception:

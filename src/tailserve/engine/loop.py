@@ -15,8 +15,8 @@ two callables::
         if parent_gone(): return 0
         if busy: step (model failure: return 1)   else: heartbeat if HEARTBEAT_S passed
 
-It imports the core (and so torch): the API process's ``engine/client.py`` imports it only
-in ``InprocEngineClient.start``, so the multi-process client never loads it.
+It imports the core (and so torch): ``engine/inproc_client.py`` imports it only in
+``InprocEngineClient.start``, and the API process's multi-process client never loads it.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ OpenMP region from 8 rows on, which wakes OpenMP's sleeping threads against the 
 own pool every step (``OMP_WAIT_POLICY=PASSIVE``). Both return the first index of the
 maximum and rank NaN above everything, so the tokens are the same.
 
-Every tensor made from host values goes through ``_row_tensor``: into the runner's persistent
-``SamplingBuffers`` when it gave some (CUDA: pinned twins, ``non_blocking`` copies, nothing
-allocated per step), else a new tensor (CPU).
+Every tensor made from host values goes through ``row_tensor`` (``model/sampling_buffers.py``):
+into the runner's persistent ``SamplingBuffers`` when it gave some (CUDA: pinned twins,
+``non_blocking`` copies, nothing allocated per step), else a new tensor (CPU). top-k and top-p
+are one per-row threshold, computed in ``model/top_k_top_p.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import numpy as np
 import torch
 
 from tailserve.model.grammar import apply_token_bitmasks
-from tailserve.model.sampling_buffers import SamplingBuffers, Values
+from tailserve.model.sampling_buffers import SamplingBuffers, row_tensor
+from tailserve.model.top_k_top_p import top_k_top_p_threshold
 from tailserve.sampling_params import SamplingParams
 
 
@@ -121,7 +123,7 @@ def apply_min_tokens(
     keys = _min_tokens_keys(rows, logits.shape[-1])
     if not keys.size:
         return logits
-    index = _row_tensor("min_tokens_keys", keys, logits.device, buffers)
+    index = row_tensor("min_tokens_keys", keys, logits.device, buffers)
     return logits.reshape(-1).index_fill(0, index, -math.inf).view(logits.shape)
 
 
@@ -183,10 +185,10 @@ def apply_penalties(
 
     subtract = per_key("frequency_penalty") * counts + per_key("presence_penalty") * (counts > 0)
     device = logits.device
-    key_index = _row_tensor("penalty_keys", keys, device, buffers)
-    repetition = _row_tensor("penalty_repetition", per_key("repetition_penalty"), device,
+    key_index = row_tensor("penalty_keys", keys, device, buffers)
+    repetition = row_tensor("penalty_repetition", per_key("repetition_penalty"), device,
                              buffers)
-    subtract_t = _row_tensor("penalty_subtract", subtract, device, buffers)
+    subtract_t = row_tensor("penalty_subtract", subtract, device, buffers)
 
     penalized_logits = torch.empty(logits.shape, dtype=torch.float32, device=device)
     penalized_logits.copy_(logits)  # one copy, contiguous even if ``logits`` is a padded slice
@@ -217,103 +219,6 @@ def argmax_rows(x: torch.Tensor, buffers: SamplingBuffers | None = None) -> torc
     that path makes no tensor from host values."""
     found = _numpy_argmax(x) if buffers is None else None
     return x.argmax(dim=-1) if found is None else torch.from_numpy(found)
-
-
-# top-k / top-p first look at this many highest logits (one topk, far cheaper than sorting a
-# 49k-152k vocabulary on CPU); rows whose nucleus reaches past them retry with GROWTH times
-# more, up to the whole vocabulary (a full sort).
-TRUNCATION_CANDIDATES = 256
-TRUNCATION_CANDIDATES_GROWTH = 16
-
-
-def _row_tensor(
-    name: str, values: Values, device: torch.device, buffers: SamplingBuffers | None
-) -> torch.Tensor:
-    """A vector of host values on the device: in the persistent buffers when the runner gave
-    some (CUDA), else a new tensor."""
-    if buffers is not None:
-        return buffers.put(name, values)
-    return torch.as_tensor(values, dtype=SamplingBuffers.DTYPES[name], device=device)
-
-
-def _keep_threshold(
-    logits: torch.Tensor,
-    probs: torch.Tensor,
-    top_k: list[int],
-    top_p: list[float],
-    num_candidates: int,
-    buffers: SamplingBuffers | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the lowest logit that top-k and then top-p keep, from the top candidates.
-
-    ``probs`` is softmax(logits) (read only when some row uses top-p). Returns ``threshold``
-    [num_rows, 1] (-inf for rows that truncate nothing) and ``resolved`` [num_rows] bool:
-    False where the nucleus may extend past the candidates, so the threshold must be
-    recomputed with more of them. With num_candidates == vocab every row is resolved.
-    """
-    vocab_size = logits.shape[-1]
-    device = logits.device
-    values, indices = logits.topk(num_candidates, dim=-1)  # [num_rows, num_candidates], desc
-    top_k_on = _row_tensor("top_k_on", [0 < k < vocab_size for k in top_k], device, buffers)
-    top_p_on = _row_tensor("top_p_on", [p < 1.0 for p in top_p], device, buffers)
-    k = _row_tensor("top_k", [k if 0 < k < vocab_size else num_candidates for k in top_k],
-                    device, buffers)
-    keep = torch.arange(num_candidates, device=device) < k.unsqueeze(1)  # a prefix per row
-    resolved = torch.ones_like(top_k_on)
-    if any(p < 1.0 for p in top_p):
-        head = probs.gather(1, indices).masked_fill_(~keep, 0.0)
-        # top-p measures mass after top-k (HF/vLLM): renormalise over the kept top-k where it
-        # is on; elsewhere the candidates are only the head of the whole row's distribution.
-        head_mass = head.sum(dim=-1, keepdim=True)
-        head = torch.where(top_k_on.unsqueeze(1), head / head_mass, head)
-        cumulative = head.cumsum(dim=-1)
-        mass_before = cumulative - head  # exactly 0 for the top token, which is always kept
-        # Rows with top_p == 1 must keep everything, but rounding can lift mass_before to 1.0
-        # on the tail; an infinite bound makes them an exact no-op.
-        bound = _row_tensor("top_p_bound", [p if p < 1.0 else math.inf for p in top_p],
-                            device, buffers)
-        keep &= mass_before < bound.unsqueeze(1)  # mass_before only grows: still a prefix
-        # A top_p below float32's smallest denormal (e.g. 5e-324) rounds to a bound of 0 and
-        # would keep nothing (then gather at index -1 kills the step): the top token stays.
-        keep[:, 0] = True
-        if num_candidates < vocab_size:
-            resolved = top_k_on | ~top_p_on | (cumulative[:, -1] >= bound)
-    last_kept = keep.sum(dim=-1, keepdim=True) - 1
-    threshold = values.gather(1, last_kept)
-    threshold.masked_fill_(~(top_k_on | top_p_on).unsqueeze(1), -math.inf)
-    return threshold, resolved
-
-
-def _top_k_top_p_threshold(
-    logits: torch.Tensor, probs: torch.Tensor, top_k: list[int], top_p: list[float],
-    buffers: SamplingBuffers | None = None,
-) -> torch.Tensor:
-    """[num_rows, 1]: per row, the lowest logit that top-k and then top-p keep.
-
-    top-k keeps the k highest logits; top-p keeps the smallest head whose probability mass
-    reaches top_p, which always includes the top token. ``probs`` is softmax(logits). Cuts are
-    by value, so a token tied with the last kept one is kept too (as in vLLM).
-    """
-    vocab_size = logits.shape[-1]
-    widest_k = max((k for k in top_k if 0 < k < vocab_size), default=0)
-    num_candidates = min(vocab_size, max(TRUNCATION_CANDIDATES, widest_k))
-    threshold, resolved = _keep_threshold(logits, probs, top_k, top_p, num_candidates, buffers)
-    # Only a top-p row can outgrow its candidates; skip the device-to-host check otherwise.
-    needs_check = num_candidates < vocab_size and any(p < 1.0 for p in top_p)
-    pending = (~resolved).nonzero().squeeze(1).tolist() if needs_check else []
-    while pending:
-        num_candidates = min(vocab_size, num_candidates * TRUNCATION_CANDIDATES_GROWTH)
-        index = _row_tensor("pending_index", pending, logits.device, buffers)
-        threshold[index], resolved = _keep_threshold(
-            logits[index],
-            probs[index],
-            [top_k[i] for i in pending],
-            [top_p[i] for i in pending],
-            num_candidates,
-            buffers,
-        )
-        pending = [i for i, done in zip(pending, resolved.tolist(), strict=True) if not done]
-    return threshold
 
 
 class Sampler:
@@ -364,8 +269,8 @@ class Sampler:
             token_ids = self._sample(processed, rows)
         else:
             device = logits.device
-            greedy_index = _row_tensor("greedy_index", greedy, device, self.buffers)
-            random_index = _row_tensor("random_index", random, device, self.buffers)
+            greedy_index = row_tensor("greedy_index", greedy, device, self.buffers)
+            random_index = row_tensor("random_index", random, device, self.buffers)
             token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
             token_ids[greedy_index] = argmax_rows(processed[greedy_index], self.buffers)
             token_ids[random_index] = self._sample(
@@ -377,7 +282,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Draw one token per row of ``logits`` [num_random, vocab] (all rows temperature > 0)."""
         device = logits.device
-        temperature = _row_tensor(
+        temperature = row_tensor(
             "temperature", [r.params.temperature for r in rows], device, self.buffers
         )
         scaled = logits / temperature.unsqueeze(1)
@@ -389,12 +294,12 @@ class Sampler:
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            threshold = _top_k_top_p_threshold(scaled, probs, top_k, top_p, self.buffers)
+            threshold = top_k_top_p_threshold(scaled, probs, top_k, top_p, self.buffers)
         min_p = [r.params.min_p for r in rows]
         if any(p > 0.0 for p in min_p):
             # p_i < min_p * p_max  ⇔  logit_i < logit_max + log(min_p), and the top token
             # survives top-k/top-p, so this is the same after them. log(0) = -inf keeps all.
-            log_min_p = _row_tensor(
+            log_min_p = row_tensor(
                 "log_min_p", [math.log(p) if p > 0.0 else -math.inf for p in min_p], device,
                 self.buffers,
             )
@@ -431,7 +336,7 @@ def _gather_logprobs(
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return result
-    index = _row_tensor("logprob_index", wanted, logits.device, buffers)
+    index = row_tensor("logprob_index", wanted, logits.device, buffers)
     logprobs = torch.log_softmax(logits[index], dim=-1)  # [num_wanted, vocab] float32
     sampled = token_ids[index]
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()

@@ -112,3 +112,13 @@ class SamplingBuffers:
             dev.copy_(self._host[name][:n], non_blocking=True)
             self._copied[name].record()
         return dev
+
+
+def row_tensor(
+    name: str, values: Values, device: torch.device, buffers: SamplingBuffers | None
+) -> torch.Tensor:
+    """A vector of host values on the device: in the persistent buffers when the runner gave
+    some (CUDA), else a new tensor."""
+    if buffers is not None:
+        return buffers.put(name, values)
+    return torch.as_tensor(values, dtype=SamplingBuffers.DTYPES[name], device=device)

@@ -32,6 +32,9 @@ from prometheus_client import (
 
 from tailserve.data.records import ABORT_REASONS, EngineState, RequestRecord
 from tailserve.data.step import StepStats
+from tailserve.obs.config_metrics import ConfigMetrics
+from tailserve.obs.memory_metrics import MemoryMetrics
+from tailserve.obs.step_model_metrics import StepModelMetrics
 from tailserve.obs.tenant_metrics import TenantMetrics
 
 PREFIX = "tailserve:"
@@ -57,9 +60,6 @@ TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(16))
 
 # finish_reason values that count as success; "error" goes to request_errors_total.
 SUCCESS_REASONS = ("stop", "length", "abort")
-# vllm:cache_config_info's labels that tailserve knows truthfully; vLLM's others (swap space,
-# CPU offload, sliding window, ...) describe features tailserve does not have.
-CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
 # SLO attainment by part (tailserve_timing's slo: ttft_met, itl_met, tpot_met) and by priority:
 # the priority value as given within PRIORITY_LABEL_RANGE, else "other" (a label per value a
 # client may send would be unbounded).
@@ -110,13 +110,15 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
 
+        def vllm_gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(VLLM_PREFIX + name, doc, labels, registry=self.registry)
+
         def routed(name: str, doc: str) -> _Twin:
             # The gauges routers schedule on: ours, plus vLLM's name when asked for.
             ours = gauge(name, doc)
             if not enable_vllm_metrics:
                 return _Twin(ours)
-            alias = Gauge(VLLM_PREFIX + name, doc, ("model_name",), registry=self.registry)
-            return _Twin(ours, alias.labels(model_name=model_name))
+            return _Twin(ours, vllm_gauge(name, doc, ("model_name",)).labels(model_name=model_name))
 
         self.num_requests_running = routed("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = routed(
@@ -125,68 +127,12 @@ class ServerMetrics:
         self.kv_cache_usage_perc = routed(
             "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full; cached blocks free)."
         )
-        # vLLM's info gauge: value 1, the configuration in its labels (set by on_cache_config).
-        self.cache_config_info = (
-            Gauge(VLLM_PREFIX + "cache_config_info", "KV cache configuration (labels; value 1).",
-                  CACHE_CONFIG_LABELS, registry=self.registry)
-            if enable_vllm_metrics else None
-        )
-        self.dtype_info = gauge(
-            "dtype_info", "The dtypes the engine stores weights and the KV cache in and computes "
-            "activations in (labels; value 1).", ("weight_dtype", "compute_dtype", "cache_dtype"))
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV cache blocks.")
         self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
-        self.model_weight_bytes = gauge(
-            "model_weight_bytes", "Resident weight bytes by storage format (Q4_1, Q8_0, "
-            "float32: GGUF blocks as stored, float tensors and their kernel copies).", ("format",)
-        )
-        self.model_transform_swapped_modules = gauge(
-            "model_transform_swapped_modules", "Modules each start-up model transform swapped, "
-            "by original type (model/build.py; a transform that ran without swapping: "
-            "module=\"\", value 0).", ("transform", "module"))
-        self.device_memory_used_bytes = gauge(
-            "device_memory_used_bytes", "Device memory in use (all processes).", ("device",)
-        )
-        self.device_memory_total_bytes = gauge(
-            "device_memory_total_bytes", "Device memory capacity.", ("device",)
-        )
-        self.torch_memory_allocated_bytes = gauge(
-            "torch_memory_allocated_bytes", "Bytes held by live tensors in the engine process."
-        )
-        self.torch_memory_reserved_bytes = gauge(
-            "torch_memory_reserved_bytes", "Bytes reserved by the torch caching allocator."
-        )
-        self.torch_memory_inactive_split_bytes = gauge(
-            "torch_memory_inactive_split_bytes",
-            "Reserved bytes in split blocks not in use (allocator fragmentation).",
-        )
-        self.device_memory_process_bytes = gauge(
-            "device_memory_process_bytes", "Device memory used by the engine process (NVML).",
-            ("device",),
-        )
-        self.kv_cache_memory_bytes = gauge(
-            "kv_cache_memory_bytes", "Bytes of the KV cache pool (allocated once at start-up)."
-        )
-        self.engine_resident_memory_bytes = gauge(
-            "engine_resident_memory_bytes", "Resident memory of the engine process."
-        )
-        self.host_memory_used_bytes = gauge(
-            "host_memory_used_bytes", "Host RAM in use, all processes (CPU engines)."
-        )
-        self.host_memory_total_bytes = gauge("host_memory_total_bytes", "Host RAM.")
-        self.memory_alerts = counter(
-            "memory_alerts_total", "Times memory in use rose above the --memory-alert fraction."
-        )
-        self._memory_alerts_seen = 0.0
-        self.steady_memory_growth_bytes = gauge(
-            "steady_memory_growth_bytes",
-            "--assert-steady-memory: growth over the post-warm-up baseline.",
-        )
-        self.steady_memory_violations = counter(
-            "steady_memory_violations_total",
-            "--assert-steady-memory: warnings that memory grew beyond the tolerance.",
-        )
-        self._steady_violations_seen = 0.0
+        # What the engine was built as (pool, dtypes, weights, transforms, SLO), set once.
+        self.config = ConfigMetrics(gauge, vllm_gauge if enable_vllm_metrics else None)
+        # Device, torch allocator and host memory, as the engine reports it (obs/memory.py).
+        self.memory_metrics = MemoryMetrics(gauge, counter)
 
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter(
@@ -273,41 +219,15 @@ class ServerMetrics:
         self.engine_step_seconds = histogram(
             "engine_step_seconds", "Wall time of one engine step.", fast
         )
-        # The step-time model (stepcost.py): its prediction of each step, made before the step
-        # ran, next to the measured time; rate(abs_error) / rate(step_seconds_sum) is its mean
-        # relative error. The coefficients and the ITL target in force as gauges.
-        self.engine_step_predicted_seconds = histogram(
-            "engine_step_predicted_seconds", "The step-time model's prediction of each step.",
-            fast,
-        )
-        self.step_time_prediction_abs_error = counter(
-            "step_time_prediction_abs_error_seconds_total",
-            "Sum over steps of |measured - predicted| step time.",
-        )
-        self.step_time_model = gauge(
-            "step_time_model", "The step-time model's coefficients after the latest step "
-            "(term: base_ms, ms_per_1k_prefill_tokens, ms_per_10_decode_seqs, "
-            "ms_per_10k_context_tokens, ms_per_1m_attention_pairs, scale, residual_sigma_ms).",
-            ("term",),
-        )
-        self.itl_target_seconds = gauge(
-            "itl_target_seconds", "The time budget of the latest step with decodes: their "
-            "smallest slack under the ITL SLO less the margin (0: none)."
-        )
-        # The SLO (server defaults, per-request overrides) and who met it.
-        self._gauge = gauge
-        self.slo_ttft_seconds: Gauge | None = None
-        self.slo_itl_seconds: Gauge | None = None
+        # The step-time model's prediction, coefficients and targets (stepcost.py).
+        self.step_model = StepModelMetrics(gauge, counter, histogram, fast)
+        # Who met the SLO (the server's, or a request's own).
         self.slo_attained = counter(
             "slo_attained_total", "Finished requests that met an SLO, by part (ttft, itl: every "
             "gap, tpot: the mean gap) and priority.", ("slo", "priority"))
         self.slo_missed = counter(
             "slo_missed_total", "Finished requests that missed an SLO, by part and priority.",
             ("slo", "priority"))
-        self.min_decode_slack_seconds = gauge(
-            "min_decode_slack_seconds", "The slack of the tightest running decode at the latest "
-            "step with decodes (its next token's deadline - the step's start; < 0: late).")
-        self._min_slack_s: float | None = None
         # The newest engine report's gauge values, set on the gauges when the page is
         # rendered (_flush). Every step delivered two reports (its state and its stats) and
         # each set ~25 gauges under prometheus_client's per-value locks: 12% of the API
@@ -315,8 +235,6 @@ class ServerMetrics:
         # only its last ones. Counters and histograms still take every step as it comes.
         self._load: tuple[int, int, int, int] | None = None
         self._memory: dict[str, float] = {}
-        self._step_model: Mapping[str, float] | None = None
-        self._itl_target_s = 0.0
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -340,50 +258,25 @@ class ServerMetrics:
         # checks one max_model_len sequence fits), so total_blocks is never 0 here.
         self.kv_cache_usage_perc.set(1.0 - free_blocks / total_blocks if total_blocks else 0.0)
 
-    def on_weights(self, weight_bytes: dict[str, int]) -> None:
-        """The model's resident weight bytes per storage format, once at start-up."""
-        for fmt, nbytes in weight_bytes.items():
-            self.model_weight_bytes.labels(format=fmt).set(nbytes)
+    # Start-up facts, once each (obs/config_metrics.py).
+    def on_weights(self, weight_bytes: Mapping[str, int]) -> None:
+        self.config.on_weights(weight_bytes)
 
     def on_transforms(self, transforms: Mapping[str, Mapping[str, int]]) -> None:
-        """The model transforms applied at start-up and what each swapped, once."""
-        for name, swapped in transforms.items():
-            for module, count in swapped.items() or [("", 0)]:
-                self.model_transform_swapped_modules.labels(transform=name,
-                                                            module=module).set(count)
+        self.config.on_transforms(transforms)
 
-    def on_cache_config(
-        self, *, block_size: int, num_kv_blocks: int, enable_prefix_caching: bool,
-        cache_dtype: str,
-    ) -> None:
-        """The resolved pool, once at start-up (plain values: obs/ sits below config).
-        ``cache_dtype`` is the dtype the KV cache is stored in; vLLM spells the
-        labels as Python ``str()`` of its values, so ``"True"``, not ``"true"``."""
-        if self.cache_config_info is None:
-            return
-        self.cache_config_info.labels(
-            block_size=str(block_size),
-            num_gpu_blocks=str(num_kv_blocks),
-            enable_prefix_caching=str(enable_prefix_caching),
-            cache_dtype=cache_dtype,
-        ).set(1)
+    def on_cache_config(self, *, block_size: int, num_kv_blocks: int,
+                        enable_prefix_caching: bool, cache_dtype: str) -> None:
+        self.config.on_cache_config(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                    enable_prefix_caching=enable_prefix_caching,
+                                    cache_dtype=cache_dtype)
 
     def on_slo_config(self, *, ttft_s: float | None, itl_s: float | None) -> None:
-        """The server's SLO (what a request that brings none is held to), once at start-up;
-        a part that is unset has no gauge."""
-        if ttft_s is not None:
-            self.slo_ttft_seconds = self._gauge(
-                "slo_ttft_seconds", "The server's TTFT SLO (--slo-ttft-ms).")
-            self.slo_ttft_seconds.set(ttft_s)
-        if itl_s is not None:
-            self.slo_itl_seconds = self._gauge(
-                "slo_itl_seconds", "The server's ITL SLO (--slo-itl-ms).")
-            self.slo_itl_seconds.set(itl_s)
+        self.config.on_slo_config(ttft_s=ttft_s, itl_s=itl_s)
 
     def on_dtypes(self, *, weight_dtype: str, compute_dtype: str, cache_dtype: str) -> None:
-        """The resolved dtypes (``RunnerConfig``), once at start-up."""
-        self.dtype_info.labels(weight_dtype=weight_dtype, compute_dtype=compute_dtype,
-                               cache_dtype=cache_dtype).set(1)
+        self.config.on_dtypes(weight_dtype=weight_dtype, compute_dtype=compute_dtype,
+                              cache_dtype=cache_dtype)
 
     def on_engine_state(self, state: EngineState) -> None:
         self._device = state.device
@@ -393,13 +286,7 @@ class ServerMetrics:
 
     def on_step(self, stats: StepStats) -> None:
         self.engine_step_seconds.observe(stats.step_s)
-        if stats.predicted_s is not None:
-            self.engine_step_predicted_seconds.observe(stats.predicted_s)
-            self.step_time_prediction_abs_error.inc(abs(stats.step_s - stats.predicted_s))
-        self._step_model = stats.step_model
-        self._itl_target_s = stats.itl_target_s or 0.0
-        if stats.min_decode_slack_s is not None:
-            self._min_slack_s = stats.min_decode_slack_s
+        self.step_model.on_step(stats)
         # A decode sequence contributes exactly one token to the step.
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_seqs)
         # StepStats carries per-step deltas, so they add straight into the counters (a zero
@@ -482,50 +369,9 @@ class ServerMetrics:
             self._apply_load(*self._load)
             self._load = None
         if self._memory:
-            self._set_memory(self._memory)
+            self.memory_metrics.set(self._memory, self._device)
             self._memory = {}
-        if self._step_model is not None:
-            for term, value in self._step_model.items():
-                self.step_time_model.labels(term=term).set(value)
-            self.itl_target_seconds.set(self._itl_target_s)
-            self._step_model = None
-        if self._min_slack_s is not None:
-            self.min_decode_slack_seconds.set(self._min_slack_s)
-            self._min_slack_s = None
-
-    def _set_memory(self, memory: Mapping[str, float]) -> None:
-        # Absent keys (CPU engine, CUDA not yet initialized) leave the gauges as they were.
-        if (v := memory.get("torch_allocated_bytes")) is not None:
-            self.torch_memory_allocated_bytes.set(v)
-        if (v := memory.get("torch_reserved_bytes")) is not None:
-            self.torch_memory_reserved_bytes.set(v)
-        if (v := memory.get("device_used_bytes")) is not None:
-            self.device_memory_used_bytes.labels(device=self._device).set(v)
-        if (v := memory.get("device_total_bytes")) is not None:
-            self.device_memory_total_bytes.labels(device=self._device).set(v)
-        if (v := memory.get("device_process_bytes")) is not None:
-            self.device_memory_process_bytes.labels(device=self._device).set(v)
-        gauges = (
-            ("torch_inactive_split_bytes", self.torch_memory_inactive_split_bytes),
-            ("kv_cache_bytes", self.kv_cache_memory_bytes),
-            ("rss_bytes", self.engine_resident_memory_bytes),
-            ("host_used_bytes", self.host_memory_used_bytes),
-            ("host_total_bytes", self.host_memory_total_bytes),
-        )
-        for key, g in gauges:
-            if (v := memory.get(key)) is not None:
-                g.set(v)
-        # The engine sends its running count; the counter takes the increase.
-        alerts = memory.get("memory_alerts_total")
-        if alerts is not None and alerts > self._memory_alerts_seen:
-            self.memory_alerts.inc(alerts - self._memory_alerts_seen)
-            self._memory_alerts_seen = alerts
-        if (v := memory.get("steady_growth_bytes")) is not None:
-            self.steady_memory_growth_bytes.set(v)
-        violations = memory.get("steady_violations_total")
-        if violations is not None and violations > self._steady_violations_seen:
-            self.steady_memory_violations.inc(violations - self._steady_violations_seen)
-            self._steady_violations_seen = violations
+        self.step_model.flush()
 
     @staticmethod
     def _observe(hist: Histogram, timing: Mapping[str, object], key: str) -> None:
