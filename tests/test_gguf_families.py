@@ -28,11 +28,20 @@ from transformers import AutoModelForCausalLM
 
 from tailserve import LLM, SamplingParams
 from tailserve.errors import ModelLoadError
-from tailserve.model.gguf import GGUFFile, gguf_model_config, packed_storage, read_gguf
+from tailserve.model.gguf import (
+    GGUFFile,
+    gguf_model_config,
+    load_gguf_weights,
+    packed_storage,
+    read_gguf,
+)
 from tailserve.model.loader import default_model_path, load_model
 from tailserve.model.quant.formats import dequantize_reference, is_packed
 from tailserve.model.tokenizer import load_gguf_tokenizer
+from tailserve.model.transforms.gguf_linear import GGUFLinear
+from test_cpu_decode import decode_batch
 from test_engine_parity import hf_greedy, ts_greedy
+from test_gguf_packed import TINY_RTOL, make_runner
 from tiny_models import build_tiny_mistral, build_tiny_phi3, build_tiny_qwen3
 
 Q = gguf.GGMLQuantizationType
@@ -284,3 +293,29 @@ def test_a_window_in_llama_metadata_is_read_or_refused(tmp_path: Path) -> None:
     assert str(err.value) == (
         f"{tmp_path / 'odd.gguf'} has llama.attention.sliding_window_pattern = [True]; expected "
         "one bool per layer (2) or a positive layer count")
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_phi3_split_blocks_serve_on_the_packed_kernels(tmp_path: Path) -> None:
+    """The rows of Phi-3's fused Q8_0 blocks, split, run on the packed kernels (tiled, one-call
+    step): within the int8-activation error of the float32 dequantization of the same file
+    (test_gguf_packed.py's bound)."""
+    p = AutoModelForCausalLM.from_pretrained(
+        build_tiny_phi3(tmp_path / "p", max_position_embeddings=2048), dtype=torch.float32)
+    write_gguf(tmp_path / "p.gguf", p, Q.Q8_0)
+    f = read_gguf(str(tmp_path / "p.gguf"))
+    config = gguf_model_config(f)
+    runner = make_runner(config, load_gguf_weights(f, config, packed=True))
+    # (the decoder stacks q, k, v and gate, up again: the parts' blocks, re-fused)
+    assert type(runner.model.layers[0].self_attn.qkv_proj) is GGUFLinear
+    assert type(runner.model.layers[0].mlp.gate_up_proj) is GGUFLinear
+    assert runner.decode_graph is not None
+    ref = make_runner(config, load_gguf_weights(f, config))
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()
+    ref.kv_cache.copy_(runner.kv_cache)
+    ids, positions, meta = decode_batch(runner, [1, 40, 17], seed=1)
+    with torch.inference_mode():
+        got = runner.model(ids, positions, runner.kv_caches, meta)
+        want = ref.model(ids, positions, ref.kv_caches, meta)
+    assert ((got - want).norm() / want.norm()).item() < TINY_RTOL
