@@ -262,6 +262,12 @@ def test_bad_qwen3_and_phi3_files_are_refused_from_the_header(
     assert _refused(tmp_path / "qkv.gguf", monkeypatch) == (
         f"{tmp_path / 'qkv.gguf'}: tensor blk.0.attn_qkv.weight has shape [96, 64], but the "
         f"metadata ({shape}) implies [128, 64]")
+    # An embedding model's file (llama.cpp's attention.causal false): refused by name.
+    write_gguf(tmp_path / "bidi.gguf", q, Q.F32,
+               metadata={"qwen3.attention.causal": (False, gguf.GGUFValueType.BOOL)})
+    assert _refused(tmp_path / "bidi.gguf", monkeypatch) == (
+        f"{tmp_path / 'bidi.gguf'}: the Qwen3ForCausalLM checkpoint asks for what tailserve's "
+        "decoder does not serve: use_bidirectional_attention=True")
     # Phi-3's 128k variants: longrope, as factor tensors; refused by name.
     long = {"phi3.rope.scaling.attn_factor": (1.19, gguf.GGUFValueType.FLOAT32)}
     factors = {"rope_factors_long.weight": np.ones(8, np.float32),

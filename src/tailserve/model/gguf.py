@@ -268,6 +268,8 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         **sliding_window(f.path, f.metadata, arch),
         "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
         "attn_logit_softcapping": md.get(f"{arch}.attn_logit_softcapping"),
+        # llama.cpp's embedding models (non-causal attention): refused by from_hf, by name
+        "use_bidirectional_attention": md.get(f"{arch}.attention.causal") is False,
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         # End of text, end of turn, end of message: llama.cpp stops on all three, and so do we.
         "eos_token_id": list(
@@ -282,7 +284,10 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
             )
         ),
     }
-    return ModelConfig.from_hf(hf)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ModelLoadError as exc:  # what the file asks that is not served: name the file
+        raise ModelLoadError(f"{f.path}: {exc}") from None
 
 
 def _kept_packed(info: Any) -> bool:
