@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 import torch
 
-from tailserve.config import ModelConfig
+from tailserve.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from tailserve.errors import ModelLoadError
 from tailserve.families import GGUF_FAMILIES
 from tailserve.model.gguf_layout import (
@@ -225,7 +225,7 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         # as per-dimension factor tensors; tailserve's rope serves no longrope.
         raise ModelLoadError(
             f"{f.path} stores longrope scaling ({', '.join(longrope)}: a long-context Phi-3), "
-            f"which is not supported; supported rope scaling: linear, llama3"
+            f"which is not supported; supported rope scaling: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     num_heads = int(need("attention.head_count"))
     num_kv_heads = md.get(f"{arch}.attention.head_count_kv", num_heads)
