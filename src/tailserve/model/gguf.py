@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +27,19 @@ import gguf
 import numpy as np
 import torch
 
-from tailserve.config import ModelConfig
+from tailserve.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from tailserve.errors import ModelLoadError
 from tailserve.families import GGUF_FAMILIES
+from tailserve.model.gguf_layout import (
+    check_tensor_table,
+    hf_name,
+    rope_scaling,
+    sliding_window,
+    unfused_names,
+    unpermute_rows,
+)
 from tailserve.model.quant.formats import PACKED_FORMATS, pack_rows
+from tailserve.model.weight_storage import fused_splitter
 
 log = logging.getLogger(__name__)
 
@@ -58,30 +66,9 @@ _SCALAR_FORMATS = {
 _MAX_STRING_ARRAY = 1024
 _BLOCKS_PER_WIDE_ROW = 512  # 16 such rows of Q8_0 or Q4 blocks: ~1 MB of float32 per group
 
-# GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``); a
-# family's ``gguf_names`` override these where its layers differ.
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # Types that are values, not blocks: float32 serves them with nothing lost.
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                 gguf.GGMLQuantizationType.BF16)
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 @dataclass(frozen=True)
@@ -231,6 +218,15 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
             f"{f.path} stores rope scaling as a rope_freqs tensor (Llama 3.1+ GGUF), which is not "
             "supported; load the model's Hugging Face folder instead"
         )
+    longrope = sorted(n for n in ("rope_factors_long.weight", "rope_factors_short.weight")
+                      if n in f.tensors)
+    if longrope:
+        # Phi-3's 128k-context variants: llama.cpp's converter writes their longrope scaling
+        # as per-dimension factor tensors; tailserve's rope serves no longrope.
+        raise ModelLoadError(
+            f"{f.path} stores longrope scaling ({', '.join(longrope)}: a long-context Phi-3), "
+            f"which is not supported; supported rope scaling: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     num_heads = int(need("attention.head_count"))
     num_kv_heads = md.get(f"{arch}.attention.head_count_kv", num_heads)
     if not isinstance(num_kv_heads, int):
@@ -240,6 +236,12 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         )
     hidden = int(need("embedding_length"))
     head_dim = int(md.get(f"{arch}.attention.key_length", hidden // num_heads))
+    value_dim = md.get(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise ModelLoadError(
+            f"{f.path} has value heads of {value_dim} and key heads of {head_dim} dimensions "
+            f"({arch}.attention.value_length / key_length); only equal ones are supported"
+        )
     rope_dims = md.get(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ModelLoadError(
@@ -262,12 +264,12 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         "max_position_embeddings": int(md.get(f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
-        "rope_scaling": _rope_scaling(md, arch),
-        # llama.cpp writes one window; which layers use it is the family's pattern
-        # (Family.sliding_window_pattern; every layer where it has none).
-        "sliding_window": md.get(f"{arch}.attention.sliding_window"),
+        "rope_scaling": rope_scaling(md, arch),
+        **sliding_window(f.path, f.metadata, arch),
         "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
         "attn_logit_softcapping": md.get(f"{arch}.attn_logit_softcapping"),
+        # llama.cpp's embedding models (non-causal attention): refused by from_hf, by name
+        "use_bidirectional_attention": md.get(f"{arch}.attention.causal") is False,
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         # End of text, end of turn, end of message: llama.cpp stops on all three, and so do we.
         "eos_token_id": list(
@@ -282,7 +284,10 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
             )
         ),
     }
-    return ModelConfig.from_hf(hf)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ModelLoadError as exc:  # what the file asks that is not served: name the file
+        raise ModelLoadError(f"{f.path}: {exc}") from None
 
 
 def _kept_packed(info: Any) -> bool:
@@ -293,11 +298,14 @@ def _kept_packed(info: Any) -> bool:
 def packed_storage(f: GGUFFile) -> dict[str, str]:
     """HF name -> block format of every tensor ``load_gguf_weights(packed=True)`` keeps as its
     blocks (the others become float32): what ``tailserve plan`` counts, from the header."""
+    family = GGUF_FAMILIES[f.architecture]
     out = {}
     for name, info in f.tensors.items():
-        hf_name = _hf_name(name, f.architecture)
-        if hf_name is not None and _kept_packed(info):
-            out[hf_name] = PACKED_FORMATS[info.ggml_type].name
+        stored = hf_name(name, family)
+        if stored is not None and _kept_packed(info):
+            # a fused tensor's parts are its rows: kept as blocks alike
+            for part in unfused_names(stored, family):
+                out[part] = PACKED_FORMATS[info.ggml_type].name
     return out
 
 
@@ -307,23 +315,15 @@ def load_gguf_weights(
     """Every tensor under its Hugging Face name, Q/K un-permuted: dequantized to float32, or
     with ``packed`` the matrices in a format of ``PACKED_FORMATS`` as their blocks (a
     matrix of another quantized type is dequantized, with a warning naming it)."""
-    names: dict[str, str] = {}
-    unknown: list[str] = []
-    for name in f.tensors:
-        hf_name = _hf_name(name, f.architecture)
-        if hf_name is None:
-            unknown.append(name)
-        else:
-            names[name] = hf_name
-    if unknown:  # before seconds of dequantizing, not after
-        raise ModelLoadError(
-            f"{f.path} holds {len(unknown)} tensors this loader does not know: "
-            f"{', '.join(sorted(unknown)[:8])}"
-        )
+    family = GGUF_FAMILIES[f.architecture]  # gguf_model_config checked it
+    # From the header, before seconds of dequantizing and before a tensor is allocated.
+    names = check_tensor_table(f.path, {n: i.shape for n, i in f.tensors.items()}, config,
+                               family)
+    split = fused_splitter(config)
     weights: dict[str, torch.Tensor] = {}
     fallback: list[str] = []
-    permuted = GGUF_FAMILIES[f.architecture].gguf_qk_permuted  # gguf_model_config checked it
-    for name, hf_name in names.items():
+    permuted = family.gguf_qk_permuted
+    for name, stored in names.items():
         info = f.tensors[name]
         try:
             if packed and _kept_packed(info):
@@ -335,11 +335,12 @@ def load_gguf_weights(
         except NotImplementedError as exc:  # a type gguf's numpy code has no dequantizer for
             raise ModelLoadError(f"{f.path}: cannot dequantize {name}: {exc}") from exc
         # Only llama.cpp's "llama" converter permutes; the others store HF order.
-        if permuted and ".self_attn.q_proj." in hf_name:
+        if permuted and ".self_attn.q_proj." in stored:
             tensor = unpermute_rows(tensor, config.num_attention_heads).contiguous()
-        elif permuted and ".self_attn.k_proj." in hf_name:
+        elif permuted and ".self_attn.k_proj." in stored:
             tensor = unpermute_rows(tensor, config.num_key_value_heads).contiguous()
-        weights[hf_name] = tensor
+        for part_name, part in ([(stored, tensor)] if split is None else split(stored, tensor)):
+            weights[part_name] = part.contiguous()
     if fallback:
         log.warning(
             "%s: %d matrices are in ggml types the packed kernels do not read (supported: %s); "
@@ -347,46 +348,6 @@ def load_gguf_weights(
             ", ".join(fmt.name for fmt in PACKED_FORMATS.values()), ", ".join(fallback[:8]),
         )
     return weights
-
-
-def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    kind = md.get(f"{arch}.rope.scaling.type")
-    factor = md.get(f"{arch}.rope.scaling.factor")
-    if kind is None and f"{arch}.rope.scale_linear" in md:  # the pre-2024 spelling
-        kind, factor = "linear", md[f"{arch}.rope.scale_linear"]
-    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
-        return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
-    original = md.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = original
-    return scaling  # ModelConfig.from_hf rejects the kinds it cannot run (yarn, ...)
-
-
-def _hf_name(gguf_name: str, arch: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None:
-        return None
-    layer, part, kind = match.groups()
-    family = GGUF_FAMILIES.get(arch)
-    overrides = family.gguf_names if family is not None else {}
-    hf_part = overrides.get(part, _LAYER_NAMES.get(part))
-    return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{kind}"
-
-
-def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's rotary re-ordering of the rows of a Q or K weight (or bias).
-
-    ``convert_hf_to_gguf.py`` turns Hugging Face's "rotate half" layout into GGML's interleaved
-    pairs with ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)``; swapping the
-    same two axes of the ``(n_head, rows // n_head // 2, 2)`` view restores the original rows.
-    """
-    rows, rest = w.shape[0], w.shape[1:]
-    if rows % (2 * n_head):
-        raise ModelLoadError(f"{rows} rows do not split into {n_head} heads of rotary pairs")
-    return w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
 def _read_string(blob: mmap.mmap, pos: int) -> tuple[str, int]:

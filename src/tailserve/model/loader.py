@@ -40,7 +40,7 @@ from tailserve.model.gguf import gguf_model_config, load_gguf_weights, read_gguf
 from tailserve.model.quant.formats import logical_shape
 from tailserve.model.tokenizer import folder_listing, load_gguf_tokenizer, load_hf_tokenizer
 from tailserve.model.transforms.rtn import RTNQuantizer
-from tailserve.model.weight_storage import RTN_BLOCK, expected_weight_shapes
+from tailserve.model.weight_storage import RTN_BLOCK, expected_weight_shapes, fused_splitter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -207,7 +207,7 @@ def _load_hf_folder(folder: str, quantization: str | None = None,
         config = dataclasses.replace(config, eos_token_ids=_union(config.eos_token_ids, extra))
     convert = (None if quantization is None  # checked before a tensor is read
                else RTNQuantizer(config, quantization, group_size, folder))
-    weights = _read_safetensors(folder, convert, _unfuse(config))
+    weights = _read_safetensors(folder, convert, fused_splitter(config))
     if convert is not None:
         log.info("%s", convert.describe())
     _offset_norms(weights, FAMILIES[config.architecture].norm_weight_offset)
@@ -227,36 +227,6 @@ def _offset_norms(weights: dict[str, torch.Tensor], offset: float) -> None:
     for name, tensor in weights.items():
         if name.endswith("norm.weight"):
             weights[name] = tensor.float() + offset
-
-
-def _unfuse(
-    config: ModelConfig,
-) -> Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None:
-    """The family's fused projections (``Family.fused``: Phi-3's qkv_proj, gate_up_proj) split
-    into the canonical names as they are read; every other tensor passes as it is. A fused
-    weight splits by output rows into the shapes the canonical names have. None for a family
-    that stores none fused (the reader then looks at no name)."""
-    fused = FAMILIES[config.architecture].fused
-    if not fused:
-        return None
-    shapes = expected_weight_shapes(config)
-
-    def split(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        prefix, _, rest = key.partition(".layers.")
-        layer, _, local = rest.partition(".")
-        stored, _, kind = local.rpartition(".")
-        if not rest or stored not in fused:
-            return [(key, tensor)]
-        names = [f"{prefix}.layers.{layer}.{part}.{kind}" for part in fused[stored]]
-        rows = [shapes[name][0] if name in shapes else 0 for name in names]
-        if sum(rows) != tensor.shape[0] or 0 in rows:
-            raise ModelLoadError(
-                f"{key} has {tensor.shape[0]} rows; the config implies "
-                f"{' + '.join(map(str, rows))} for {', '.join(fused[stored])}"
-            )
-        return list(zip(names, tensor.split(rows), strict=True))
-
-    return split
 
 
 def _read_safetensors(

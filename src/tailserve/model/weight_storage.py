@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import gguf
 
@@ -33,7 +34,11 @@ from tailserve.config import (
     ModelConfig,
     check_quantization_group_size,
 )
-from tailserve.errors import ConfigError
+from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.families import FAMILIES
+
+if TYPE_CHECKING:
+    import torch
 
 FLOAT_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 RTN_FORMATS: dict[str, str] = {"int8": "Q8_0", "int4": "Q4_1"}
@@ -110,6 +115,58 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def stored_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``expected_weight_shapes`` as the family's checkpoints store them: the parts of each
+    fused projection (``Family.fused``: Phi-3's qkv_proj, gate_up_proj) as one tensor of their
+    rows stacked, under the fused name."""
+    shapes = expected_weight_shapes(config)
+    fused = FAMILIES[config.architecture].fused
+    for i in range(config.num_hidden_layers):
+        for stored, parts in fused.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if not all(name in shapes for name in names):
+                    continue
+                rows = sum(shapes[name][0] for name in names)
+                rest = shapes[names[0]][1:]
+                for name in names:
+                    del shapes[name]
+                shapes[f"model.layers.{i}.{stored}.{kind}"] = (rows, *rest)
+    return shapes
+
+
+Splitter = Callable[[str, "torch.Tensor"], list[tuple[str, "torch.Tensor"]]]
+
+
+def fused_splitter(config: ModelConfig) -> Splitter | None:
+    """The family's fused projections (``Family.fused``) split into the canonical names as they
+    are read, from a Hugging Face folder or a GGUF alike; every other tensor passes as it is.
+    A fused weight splits by output rows (float values, or a GGUF's packed blocks, whose first
+    axis is rows too) into the shapes the canonical names have. None for a family that stores
+    none fused (the reader then looks at no name)."""
+    fused = FAMILIES[config.architecture].fused
+    if not fused:
+        return None
+    shapes = expected_weight_shapes(config)
+
+    def split(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        prefix, _, rest = key.partition(".layers.")
+        layer, _, local = rest.partition(".")
+        stored, _, kind = local.rpartition(".")
+        if not rest or stored not in fused:
+            return [(key, tensor)]
+        names = [f"{prefix}.layers.{layer}.{part}.{kind}" for part in fused[stored]]
+        rows = [shapes[name][0] if name in shapes else 0 for name in names]
+        if sum(rows) != tensor.shape[0] or 0 in rows:
+            raise ModelLoadError(
+                f"{key} has {tensor.shape[0]} rows; the config implies "
+                f"{' + '.join(map(str, rows))} for {', '.join(fused[stored])}"
+            )
+        return list(zip(names, tensor.split(rows), strict=True))
+
+    return split
+
+
 def rtn_format(name: str, shape: tuple[int, ...], quantization: str) -> str:
     """The format ``--quantization`` stores the weight ``name`` in (module docstring)."""
     if quantization not in RTN_FORMATS:
@@ -169,7 +226,9 @@ __all__ = [
     "bytes_by_format",
     "check_rtn_shapes",
     "expected_weight_shapes",
+    "fused_splitter",
     "planned_storage",
     "rtn_format",
+    "stored_weight_shapes",
     "tensor_bytes",
 ]
