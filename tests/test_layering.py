@@ -28,6 +28,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "tailserve"
 ALLOWED: dict[str, set[str]] = {
     # the bottom layer: plain values and user-input checks
     "errors": set(),
+    "kv_groups": set(),  # how a sliding-window model's layers share the KV pool, and its counts
     "sampling_params": {"errors"},
     "request": {"errors", "sampling_params"},
     "outputs": {"request"},
@@ -40,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors", "families", "model_features", "platforms", "request"},
     "stepcost": set(),  # the step-time model: the scheduler budgets with it, diagnose fits it
     # torch-free engine parts and the edge renderers
-    "kv": {"data", "request"},
+    "kv": {"data", "kv_groups", "request"},
     "obs": {"data", "envs", "errors"},
     "kernels": {"envs"},
     # the model side: reads configs and step data, never the engine
