@@ -30,6 +30,7 @@ from tailserve.config.model import (
     ModelConfig,
     check_tensor_parallel,
     kv_block_bytes,
+    resolve_kv_groups,
     resolve_max_model_len,
     sliding_window_served,
 )
@@ -394,6 +395,8 @@ class EngineArgs:
         kv_events = KVEventsConfig.parse(self.kv_events_config)
         # CPU: the pool is given in GiB; CUDA: whatever the profiling forward leaves.
         kv_bytes = None if runner.device == "cuda" else int(self.kv_cache_memory * (1 << 30))
+        kv_groups = resolve_kv_groups(model, max_model_len, runner.device,
+                                      runner.tensor_parallel_size)
         return UnsizedEngineConfig(
             model=model,
             runner=runner,
@@ -401,7 +404,7 @@ class EngineArgs:
             observability=observability,
             block_size=self.block_size,
             block_bytes=kv_block_bytes(model, self.block_size, runner.kv_cache_dtype,
-                                       runner.tensor_parallel_size),
+                                       runner.tensor_parallel_size, kv_groups),
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
@@ -409,6 +412,7 @@ class EngineArgs:
             kv_cache_bytes=kv_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_events=kv_events,
+            kv_groups=kv_groups,
         )
 
     def resolve_load(self, platform: Platform) -> LoadConfig:

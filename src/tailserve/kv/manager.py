@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from tailserve.data.kv_events import AllBlocksCleared, BlockStored, KVCacheEvent
 from tailserve.data.records import KVCacheSnapshot
 from tailserve.kv.block_pool import BlockHash, BlockPool, HashAlgo, KVBlock, hash_block
-from tailserve.kv_groups import cdiv, first_needed_block
+from tailserve.kv_groups import blocks_per_seq, cdiv, first_needed_block
 from tailserve.request import Request
 
 __all__ = ["KVCacheManager", "cdiv"]
@@ -94,6 +94,12 @@ class KVCacheManager:
     def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Groups 1 .. n-1's tables (empty unless ``grouped``); a released slot is block 0."""
         return tuple(list(map(_BLOCK_ID, t)) for t in self.group_blocks.get(request_id, ()))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens holds over all groups."""
+        if not self.grouped:
+            return cdiv(num_tokens, self.block_size)
+        return blocks_per_seq(self.group_windows, num_tokens, self.block_size)
 
     def num_blocks_held(self, request_id: str) -> int:
         """Blocks the request holds over all groups (released slots not counted)."""
