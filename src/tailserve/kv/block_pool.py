@@ -121,8 +121,9 @@ class BlockPool:
         # Blocks with ref_cnt > 0 per band of ids (see usage_band_sizes).
         self.band_used = [0] * self.num_bands
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # With a null block, id 0 is never handed out: it stays zeros (what the runner
-        # allocated), counted as in use, so a masked read of it is a finite zero.
+        # With a null block, id 0 is never handed out (counted as in use): what it holds is
+        # finite (the runner's zeros, or start-up calibration's K/V), so a masked read of a
+        # released slot weighs nothing.
         first = 1 if reserve_null_block and num_blocks else 0
         self.null_block: KVBlock | None = None
         if first:

@@ -67,8 +67,9 @@ class ModelRunner:
     def allocate_kv_cache(self, cache: CacheConfig) -> None:
         """The whole KV cache, once: [layers, 2, num_blocks, block_size, H_kv, D]; with KV
         cache groups (kv_groups.py) [layers_per_block, ...], layer i in slot
-        ``layer_slot[i]`` (its group's block ids index it). Zeros: the null block a released
-        table slot points at stays a finite zero the window masks never weigh."""
+        ``layer_slot[i]`` (its group's block ids index it). Zeros, so the null block a
+        released table slot points at is finite: the window masks give it weight 0, and a
+        NaN there would still poison the weighted sum."""
         cfg = self.model_config
         self.cache_config = cache
         groups = cache.kv_groups
