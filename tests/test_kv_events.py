@@ -89,11 +89,17 @@ class Mirror:
                 self.cached.clear()
 
 
-@pytest.mark.parametrize("algo", ["sha256", "xxh64"])
-def test_manager_events_replay_to_the_cached_hashes(algo: str) -> None:
+@pytest.mark.parametrize("algo,group_windows,num_blocks", [
+    ("sha256", (None,), 10), ("xxh64", (None,), 10),
+    # KV cache groups: the events describe group 0's cache alone (the other group's blocks
+    # are cached and evicted silently), and still add up to it
+    ("sha256", (None, 4), 20),
+])
+def test_manager_events_replay_to_the_cached_hashes(
+        algo: str, group_windows: tuple[int | None, ...], num_blocks: int) -> None:
     """Torch-free: after every allocation the events so far add up to the pool's map."""
-    kv = KVCacheManager(num_blocks=10, block_size=4, enable_kv_cache_events=True,
-                        hash_algo=algo)  # type: ignore[arg-type]
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_kv_cache_events=True,
+                        hash_algo=algo, group_windows=group_windows)  # type: ignore[arg-type]
     digests: dict[int, bytes] = {}
     cached: set[int] = set()
     g = torch.Generator().manual_seed(3)

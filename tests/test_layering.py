@@ -28,8 +28,9 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "tailserve"
 ALLOWED: dict[str, set[str]] = {
     # the bottom layer: plain values and user-input checks
     "errors": set(),
+    "kv_groups": set(),  # how a sliding-window model's layers share the KV pool, and its counts
     "sampling_params": {"errors"},
-    "request": {"errors", "sampling_params"},
+    "request": {"errors", "kv_groups", "sampling_params"},
     "outputs": {"request"},
     "data": {"request", "sampling_params"},
     "envs": set(),
@@ -37,10 +38,10 @@ ALLOWED: dict[str, set[str]] = {
     "platforms": {"errors"},
     "model_features": {"errors"},  # which config.json fields are served, which refused
     "families": set(),  # what differs between model families, as data
-    "config": {"errors", "families", "model_features", "platforms", "request"},
+    "config": {"errors", "families", "kv_groups", "model_features", "platforms", "request"},
     "stepcost": set(),  # the step-time model: the scheduler budgets with it, diagnose fits it
     # torch-free engine parts and the edge renderers
-    "kv": {"data", "request"},
+    "kv": {"data", "kv_groups", "request"},
     "obs": {"data", "envs", "errors"},
     "kernels": {"envs"},
     # the model side: reads configs and step data, never the engine
@@ -51,8 +52,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     # (platforms: the builder resolves the arguments against the host once, engine/build.py)
     "engine": {
-        "config", "data", "envs", "errors", "glibc", "kv", "model", "obs", "outputs", "platforms",
-        "request", "sampling_params", "stepcost",
+        "config", "data", "envs", "errors", "glibc", "kv", "kv_groups", "model", "obs", "outputs",
+        "platforms", "request", "sampling_params", "stepcost",
     },
     # the edge: server talks to the engine through engine.client and data records; kv only
     # for the pure ``usage_band_sizes`` the dashboard needs to draw the band heatmap
@@ -63,7 +64,7 @@ ALLOWED: dict[str, set[str]] = {
     "tailserve": {"config", "engine", "envs", "outputs", "sampling_params"},
     # tools
     "bench": {"errors", "model", "tailserve"},
-    "analyze": {"bench", "config", "data", "errors", "model", "stepcost"},
+    "analyze": {"bench", "config", "data", "errors", "kv_groups", "model", "stepcost"},
     "cli_flags": set(),  # argparse flags from dataclass fields; knows no tailserve type
     "cli": {
         "analyze", "bench", "cli_flags", "config", "engine", "envs", "sampling_params", "server",

@@ -140,6 +140,38 @@ def test_qwen2_7b_on_a_24_gib_device() -> None:
     assert any("batch 64" in n for n in plan.notes)
 
 
+GEMMA3_270M: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
+    "intermediate_size": 2048, "num_attention_heads": 4, "num_hidden_layers": 18,
+    "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rms_norm_eps": 1e-6, "sliding_window": 512, "query_pre_attn_scalar": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                    for i in range(18)],
+}
+
+
+def test_gemma3_270m_sliding_layers_keep_their_window() -> None:
+    """Issue 32's target: at 4 x the window a sequence's KV is <= 40% of every layer global."""
+    plan = make_plan(ModelConfig.from_hf(GEMMA3_270M), PlanInputs(
+        device_memory_gib=24, memory_bandwidth_gbs=1008, context=2048))
+    # bf16: 2 x 18 layers x 1 KV head x 256 x 2 B = 18,432 B per token, every layer.
+    assert plan.kv_bytes_per_token == 18_432
+    assert plan.kv_group_windows == (None, 512, 512, 512, 512, 512)
+    # Blocks of 3 layers: 16 x 2 x 3 x 256 x 2 = 49,152 B. At 2,048 tokens the global group
+    # holds 128 blocks, each of the 5 local groups 512 / 16 + 1 = 33: 293 blocks =
+    # 14,401,536 B, against 2,048 x 18,432 = 37,748,736 B were every layer global: 38%.
+    assert plan.kv_bytes_per_seq == 14_401_536
+    assert plan.kv_bytes_per_seq_all_global == 37_748_736
+    assert plan.kv_bytes_per_seq / plan.kv_bytes_per_seq_all_global <= 0.40
+    # weights 268,098,176 x 2 B: 24 GiB x 0.9 leaves 22,656,633,242 B = 460,950 blocks; less
+    # the null block / 293 per sequence = 1,573 sequences of 2,048 tokens (not 600).
+    assert plan.num_blocks == (round(24 * GIB * 0.9) - plan.weight_bytes_per_device) // 49_152
+    assert plan.max_concurrent_seqs == (plan.num_blocks - 1) // 293
+    assert any("16 of 18 layers" in n or "15 of 18 layers" in n for n in plan.notes)
+
+
 def test_smollm2_135m_dtypes_and_tensor_parallel() -> None:
     cfg = ModelConfig.from_hf(SMOLLM2_135M)
     # float32 weights 134,515,008 x 4 = 538,060,032 B; the KV cache follows (4 bytes):

@@ -20,12 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tailserve import LLM, SamplingParams
-from tailserve.config import EngineArgs, ModelConfig, resolve_max_model_len
+from tailserve.config import EngineArgs, ModelConfig, kv_block_bytes, resolve_max_model_len
 from tailserve.errors import ConfigError, ModelLoadError
 from tailserve.model_features import sliding_window, sliding_window_layers, unsupported_features
 from tailserve.platforms import Platform
 from test_engine_parity import hf_greedy, ts_greedy
-from tiny_models import build_tiny_mistral, build_tiny_qwen2
+from tiny_models import build_tiny_gemma3, build_tiny_mistral, build_tiny_qwen2
 
 LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
@@ -184,3 +184,28 @@ def test_sliding_window_without_the_kernels(tmp_path: Path,
               max_num_seqs=4, slo_itl_ms=None, scheduling_policy="fcfs")
     assert not llm.engine.runner.cpu_kernels
     assert ts_greedy(llm, prompts, 32) == hf_greedy(hf, prompts, 32)
+
+
+def test_local_layers_release_their_blocks(tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 32 item 3: Gemma 3's two sliding layers of three keep only their window's
+    blocks (KV cache groups: one global, two local, blocks of one layer), so a pool of 48
+    one-layer blocks (16 blocks of all three layers: 256 tokens, were every layer global)
+    serves a 300-token prompt and 64 tokens, chunked, with transformers' greedy tokens."""
+    folder = build_tiny_gemma3(tmp_path / "m", max_position_embeddings=2048)
+    prompts = _prompts([300])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with caplog.at_level(logging.INFO, logger="tailserve.engine.build"):
+        llm = LLM(folder, dtype="float32", num_kv_blocks=48, max_model_len=512,
+                  max_num_batched_tokens=64, slo_itl_ms=None, scheduling_policy="fcfs")
+    cache = llm.engine.config.cache
+    assert cache.kv_groups is not None
+    assert (cache.kv_groups.group_windows, cache.kv_groups.layers_per_block) == ((None, 8, 8), 1)
+    assert kv_block_bytes(llm.engine.config.model, 16, "float32") == 3 * cache.block_bytes
+    # 512 tokens: 32 global blocks + 2 x (8 / 16 + 1 = 2) local = 36 of 96: 38%; one fits 47.
+    assert ("KV cache groups ['global', 8, 8] (blocks of 1 layers): a 512-token sequence holds"
+            in caplog.text)
+    assert "38% of the" in caplog.text and "1 such sequences fit the pool" in caplog.text
+    assert ts_greedy(llm, prompts, NEW_TOKENS) == hf_greedy(hf, prompts, NEW_TOKENS)
+    # Every block came back: the pool less the null block.
+    assert llm.engine.scheduler.kv.pool.num_free_blocks == 47

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tailserve.errors import InvalidRequestError
+from tailserve.kv_groups import blocks_per_seq
 from tailserve.sampling_params import SamplingParams
 
 
@@ -243,6 +244,9 @@ class LengthLimits(Protocol):
     @property
     def max_request_tokens(self) -> int: ...
 
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]: ...
+
 
 @dataclass(frozen=True)
 class SequenceLimits:
@@ -253,6 +257,7 @@ class SequenceLimits:
     block_size: int
     num_kv_blocks: int
     max_request_tokens: int
+    kv_group_windows: tuple[int | None, ...] = (None,)  # kv_groups.py
 
 
 @dataclass(frozen=True)
@@ -267,6 +272,8 @@ class RequestLimits:
     # pool's total, so a request whose sequences could never all be in the pool at once (and
     # would run for as long as several requests in a row) is refused up front.
     max_request_tokens: int
+    # The KV cache groups' windows (kv_groups.py): what one sequence holds of the pool.
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
 
 def check_stop_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
@@ -322,7 +329,8 @@ def check_request_lengths(
             f"{n_prompt + max_tokens} exceeds max_model_len ({max_model_len})",
             param="max_tokens",
         )
-    blocks_needed = -(-(n_prompt + max_tokens) // limits.block_size)
+    blocks_needed = blocks_per_seq(limits.kv_group_windows, n_prompt + max_tokens,
+                                   limits.block_size)
     if blocks_needed > limits.num_kv_blocks:
         raise InvalidRequestError(
             f"prompt + max_tokens = {n_prompt + max_tokens} tokens need {blocks_needed} KV "

@@ -7,6 +7,11 @@
     KV bytes per token  2 (K and V) x layers x num_key_value_heads x head_dim x bytes
     KV blocks           (device memory x utilization - weights) / (block_size x KV bytes/token)
     max concurrent seqs KV blocks // blocks one sequence of the context needs
+    sliding windows     the layers of a window shorter than the context keep only the blocks
+                        the window reads (kv_groups.py, as the server lays out its pool): a
+                        block is a page of a KV cache group's layers, and one sequence holds
+                        every block of the global groups and about window / block_size + 1
+                        of each local group
     decode roofline     a decode step reads every weight once and each sequence's KV once;
                         at batch B: step time = (weights + B x context x KV/token) / bandwidth,
                         per-sequence tokens/s = 1 / step time, aggregate = B / step time
@@ -33,7 +38,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tailserve.config import ModelConfig, check_tensor_parallel, kv_bytes_per_token, shard_config
+from tailserve.config.model import layer_windows
 from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.kv_groups import blocks_per_seq, kv_group_layout
 
 GIB = 1 << 30
 # Bytes per element, where no loader format says more: fp8 (which tailserve does not load);
@@ -108,6 +115,11 @@ class Plan:
     max_concurrent_seqs_by_context: dict[int, int]
     decode_tokens_per_s: dict[str, dict[str, float]]
     notes: list[str] = field(default_factory=list)
+    # One sequence of the context's KV bytes per device, as the pool holds them (sliding
+    # layers: their window only) and were every layer global.
+    kv_bytes_per_seq: int = 0
+    kv_bytes_per_seq_all_global: int = 0
+    kv_group_windows: tuple[int | None, ...] = (None,)  # kv_groups.py
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -235,14 +247,25 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
     kv_tok_dev = kv_bytes_per_token(cfg, kv_elem, tp)
     budget = round(mem_gib * GIB * inputs.gpu_memory_utilization)  # bytes
     kv_cache_dev = max(budget - weight_dev, 0)
-    block_bytes = inputs.block_size * kv_tok_dev
+    # The server's KV cache groups (none under tensor parallelism, as the engine resolves).
+    groups = kv_group_layout(layer_windows(cfg), max_len, release=tp == 1)
+    windows = groups.group_windows
+    block_bytes = inputs.block_size * kv_bytes_per_token(cfg, kv_elem, tp,
+                                                         groups.layers_per_block)
     num_blocks = kv_cache_dev // block_bytes
+    usable = max(num_blocks - (1 if groups.releases else 0), 0)  # less the null block
+    if groups.releases:
+        notes.append(
+            f"{len(cfg.sliding_window_layers)} of {cfg.num_hidden_layers} layers attend "
+            f"within a window of {cfg.sliding_window:,} tokens and keep only its blocks: KV "
+            f"cache groups {['global' if w is None else w for w in windows]}, blocks of "
+            f"{groups.layers_per_block} layers")
     if num_blocks == 0:
         notes.append(f"the weights ({weight_dev / GIB:.2f} GiB per device) leave no room for "
                      f"a KV cache in {mem_gib:g} GiB x {inputs.gpu_memory_utilization:g}")
 
     def seqs_at(tokens: int) -> int:
-        return num_blocks // math.ceil(tokens / inputs.block_size)
+        return usable // blocks_per_seq(windows, tokens, inputs.block_size)
 
     contexts = sorted({c for c in (1024, 4096, 32768) if c < max_len} | {context, max_len})
     max_seqs = seqs_at(context)
@@ -286,6 +309,10 @@ def make_plan(cfg: ModelConfig, inputs: PlanInputs, path: str = "",
         kv_tokens=num_blocks * inputs.block_size, max_concurrent_seqs=max_seqs,
         max_concurrent_seqs_by_context={c: seqs_at(c) for c in contexts},
         decode_tokens_per_s=decode, notes=notes,
+        kv_bytes_per_seq=blocks_per_seq(windows, context, inputs.block_size) * block_bytes,
+        kv_bytes_per_seq_all_global=math.ceil(context / inputs.block_size)
+        * inputs.block_size * kv_tok_dev,
+        kv_group_windows=windows,
     )
 
 
@@ -318,6 +345,9 @@ def render_plan(p: Plan, console: Any) -> None:
         (f"KV cache{dev}", f"{_gib(p.kv_cache_bytes_per_device)} of "
          f"{i['device_memory_gib']:g} GiB x {i['gpu_memory_utilization']:g}"),
         (f"KV blocks of {i['block_size']}", f"{p.num_blocks:,} ({p.kv_tokens:,} tokens)"),
+        (f"KV per seq at {i['context']:,} tokens{dev}", _gib(p.kv_bytes_per_seq)
+         + (f" ({p.kv_bytes_per_seq / p.kv_bytes_per_seq_all_global:.0%} of every layer "
+            "global)" if p.kv_bytes_per_seq != p.kv_bytes_per_seq_all_global else "")),
     ]
     rows += [(f"max sequences at {c:,} tokens", f"{n:,}")
              for c, n in p.max_concurrent_seqs_by_context.items()]

@@ -142,7 +142,9 @@ class EngineArgs:
         default=0.9, metadata={"help": "fraction of GPU memory for weights + activations + KV"}
     )
     num_kv_blocks: int | None = field(
-        default=None, metadata={"help": "override the computed number of KV blocks"}
+        default=None, metadata={"help": "override the computed number of KV blocks (a model "
+                                "with sliding-window layers: blocks of its KV cache groups' "
+                                "layers_per_block layers, see the start-up log)"}
     )
     watermark: float = field(
         default=CacheConfig.watermark,
@@ -218,7 +220,8 @@ class EngineArgs:
     max_request_tokens: int | None = field(
         default=SchedulerConfig.max_request_tokens,
         metadata={"help": "most tokens one request may ask for, n x (prompt + max_tokens); "
-                  "default: the KV pool's total (num_kv_blocks x block_size)"},
+                  "default: the KV pool's total (num_kv_blocks x block_size; with sliding-window "
+                  "layers at least as many max_model_len sequences as fit)"},
     )
     kv_events_config: str | dict[str, Any] | None = field(
         default=None,

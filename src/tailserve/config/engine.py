@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from tailserve.config.model import ModelConfig
 from tailserve.errors import ConfigError
+from tailserve.kv_groups import KVGroupLayout, blocks_per_seq, max_blocks_per_seq
 from tailserve.platforms import (
     DeviceType,
     ServingDtype,
@@ -47,15 +48,30 @@ class CacheConfig:
 
     block_size: int
     num_kv_blocks: int
-    block_bytes: int  # one block, all layers, K and V, in RunnerConfig.kv_cache_dtype
+    # One block, K and V, in RunnerConfig.kv_cache_dtype: every layer, or with KV cache
+    # groups ``kv_groups.layers_per_block`` of them.
+    block_bytes: int
     watermark: float = 0.05
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False  # the block pool records what it caches and evicts
     prefix_caching_hash_algo: PrefixHashAlgo = "sha256"
+    # A sliding-window model's KV cache groups (kv_groups.py): its local layers release the
+    # blocks their window passed. None: one table per request over every layer.
+    kv_groups: KVGroupLayout | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_kv_blocks * self.block_bytes
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return (None,) if self.kv_groups is None else self.kv_groups.group_windows
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can hold: all but the null block where some group releases."""
+        return self.num_kv_blocks - (1 if self.kv_groups is not None
+                                     and self.kv_groups.releases else 0)
 
 
 @dataclass(frozen=True)
@@ -97,13 +113,15 @@ class SchedulerConfig:
 
 
 def check_pool_fits(scheduler: SchedulerConfig, cache: CacheConfig) -> None:
-    """One max_model_len sequence must fit the pool, or a long request could wait forever."""
-    blocks_per_seq = -(-scheduler.max_model_len // cache.block_size)
-    if blocks_per_seq > cache.num_kv_blocks:
+    """One max_model_len sequence must fit the pool, or a long request could wait forever
+    (with KV cache groups: its blocks in every group, chunks of the step's token budget)."""
+    blocks_per_seq = max_blocks_per_seq(cache.group_windows, scheduler.max_model_len,
+                                        cache.block_size, scheduler.max_num_batched_tokens)
+    if blocks_per_seq > cache.num_usable_blocks:
         raise ConfigError(
             f"one max_model_len={scheduler.max_model_len} sequence needs {blocks_per_seq} KV "
-            f"blocks of {cache.block_size} tokens but the pool has {cache.num_kv_blocks}; raise "
-            f"kv_cache_memory / num_kv_blocks or lower max_model_len"
+            f"blocks of {cache.block_size} tokens but the pool has {cache.num_usable_blocks}; "
+            f"raise kv_cache_memory / num_kv_blocks or lower max_model_len"
         )
 
 
@@ -191,16 +209,40 @@ class EngineConfig:
         """What one request may be (vocabulary, lengths, pool): the input processor's checks."""
         return RequestLimits(
             vocab_size=self.model.vocab_size, max_model_len=self.scheduler.max_model_len,
-            block_size=self.cache.block_size, num_kv_blocks=self.cache.num_kv_blocks,
+            block_size=self.cache.block_size, num_kv_blocks=self.cache.num_usable_blocks,
             max_request_tokens=max_request_tokens(self.scheduler, self.cache),
+            kv_group_windows=self.cache.group_windows,
         )
 
 
+def kv_capacity(config: EngineConfig) -> str | None:
+    """The start-up log's line on what KV cache groups save (None without them): a
+    ``max_model_len`` sequence's blocks against every layer global, and how many fit."""
+    cache, groups = config.cache, config.cache.kv_groups
+    if groups is None:
+        return None
+    max_len, bs = config.scheduler.max_model_len, cache.block_size
+    held = blocks_per_seq(cache.group_windows, max_len, bs) * cache.block_bytes
+    all_global = -(-max_len // bs) * bs * (
+        cache.block_bytes // bs // groups.layers_per_block * config.model.num_hidden_layers)
+    fit = cache.num_usable_blocks // blocks_per_seq(cache.group_windows, max_len, bs)
+    windows = ["global" if w is None else w for w in cache.group_windows]
+    return (f"KV cache groups {windows} (blocks of {groups.layers_per_block} layers): a "
+            f"{max_len}-token sequence holds {held / (1 << 20):.1f} MiB of KV, "
+            f"{held / all_global:.0%} of the {all_global / (1 << 20):.1f} MiB every layer "
+            f"global would; {fit} such sequences fit the pool")
+
+
 def max_request_tokens(scheduler: SchedulerConfig, cache: CacheConfig) -> int:
-    """The per-request token cap: the user's, else every token the pool holds."""
+    """The per-request token cap: the user's, else every token the pool holds (where local
+    layers release blocks: at least as many max_model_len sequences as fit the pool)."""
     if scheduler.max_request_tokens is not None:
         return scheduler.max_request_tokens
-    return cache.num_kv_blocks * cache.block_size
+    tokens = cache.num_kv_blocks * cache.block_size
+    if cache.kv_groups is None:
+        return tokens
+    per_seq = blocks_per_seq(cache.group_windows, scheduler.max_model_len, cache.block_size)
+    return max(tokens, cache.num_usable_blocks // per_seq * scheduler.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -222,6 +264,7 @@ class UnsizedEngineConfig:
     kv_cache_bytes: int | None  # CPU: kv_cache_memory; CUDA: None, to be measured
     gpu_memory_utilization: float  # what the CUDA measurement may fill
     kv_events: KVEventsConfig | None = None
+    kv_groups: KVGroupLayout | None = None  # CacheConfig.kv_groups
 
     @property
     def needs_kv_measurement(self) -> bool:
@@ -247,6 +290,7 @@ class UnsizedEngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             enable_kv_cache_events=self.kv_events is not None and self.kv_events.enabled,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            kv_groups=self.kv_groups,
         )
         return EngineConfig(
             self.model, self.runner, self.scheduler, cache, self.observability, self.kv_events

@@ -11,6 +11,7 @@ from typing import Any
 
 from tailserve.errors import ConfigError, ModelLoadError
 from tailserve.families import FAMILIES
+from tailserve.kv_groups import KVGroupLayout, kv_group_layout
 from tailserve.model_features import (
     hidden_act,
     sliding_window,
@@ -185,18 +186,39 @@ def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     )
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype_bytes: float, tensor_parallel_size: int = 1
-                       ) -> int:
+def kv_bytes_per_token(model: ModelConfig, dtype_bytes: float, tensor_parallel_size: int = 1,
+                       num_layers: int | None = None) -> int:
     """KV bytes one token takes on one rank: 2 (K and V) x layers x the rank's KV heads x
-    head_dim x bytes. The one formula behind the pool's blocks and ``tailserve plan``."""
+    head_dim x bytes. The one formula behind the pool's blocks and ``tailserve plan``.
+    ``num_layers``: that many layers (a KV cache group's page), not the model's all."""
     heads = math.ceil(model.num_key_value_heads / tensor_parallel_size)
-    return int(2 * model.num_hidden_layers * heads * model.head_dim * dtype_bytes)
+    layers = model.num_hidden_layers if num_layers is None else num_layers
+    return int(2 * layers * heads * model.head_dim * dtype_bytes)
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str,
-                   tensor_parallel_size: int = 1) -> int:
-    """Bytes of one KV block on one rank: K and V of ``block_size`` tokens in every layer."""
-    return block_size * kv_bytes_per_token(model, DTYPE_BYTES[dtype], tensor_parallel_size)
+                   tensor_parallel_size: int = 1, kv_groups: KVGroupLayout | None = None) -> int:
+    """Bytes of one KV block on one rank: K and V of ``block_size`` tokens in every layer, or
+    in the ``layers_per_block`` of a KV cache group's page."""
+    layers = None if kv_groups is None else kv_groups.layers_per_block
+    return block_size * kv_bytes_per_token(model, DTYPE_BYTES[dtype], tensor_parallel_size,
+                                           layers)
+
+
+def layer_windows(model: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window (None: global)."""
+    return [model.layer_sliding_window(i) for i in range(model.num_hidden_layers)]
+
+
+def resolve_kv_groups(model: ModelConfig, max_model_len: int, device: str,
+                      tensor_parallel_size: int = 1) -> KVGroupLayout | None:
+    """The KV cache groups (kv_groups.py) where a window shorter than ``max_model_len`` is
+    served: its layers then release the blocks it passed. None (one table over every layer)
+    elsewhere, and under tensor parallelism (its workers are sent one table per sequence)."""
+    if not sliding_window_served(device) or tensor_parallel_size > 1:
+        return None
+    layout = kv_group_layout(layer_windows(model), max_model_len)
+    return layout if layout.releases else None
 
 
 def sliding_window_served(device: str) -> bool:

@@ -24,6 +24,7 @@ from tailserve.config.model import (
     ModelConfig,
     check_tensor_parallel,
     kv_block_bytes,
+    resolve_kv_groups,
     resolve_max_model_len,
     sliding_window_served,
 )
@@ -86,6 +87,8 @@ def resolve_unsized(
     kv_events = KVEventsConfig.parse(args.kv_events_config)
     # CPU: the pool is given in GiB; CUDA: whatever the profiling forward leaves.
     kv_bytes = None if runner.device == "cuda" else int(args.kv_cache_memory * (1 << 30))
+    kv_groups = resolve_kv_groups(model, max_model_len, runner.device,
+                                  runner.tensor_parallel_size)
     return UnsizedEngineConfig(
         model=model,
         runner=runner,
@@ -93,7 +96,7 @@ def resolve_unsized(
         observability=observability,
         block_size=args.block_size,
         block_bytes=kv_block_bytes(model, args.block_size, runner.kv_cache_dtype,
-                                   runner.tensor_parallel_size),
+                                   runner.tensor_parallel_size, kv_groups),
         watermark=args.watermark,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
@@ -101,6 +104,7 @@ def resolve_unsized(
         kv_cache_bytes=kv_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_events=kv_events,
+        kv_groups=kv_groups,
     )
 
 

@@ -55,6 +55,9 @@ class ScheduledRequest:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...]
+    # With KV cache groups (kv_groups.py): groups 1 .. n-1's tables (``block_ids`` is group
+    # 0's); a slot a window released holds the null block 0. Empty with one group.
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tailserve.engine.tenant_share import queue_share
 from tailserve.errors import InvalidRequestError, QueueFullError
-from tailserve.kv.manager import cdiv
+from tailserve.kv_groups import max_blocks_per_seq
 from tailserve.request import Request
 
 if TYPE_CHECKING:
@@ -28,12 +28,13 @@ def check_admissible(s: Scheduler, req: Request) -> None:
     elif cfg.enable_chunked_prefill:
         tokens = min(tokens, cfg.max_num_batched_tokens,
                      cfg.long_prefill_token_threshold or tokens)
-    need = cdiv(tokens, s.cache_config.block_size)
-    room = s.cache_config.num_kv_blocks - s.kv.watermark_blocks
+    # Its first allocation starts at position 0, where no window has passed a block yet.
+    need = max_blocks_per_seq(s.kv.group_windows, tokens, s.cache_config.block_size, tokens)
+    room = s.cache_config.num_usable_blocks - s.kv.watermark_blocks
     if need > room:
         raise InvalidRequestError(
             f"admitting this request needs {need} KV blocks ({tokens} tokens) but the "
-            f"pool holds {room} beyond the watermark ({s.cache_config.num_kv_blocks} "
+            f"pool holds {room} beyond the watermark ({s.cache_config.num_usable_blocks} "
             f"blocks, watermark {s.kv.watermark_blocks})", param="max_tokens",
         )
 
@@ -52,7 +53,7 @@ def check_queue_bound(s: Scheduler, req: Request) -> None:
     free = s.kv.pool.num_free_blocks - s.kv.watermark_blocks
     startable = 0
     for r in [*s.waiting, req]:
-        need = cdiv(r.num_tokens, s.cache_config.block_size)
+        need = s.kv.blocks_for(r.num_tokens)
         if startable >= seats or need > free:
             break
         free -= need

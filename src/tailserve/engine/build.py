@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from tailserve.config import EngineArgs, EngineConfig, LoadConfig, UnsizedEngineConfig
+from tailserve.config.engine import kv_capacity
 from tailserve.engine.calibrate import calibrate
 from tailserve.engine.core import EngineCore, open_kv_events
 from tailserve.engine.scheduler import Scheduler
@@ -178,6 +179,9 @@ def _log_ready(core: EngineCore, seconds: float) -> None:
         cache.num_kv_blocks, cache.block_size, run.kv_cache_dtype,
         cache.kv_cache_bytes / (1 << 30), sc.max_num_batched_tokens,
     )
+    capacity = kv_capacity(config)
+    if capacity is not None:
+        log.info("%s", capacity)
     profile = core.runner.memory_profile
     if profile is not None:
         log.info("%s; CUDA graphs took %.2f GiB", profile.describe(),

@@ -91,8 +91,8 @@ class Scheduler:
         self.default_slo = SLO(config.slo_ttft_s, config.slo_itl_s, config.slo_tpot_s)
         self.cache_config = cache
         self._lengths = SequenceLimits(
-            config.max_model_len, cache.block_size, cache.num_kv_blocks,
-            max_request_tokens(config, cache),
+            config.max_model_len, cache.block_size, cache.num_usable_blocks,
+            max_request_tokens(config, cache), cache.group_windows,
         )
         self.kv = KVCacheManager(
             cache.num_kv_blocks,
@@ -101,6 +101,7 @@ class Scheduler:
             watermark=cache.watermark,
             enable_kv_cache_events=cache.enable_kv_cache_events,
             hash_algo=cache.prefix_caching_hash_algo,
+            group_windows=cache.group_windows,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: WaitingQueue = make_waiting_queue(

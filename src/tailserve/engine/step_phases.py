@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 from tailserve.data.step import BlockedReason, ScheduledRequest, SchedulerOutput
 from tailserve.engine.latency import is_decode, time_limited_chunk
 from tailserve.engine.step_budget import StepBudget
-from tailserve.kv.manager import cdiv
 from tailserve.request import Request, RequestStatus
 from tailserve.stepcost import StepShape
 
@@ -151,7 +150,7 @@ def admit(s: Scheduler, b: StepBudget, req: Request) -> None:
     if cfg.admission_policy == "reserve":
         reserve = req.num_prompt_tokens + req.max_tokens
     if s.tenants.competing and s.tenants.kv_over_share(
-            s, req, cdiv(reserve or num_hit_tokens + n, s.cache_config.block_size)):
+            s, req, s.kv.blocks_for(reserve or num_hit_tokens + n)):
         # Past its tenant's share of the pool while another tenant waits: the others
         # (later in the order) may still be admitted.
         b.note(BlockedReason.TENANT_SHARE)
@@ -211,6 +210,7 @@ def build_output(s: Scheduler, b: StepBudget, finished: list[str]) -> SchedulerO
                 token_ids=req.all_token_ids[start : start + n],
                 num_computed_tokens=start,
                 block_ids=s.kv.block_ids(req.request_id),
+                group_block_ids=s.kv.group_block_ids(req.request_id) if s.kv.grouped else (),
                 sample=start + n == req.num_tokens,
                 is_prefill=is_prefill,
                 sampling_params=req.sampling_params,

@@ -93,7 +93,7 @@ class TenantShares:
         if all(r.tenant == req.tenant for r in waiting):
             return None
         weights = _weights([*s.running, *waiting, req])
-        held = sum(len(s.kv.req_to_blocks.get(r.request_id, ()))
+        held = sum(s.kv.num_blocks_held(r.request_id)
                    for r in s.running if r.tenant == req.tenant)
         if held == 0:
             return None

@@ -82,6 +82,18 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # The KV cache group whose cache holds it (``kv_groups.py``): the same token chain
+    # is a different block in each group.
+    group: int = 0
+    # The pool's null block (id 0 where some group releases blocks): what a released slot
+    # of a block table points at. Never allocated, cached or freed.
+    is_null: bool = False
+
+
+def _cache_key(block_hash: BlockHash, group: int) -> bytes:
+    """Group 0 keys by the digest alone (what KV events and routers see); a later group's
+    key is longer, so it never equals a group-0 key."""
+    return block_hash.digest if group == 0 else block_hash.digest + group.to_bytes(2, "little")
 
 
 # Block ids are grouped into this many bands of consecutive ids; the pool counts the blocks in
@@ -97,7 +109,8 @@ def usage_band_sizes(num_blocks: int, num_bands: int) -> list[int]:
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False
+        self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False,
+        reserve_null_block: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -108,8 +121,18 @@ class BlockPool:
         # Blocks with ref_cnt > 0 per band of ids (see usage_band_sizes).
         self.band_used = [0] * self.num_bands
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[bytes, KVBlock] = {}  # by BlockHash.digest
+        # With a null block, id 0 is never handed out (counted as in use): what it holds is
+        # finite (the runner's zeros, or start-up calibration's K/V), so a masked read of a
+        # released slot weighs nothing.
+        first = 1 if reserve_null_block and num_blocks else 0
+        self.null_block: KVBlock | None = None
+        if first:
+            self.null_block = self.blocks[0]
+            self.null_block.is_null = True
+            self.band_used[0] += 1
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(first, num_blocks))
+        self._cached: dict[bytes, KVBlock] = {}  # by _cache_key
 
     @property
     def num_free_blocks(self) -> int:
@@ -126,9 +149,11 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 # Evict: the block is about to be overwritten.
-                if self._cached.get(block.block_hash.digest) is block:
-                    del self._cached[block.block_hash.digest]
-                    evicted.append(block.block_hash.value)
+                key = _cache_key(block.block_hash, block.group)
+                if self._cached.get(key) is block:
+                    del self._cached[key]
+                    if block.group == 0:
+                        evicted.append(block.block_hash.value)
                 block.block_hash = None
             block.ref_cnt = 1
             self.band_used[block_id * self.num_bands // self.num_blocks] += 1
@@ -137,30 +162,36 @@ class BlockPool:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
 
-    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
-        """The cached block with exactly this content and parent, or None (miss or collision)."""
-        block = self._cached.get(block_hash.digest)
+    def lookup(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
+        """The cached block with exactly this content and parent in ``group``'s cache, or None
+        (miss or collision)."""
+        block = self._cached.get(block_hash.digest if group == 0 else _cache_key(block_hash, group))
         if block is None or block.block_hash != block_hash:
             return None
         return block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
+        """Take a reference on cache-hit blocks, pulling free ones out of the free queue (the
+        null block of a local group's hits is skipped)."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
                 self.band_used[block.block_id * self.num_bands // self.num_blocks] += 1
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Register a full block. A twin already cached stays the one found by lookups.
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int = 0) -> bool:
+        """Register a full block in ``group``'s cache. A twin already cached stays the one
+        found by lookups.
 
         True when the hash is new to the cache (what a ``BlockStored`` event announces).
         """
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block.is_null:
             return False
         block.block_hash = block_hash
-        return self._cached.setdefault(block_hash.digest, block) is block
+        block.group = group
+        return self._cached.setdefault(_cache_key(block_hash, group), block) is block
 
     def record_event(self, event: KVCacheEvent) -> None:
         """Queue an event for ``take_events`` (dropped when events are off)."""
@@ -175,14 +206,17 @@ class BlockPool:
         return events
 
     def cached_block_hashes(self) -> set[int]:
-        """Every hash (64-bit value) a lookup can find now: what the events, replayed, must
-        add up to."""
+        """Every hash (64-bit value) a group-0 lookup can find now: what the events, replayed,
+        must add up to (events describe group 0's cache only)."""
         return {block.block_hash.value for block in self._cached.values()
-                if block.block_hash is not None}
+                if block.block_hash is not None and block.group == 0}
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference each; pass blocks in the order they should be evicted."""
+        """Drop one reference each; pass blocks in the order they should be evicted (the null
+        block of a released slot is skipped)."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1

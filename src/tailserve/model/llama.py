@@ -158,17 +158,19 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """``meta``: the step's, or one per layer (KV cache groups: each group its tables)."""
+        metas = meta if isinstance(meta, list) else [meta] * len(kv_caches)
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:
             x = x * self.config.embedding_scale
         rope = self.rope.lookup(positions)
         local = rope if self.local_rope is None else self.local_rope.lookup(positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache, is_local in zip(self.layers, kv_caches, self._local_rope_layers,
-                                             strict=True):
-            x, residual = layer(local if is_local else rope, x, residual, kv_cache, meta)
+        for layer, kv_cache, is_local, layer_meta in zip(
+                self.layers, kv_caches, self._local_rope_layers, metas, strict=True):
+            x, residual = layer(local if is_local else rope, x, residual, kv_cache, layer_meta)
         if residual is None:  # a model without layers
             return self.norm(x)
         return self.norm(x, residual)[0]

@@ -65,14 +65,21 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None  # CUDA: the start-up budget
 
     def allocate_kv_cache(self, cache: CacheConfig) -> None:
-        """The whole KV cache, once: [layers, 2, num_blocks, block_size, H_kv, D]."""
+        """The whole KV cache, once: [layers, 2, num_blocks, block_size, H_kv, D]; with KV
+        cache groups (kv_groups.py) [layers_per_block, ...], layer i in slot
+        ``layer_slot[i]`` (its group's block ids index it). Zeros, so the null block a
+        released table slot points at is finite: the window masks give it weight 0, and a
+        NaN there would still poison the weighted sum."""
         cfg = self.model_config
         self.cache_config = cache
+        groups = cache.kv_groups
         self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, 2, cache.num_kv_blocks, cache.block_size,
+            cfg.num_hidden_layers if groups is None else groups.layers_per_block,
+            2, cache.num_kv_blocks, cache.block_size,
             cfg.num_key_value_heads, cfg.head_dim, dtype=self.kv_cache_dtype, device=self.device,
         )
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        slots = list(self.kv_cache.unbind(0))
+        self.kv_caches = slots if groups is None else [slots[i] for i in groups.layer_slot]
 
     def prepare_steps(self, scheduler: SchedulerConfig) -> None:
         """After the KV pool: on CUDA the step buffers and decode graphs
@@ -122,6 +129,13 @@ class ModelRunner:
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """The step's hidden states: a CUDA graph, the CPU one-call graph (decodes and
         prefill chunks alike), or the modules."""
+        if batch.group_metas is not None:
+            # Layers of several KV cache groups read several tables: the modules do.
+            self.backend.begin_step(batch.meta)
+            groups = self.cache.kv_groups
+            assert groups is not None
+            metas = [batch.group_metas[g] for g in groups.layer_group]
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, metas)
         if self.decode_graph is not None and self.decode_graph.supports(batch.meta):
             # The one call attends by itself: the backend's per-step plan (begin_step) is
             # for the attention modules only, so it is not made here.

@@ -12,7 +12,7 @@ tensor-parallel worker flattens its rebuilt ``SchedulerOutput`` with the same co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ class StepBatch:
     logits_indices: torch.Tensor | None
     sampling: list[ScheduledRequest]
     graph_batch_size: int | None = None  # replay this CUDA graph instead of the forward
+    # With several KV cache groups (kv_groups.py): each group's metadata (its slot mapping
+    # and block tables; ``meta`` is group 0's). None with one group.
+    group_metas: list[AttentionMetadata] | None = None
 
 
 def prepare_batch(
@@ -79,7 +82,10 @@ def prepare_batch(
         if s.sample:
             logits_indices.append(num_tokens - 1)
             sampling.append(s)
+    num_groups = 1 + len(order[0].group_block_ids)
     if step_buffers is not None:
+        if num_groups > 1:
+            raise RuntimeError("KV cache groups are not staged in the CUDA step buffers")
         return _stage(step_buffers, graph_sizes, block_size, scale, order, num_decodes,
                       input_ids, positions, slots, qsl, seq_lens, logits_indices, sampling)
     max_blocks = max(len(s.block_ids) for s in order)
@@ -109,7 +115,26 @@ def prepare_batch(
             else _long_tensor(logits_indices, dev)
         ),
         sampling=sampling,
+        group_metas=None if num_groups == 1 else [
+            meta, *(_group_meta(meta, order, g, dev) for g in range(1, num_groups))],
     )
+
+
+def _group_meta(meta: AttentionMetadata, order: list[ScheduledRequest], group: int,
+                device: torch.device) -> AttentionMetadata:
+    """KV cache group ``group``'s metadata: ``meta`` with that group's slots and tables."""
+    bs = meta.block_size
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for s in order:
+        table = s.group_block_ids[group - 1]
+        start = s.num_computed_tokens
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(s.token_ids)))
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    flat = [b for t in tables for b in (*t, *[0] * (width - len(t)))]
+    return replace(meta, slot_mapping=_long_tensor(slots, device),
+                   block_tables=_long_tensor(flat, device).view(len(order), width))
 
 
 def _stage(

@@ -28,8 +28,9 @@ from tailserve.model.attention.torch_ref import TorchAttentionBackend
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     def begin_step(self, meta: AttentionMetadata) -> None:
-        # The decode plan of the reference backend (padded groups) is not needed here.
-        self._groups = []
+        # The decode plan of the reference backend (padded groups) is not needed here: a
+        # step that falls back to it is planned there when it does.
+        self._plans = {}
 
     def forward(
         self,

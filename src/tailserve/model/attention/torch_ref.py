@@ -51,13 +51,22 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._workspace = torch.empty(0)
         self._wide = torch.empty(0)  # a 16-bit cache's gathered K/V, widened (same reuse)
-        self._groups: list[_Group] = []
-        self._planned: AttentionMetadata | None = None  # the step self._groups are for
+        # The decode groups planned this step, per metadata (one per KV cache group), by id
+        # with the metadata itself so a recycled id is never taken for it.
+        self._plans: dict[int, tuple[AttentionMetadata, list[_Group]]] = {}
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan the decode groups once per step; every layer reuses the plan."""
-        self._planned = meta
-        self._groups = []
+        self._plans = {}
+        self._plan(meta)
+
+    def _plan(self, meta: AttentionMetadata) -> list[_Group]:
+        """The decode groups of ``meta`` (planned on first use in the step)."""
+        entry = self._plans.get(id(meta))
+        if entry is not None and entry[0] is meta:
+            return entry[1]
+        groups: list[_Group] = []
+        self._plans[id(meta)] = (meta, groups)
         bs = meta.block_size
         for start in range(0, meta.num_decodes, DECODE_GROUP):
             end = min(start + DECODE_GROUP, meta.num_decodes)
@@ -66,7 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
             index = meta.block_tables[start:end, :num_blocks].reshape(-1)
             positions = torch.arange(num_blocks * bs, device=index.device)
             mask = positions[None, :] < meta.seq_lens[start:end, None]
-            self._groups.append(_Group(start, end, num_blocks, index, mask[:, None, None, :]))
+            groups.append(_Group(start, end, num_blocks, index, mask[:, None, None, :]))
+        return groups
 
     def _gather(
         self, kv_cache: torch.Tensor, block_index: torch.Tensor, dtype: torch.dtype
@@ -99,8 +109,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if self._planned is not meta:  # a subclass that plans otherwise hands a step over
-            TorchAttentionBackend.begin_step(self, meta)
+        # Planned by begin_step, or here for another KV cache group's metadata or for a step
+        # a subclass that plans otherwise hands over.
+        plan = self._plan(meta)
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         k_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
         v_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
@@ -111,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            for group in self._groups:  # the first num_decodes tokens, one per sequence
+            for group in plan:  # the first num_decodes tokens, one per sequence
                 out[group.start : group.end] = self._decode(q, kv_cache, meta, group,
                                                             sliding_window)
         for i in range(meta.num_decodes, meta.num_seqs):
