@@ -22,7 +22,8 @@ Phases, a fresh server each (``--api-keys`` with two keys):
 
 For probe against fresh the report gives the difference of mean and of median TTFT (probe
 minus fresh) with 95% bootstrap intervals (``analyze/bootstrap.py``, 10,000 resamples of each
-side), and how often the probe was the faster of its pair (0.5 when nothing leaks; a
+side; and of the per-trial differences, the two requests of a trial having run back to
+back), and how often the probe was the faster of its pair (0.5 when nothing leaks; a
 two-sided sign test). The target: with salts, hit rate 0 and both intervals contain 0; in the
 control, a hit rate above 0 and intervals that exclude 0.
 
@@ -143,8 +144,8 @@ async def queue_phase(url: str, args: argparse.Namespace) -> list[Sample]:
                      secret: list[int]) -> None:
         # A decodes 16 tokens, so that it is still in flight when B arrives on a hit too.
         a = asyncio.ensure_future(stream_one(client, url, "team-a", secret, max_tokens=16))
-        # Not /metrics: the engine reports its queue with a step's outputs, so A shows as
-        # running only once its prefill step is over, too late to queue behind it.
+        # Not /metrics: the engine reports its queue between steps, so A shows there only
+        # once its first prefill step is over, too late for B to queue behind that step.
         await asyncio.sleep(args.queue_delay_ms / 1e3)
         short = [rng.randrange(*VOCAB) for _ in range(args.short_tokens)]
         ttft, timing = await stream_one(client, url, "team-b", short)
