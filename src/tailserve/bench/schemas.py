@@ -89,8 +89,9 @@ _KINDS: list[tuple[str, Callable[[np.random.Generator], Schema]]] = [
 ]
 
 
-def make_schema(rng: np.random.Generator) -> Schema:
-    n = int(rng.integers(MIN_PROPERTIES, MAX_PROPERTIES + 1))
+def make_schema(rng: np.random.Generator, num_properties: int | None = None) -> Schema:
+    """One schema; ``num_properties`` fixes its size (benchmarks), else 8 to 30."""
+    n = num_properties or int(rng.integers(MIN_PROPERTIES, MAX_PROPERTIES + 1))
     props: dict[str, Schema] = {}
     for k in rng.integers(0, len(_KINDS), size=n):
         stem, make = _KINDS[int(k)]
