@@ -18,7 +18,11 @@ same workloads from one client, so the client's own costs cancel out:
   prompt128 / prompt1000 / prompt2000   one request at a time, a prompt of that many tokens
              and 8 output tokens: the TTFT of a prompt (issue 30's table)
 
-(chat, agent and the promptN ones run only when named in --workloads.)
+  structured open-loop chat, half the requests with a strict response_format json_schema
+             (tailserve bench --dataset structured, sent by tailserve bench for every
+             server): TTFT P99 constrained / unconstrained in one run, and valid JSON share
+
+(chat, agent, structured and the promptN ones run only when named in --workloads.)
 
 --capacity WORKLOAD adds a rate sweep per server: the capacity search of ``tailserve bench
 --sweep`` (src/tailserve/bench/capacity.py: a geometric ladder from --capacity-start req/s,
