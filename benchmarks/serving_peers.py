@@ -584,6 +584,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm = Workload("warmup", 2, 64, 8)
             run_client(args.client, args, server, warm, args.seed + 1000, out_dir,
                        f"{tag}-warmup")
+            if any(w.dataset == "structured" for w in workloads):
+                # The grammar machinery too: tailserve builds its llguidance tokenizer at
+                # the first constrained request (seconds on a busy host), vLLM its own.
+                warm = Workload("warmup", 8, 64, 64, dataset="structured")
+                run_client(args.client, args, server, warm, args.seed + 1001, out_dir,
+                           f"{tag}-warmup-structured")
             for k, w in enumerate(workloads):
                 print(f"[{tag}] {w.name}: {w.num_prompts} requests", file=sys.stderr)
                 roof = args.roofline and w.name == "single"
