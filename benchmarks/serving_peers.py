@@ -18,7 +18,11 @@ same workloads from one client, so the client's own costs cancel out:
   prompt128 / prompt1000 / prompt2000   one request at a time, a prompt of that many tokens
              and 8 output tokens: the TTFT of a prompt (issue 30's table)
 
-(chat, agent and the promptN ones run only when named in --workloads.)
+  structured open-loop chat, half the requests with a strict response_format json_schema
+             (tailserve bench --dataset structured, sent by tailserve bench for every
+             server): TTFT P99 constrained / unconstrained in one run, and valid JSON share
+
+(chat, agent, structured and the promptN ones run only when named in --workloads.)
 
 --capacity WORKLOAD adds a rate sweep per server: the capacity search of ``tailserve bench
 --sweep`` (src/tailserve/bench/capacity.py: a geometric ladder from --capacity-start req/s,
@@ -108,6 +112,10 @@ class Workload:
     long_share: float = 0.0
     # "chat" | "agent": lengths from peers/peer_workloads.py, sent from a JSONL file the
     # harness writes (input_len/output_len are then only the nominal sizes).
+    # "structured": tailserve bench's structured dataset on chat, half the requests with a
+    # response_format json_schema (strict; every peer takes OpenAI's shape), sent by
+    # tailserve bench whatever --client says (vLLM's bench serve cannot send a schema per
+    # request); the row adds the constrained and unconstrained TTFT P99 and the valid share.
     dataset: str = ""
 
 
@@ -119,6 +127,8 @@ WORKLOADS = {
                          long_len=4000, long_share=0.1),
     "chat": Workload("chat", 60, 94, 348, request_rate=0.5, dataset="chat"),
     "agent": Workload("agent", 32, 400, 64, request_rate=1.0, dataset="agent"),
+    "structured": Workload("structured", 60, 256, 512, range_ratio=0.5, request_rate=0.3,
+                           dataset="structured"),
     "prompt128": Workload("prompt128", 8, 128, 8, max_concurrency=1),
     "prompt1000": Workload("prompt1000", 6, 1000, 8, max_concurrency=1),
     "prompt2000": Workload("prompt2000", 4, 2000, 8, max_concurrency=1),
@@ -126,7 +136,7 @@ WORKLOADS = {
 # What a run without --workloads measures (the newer workloads are asked for by name).
 DEFAULT_WORKLOADS = ("single", "saturated", "mixed", "long-mix")
 SMOKE_PROMPTS = {"single": 2, "saturated": 4, "mixed": 4, "long-mix": 10, "chat": 4,
-                 "agent": 8, "prompt128": 1, "prompt1000": 1, "prompt2000": 1}
+                 "agent": 8, "structured": 4, "prompt128": 1, "prompt1000": 1, "prompt2000": 1}
 
 
 # ---------------------------------------------------------------------------- servers
@@ -382,6 +392,8 @@ def summarize(result: dict[str, Any], slos: Slos, w: Workload | None = None) -> 
     ok = [not e for e in errors]
     sent = len(errors) or int(result.get("num_prompts") or 0)
     extra = short_ttfts(result, w) if w is not None and w.long_share > 0 else {}
+    if w is not None and w.dataset == "structured":
+        extra = structured_row(result)
     return {**extra,
         "sent": sent, "completed": int(result.get("completed") or 0),
         "median_ttft_ms": result.get("median_ttft_ms"), "p99_ttft_ms": result.get("p99_ttft_ms"),
@@ -395,18 +407,53 @@ def summarize(result: dict[str, Any], slos: Slos, w: Workload | None = None) -> 
     }
 
 
+def structured_bench_cmd(url: str, w: Workload, seed: int, out: str) -> list[str]:
+    """The structured workload: chat, half the requests constrained, outputs end where the
+    JSON does (no --ignore-eos)."""
+    cmd = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", url,
+           "--model", SERVED_NAME, "--endpoint", "chat", "--dataset", "structured",
+           "--structured-share", "0.5", "--input-len", str(w.input_len),
+           "--range-ratio", str(w.range_ratio), "--output-len", str(w.output_len),
+           "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
+           "--seed", str(seed), "--tokenizer", "default", "--percentiles", "50,99",
+           "--no-observe", "--no-progress", "--save-result", out, "--save-detailed"]
+    if w.max_concurrency is not None:
+        cmd += ["--max-concurrency", str(w.max_concurrency)]
+    return cmd
+
+
+def structured_row(result: dict[str, Any]) -> dict[str, Any]:
+    """TTFT P99 of the constrained requests, of the unconstrained ones of the same run, their
+    ratio (issue 33's target: <= 1.2), ITL P50 alike, and the share of valid JSON answers."""
+    answers = (result.get("tailserve") or {}).get("answers") or {}
+    lat = answers.get("latency_ms") or {}
+    con, free = lat.get("json_schema") or {}, lat.get("unconstrained") or {}
+    valid = (answers.get("by_form") or {}).get("json_schema") or {}
+
+    def ratio(key: str) -> float | None:
+        return con[key] / free[key] if con.get(key) and free.get(key) else None
+
+    return {"constrained_p99_ttft_ms": con.get("p99_ttft_ms"),
+            "unconstrained_p99_ttft_ms": free.get("p99_ttft_ms"),
+            "p99_ttft_constrained_over_unconstrained": ratio("p99_ttft_ms"),
+            "p50_itl_constrained_over_unconstrained": ratio("p50_itl_ms"),
+            "json_valid_share_finished": valid.get("valid_share_finished")}
+
+
 def run_client(client: str, args: argparse.Namespace, server: Server, w: Workload, seed: int,
                out_dir: str, tag: str) -> tuple[dict[str, Any] | None, str]:
     """(the client's result file, loaded; None when it failed) and the command line."""
     out = os.path.join(out_dir, f"{tag}.json")
     dataset = None
-    if w.long_share > 0 or w.dataset:
+    if (w.long_share > 0 or w.dataset) and w.dataset != "structured":
         # The same file for every server of the run (same seed): written once.
         dataset = os.path.join(out_dir, f"{w.name}-{w.num_prompts}-seed{seed}"
                                f"-out{args.chat_output_max}.jsonl")
         if not os.path.isfile(dataset):
             write_dataset(w, seed, dataset, args.chat_output_max)
-    if client == "vllm":
+    if w.dataset == "structured":
+        cmd = structured_bench_cmd(server.url, w, seed, out)
+    elif client == "vllm":
         cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, seed, out, dataset)
     else:
         cmd = tailserve_bench_cmd(server.url, w, seed, out, dataset)
@@ -537,6 +584,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm = Workload("warmup", 2, 64, 8)
             run_client(args.client, args, server, warm, args.seed + 1000, out_dir,
                        f"{tag}-warmup")
+            if any(w.dataset == "structured" for w in workloads):
+                # The grammar machinery too: tailserve builds its llguidance tokenizer at
+                # the first constrained request (seconds on a busy host), vLLM its own.
+                warm = Workload("warmup", 8, 64, 64, dataset="structured")
+                run_client(args.client, args, server, warm, args.seed + 1001, out_dir,
+                           f"{tag}-warmup-structured")
             for k, w in enumerate(workloads):
                 print(f"[{tag}] {w.name}: {w.num_prompts} requests", file=sys.stderr)
                 roof = args.roofline and w.name == "single"

@@ -1,11 +1,13 @@
 """tailserve bench's ``structured`` dataset: a seeded pool of realistic JSON schemas, Zipf-like
 repeats, OpenAI's response_format in the body, every schema valid JSON Schema that llguidance
-accepts; and a short run against a live server where every constrained answer is JSON."""
+accepts; and short runs against one live server: every constrained answer is JSON, and every
+``tool_choice: "required"`` call of the ``tools`` dataset parses and validates."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -16,6 +18,7 @@ from tailserve.bench import BenchError
 from tailserve.bench.client import build_payload
 from tailserve.bench.datasets import DatasetOptions, load_dataset
 from tailserve.bench.schemas import MAX_PROPERTIES, MIN_PROPERTIES
+from tailserve.bench.tool_pool import TOOLS
 from tailserve.cli import main
 from tailserve.engine.structured_output import check_syntax, grammar_of
 from tailserve.sampling_params import StructuredOutputsParams
@@ -72,14 +75,19 @@ def test_share_and_payload_and_errors() -> None:
             load_dataset(_opts(**bad), WordCounter())
 
 
-@pytest.mark.slow
-def test_structured_run_against_a_live_server(tmp_path: Path) -> None:
-    out = tmp_path / "run.json"
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
     with ServerProcess(["--max-model-len", "1024"]) as srv:
-        code = main(["bench", "--base-url", srv.url, "--endpoint", "chat",
-                     "--dataset", "structured", "--num-prompts", "6", "--num-schemas", "3",
-                     "--input-len", "16", "--output-len", "600", "--request-rate", "inf",
-                     "--save-result", str(out), "--save-detailed", "--no-progress"])
+        yield srv
+
+
+@pytest.mark.slow
+def test_structured_run_against_a_live_server(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    code = main(["bench", "--base-url", server.url, "--endpoint", "chat",
+                 "--dataset", "structured", "--num-prompts", "6", "--num-schemas", "3",
+                 "--input-len", "16", "--output-len", "600", "--request-rate", "inf",
+                 "--save-result", str(out), "--save-detailed", "--no-progress"])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["completed"] == 6 and result["failed"] == 0
@@ -92,3 +100,32 @@ def test_structured_run_against_a_live_server(tmp_path: Path) -> None:
     for reason, text in zip(reasons, result["generated_texts"], strict=True):
         if reason == "stop":
             assert isinstance(json.loads(text), dict), text
+    # The client's own check agrees: what finished is valid against its schema.
+    block = result["tailserve"]["answers"]["by_form"]["json_schema"]
+    assert block["requests"] == 6 and block["valid_share_finished"] == 1.0, block
+
+
+@pytest.mark.slow
+def test_tools_run_required_calls_all_validate(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "tools.json"
+    code = main(["bench", "--base-url", server.url, "--endpoint", "chat", "--dataset", "tools",
+                 "--tool-choice", "required", "--num-tools", "2", "--output-len", "200",
+                 # One call each: with parallel calls (OpenAI's default) the grammar allows
+                 # an array of them, and the 135M model may repeat a call until max_tokens.
+                 "--extra-body", '{"parallel_tool_calls": false}',
+                 "--num-prompts", "4", "--request-rate", "inf",
+                 "--save-result", str(out), "--save-detailed", "--no-progress"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    block = result["tailserve"]["answers"]
+    required = block["by_form"]["required"]
+    assert required["requests"] == 4 and required["valid_share"] == 1.0, block
+    assert required["calls"] == required["calls_valid"] == 4
+    assert block["grammar"]["requests"] == 4 and block["grammar"]["grammar_ms"]["max"] > 0
+    for q in result["tailserve"]["requests"]:
+        assert q["finish_reason"] == "tool_calls" and q["ttft_s"] > 0
+        assert len(q["tool_calls"]) == 1
+        for call in q["tool_calls"]:
+            tool = next(t for t in TOOLS if t.name == call["name"])
+            jsonschema.validate(json.loads(call["arguments"]), tool.parameters)

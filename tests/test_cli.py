@@ -34,7 +34,7 @@ BENCH_FLAGS = [
     "--http-client", "--busy-poll", "--timeout", "--extra-body", "--ignore-eos",
     "--no-ignore-eos", "--dataset", "--dataset-path", "--num-prompts", "--input-len",
     "--output-len", "--range-ratio", "--mix", "--prefix-len", "--num-prefixes", "--num-schemas",
-    "--structured-share", "--tokenizer",
+    "--structured-share", "--num-tools", "--tool-choice", "--tokenizer",
     "--seed", "--request-rate", "--request-rates", "--sweep", "--sweep-steps", "--burstiness",
     "--max-concurrency", "--warmup", "--goodput", "--percentiles", "--save-result",
     "--save-detailed", "--label", "--no-progress", "--no-observe", "--metrics-interval",

@@ -19,6 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from server_util import ServerProcess
+from tailserve.server.errors import APIError
 from tailserve.server.tools import generic_messages, tool_request
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -233,6 +234,23 @@ def test_bad_tool_input_is_a_400_naming_its_field(server: ServerProcess) -> None
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"messages": ASK, "max_tokens": 2})
     assert r.status_code == 200  # and the engine keeps serving
+
+
+def test_unknown_tool_keys_are_refused_by_name() -> None:
+    # No server: tool_request checks the body's tools before anything is queued.
+    fn = {"name": "f", "parameters": ADD_PARAMS}
+    ok = tool_request([{"type": "function", "function": {**fn, "strict": True}}], None, None)
+    assert ok is not None and list(ok.functions) == ["f"]
+    for tool, word in (
+        ({"type": "function", "function": {**fn, "defer_loading": True}}, "function.defer_loading"),
+        ({"type": "function", "function": fn, "cache_control": {"type": "x"}}, "cache_control"),
+        ({"type": "function", "function": {**fn, "strict": "yes"}}, "strict must be a boolean"),
+    ):
+        with pytest.raises(APIError) as err:
+            tool_request([tool], None, None)
+        assert err.value.param == "tools" and word in err.value.message, err.value.message
+    # A key sent as null asks for nothing.
+    assert tool_request([{"type": "function", "function": {**fn, "strict": None}}], None, None)
 
 
 THINK = r"<think>[a-z]{2,8}( [a-z]{2,8}){1,4}</think>[A-Z][a-z]{1,8}( [a-z]{1,8}){1,3}\."

@@ -55,6 +55,24 @@ def test_both_clients_send_the_long_mix_file(sp: ModuleType) -> None:
     assert t[i + 1:i + 4] == ["jsonl", "--dataset-path", "/o/lm.jsonl"]
 
 
+def test_structured_workload_is_sent_by_tailserve_bench_and_summarized(sp: ModuleType) -> None:
+    w = sp.WORKLOADS["structured"]
+    cmd = sp.structured_bench_cmd("http://h", w, 3, "/o/r.json")
+    i = cmd.index("--dataset")
+    assert cmd[i + 1] == "structured" and "--ignore-eos" not in cmd
+    assert cmd[cmd.index("--structured-share") + 1] == "0.5"
+    assert cmd[cmd.index("--endpoint") + 1] == "chat"
+    lat = {"json_schema": {"p99_ttft_ms": 300.0, "p50_itl_ms": 22.0},
+           "unconstrained": {"p99_ttft_ms": 250.0, "p50_itl_ms": 20.0}}
+    result = {"errors": ["", ""], "ttfts": [0.1, 0.2], "itls": [[], []], "completed": 2,
+              "tailserve": {"answers": {"latency_ms": lat, "by_form": {
+                  "json_schema": {"valid_share_finished": 1.0}}}}}
+    row = sp.summarize(result, sp.Slos(ttft_ms=1000.0, itl_ms=100.0), w)
+    assert row["p99_ttft_constrained_over_unconstrained"] == pytest.approx(1.2)
+    assert row["p50_itl_constrained_over_unconstrained"] == pytest.approx(1.1)
+    assert row["json_valid_share_finished"] == 1.0 and row["completed"] == 2
+
+
 def test_short_requests_ttft_apart_from_the_long_ones(sp: ModuleType) -> None:
     w = sp.WORKLOADS["long-mix"]
     result = {"input_lens": [100, 4000, 90, 110, 3900, 95],

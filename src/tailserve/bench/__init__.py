@@ -1,13 +1,16 @@
 """``tailserve bench``: an open-loop load generator for any OpenAI-compatible server.
 
-    datasets.py  what to send (random, mixed, prefix, structured, sharegpt, jsonl), lengths in
-                 tokens; schemas.py the structured dataset's JSON schemas
+    datasets.py  what to send (random, mixed, prefix, structured, tools, sharegpt, jsonl),
+                 lengths in tokens; schemas.py the structured dataset's JSON schemas,
+                 tool_pool.py the tools dataset's functions and questions
     tokens.py    how long a text is in the target model's tokens (local, server, estimate)
     preflight.py the checks before any load: URL, key, model, what the server offers
     client.py    one streamed request, timed chunk by chunk (aiohttp; the SSE parser)
     http11.py    the lean HTTP/1.1 client for http:// (default): prebuilt requests
     observe.py   the server's side: /metrics samples and /debug/timeline records
     metrics.py   the numbers, defined as vLLM's ``bench serve`` defines them
+    validity.py  structured and tool-call answers checked against their schemas
+                 (schema_check.py, a small validator), grammar time from the server
     result.py    the result file: vLLM's keys plus a ``tailserve`` block
     report.py    the terminal tables and the latency-vs-rate plot
     run.py       arrivals, the open loop, steps and sweeps
@@ -18,7 +21,7 @@
 from __future__ import annotations
 
 # Here, not in datasets.py, so building the CLI parser imports neither numpy nor aiohttp.
-DATASETS = ("random", "mixed", "prefix", "structured", "sharegpt", "jsonl")
+DATASETS = ("random", "mixed", "prefix", "structured", "tools", "sharegpt", "jsonl")
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 128
 DEFAULT_MIX = "128:0.7,1024:0.2,8192:0.1"

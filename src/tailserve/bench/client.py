@@ -6,8 +6,10 @@ Timing rules (the same as vLLM's ``bench serve``; docs/tools.md, "Metrics", stat
   read: every SSE event that arrived in the same read gets the same timestamp, because that
   is when the client could first have seen it;
 - a *content chunk* is an event whose first choice carries non-empty text (``text`` for
-  completions, ``delta.content`` or ``delta.reasoning_content`` for chat); role-only,
-  empty, usage-only and ``[DONE]`` events are not tokens and do not start or split time;
+  completions, ``delta.content`` or ``delta.reasoning_content`` for chat) or a piece of a
+  tool call (``delta.tool_calls`` with a name or an arguments fragment: the model wrote
+  it); role-only, empty, usage-only and ``[DONE]`` events are not tokens and do not start
+  or split time;
 - TTFT = send → first content chunk; ITL = the gaps between consecutive content chunks;
   E2EL = send → the read that completed the response (``[DONE]`` or end of stream).
 """
@@ -58,6 +60,8 @@ class RequestResult:
     finish_reason: str | None = None
     server_timing: dict[str, Any] | None = None  # tailserve_timing from the final chunk
     text: str = ""
+    # Streamed tool calls reassembled by index: {"name", "arguments"} (arguments as sent).
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def success(self) -> bool:
@@ -70,10 +74,11 @@ class RequestResult:
         return None if self.send_s is None else self.send_s - self.scheduled_s
 
     def as_record(self, with_text: bool = False) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "text"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("text", "tool_calls")}
         d["lag_s"] = self.lag_s
         if with_text:
             d["text"] = self.text
+            d["tool_calls"] = self.tool_calls
         return d
 
 
@@ -243,7 +248,7 @@ class SseParser:
     AttributeError/TypeError/KeyError/IndexError for JSON of the wrong shape; the caller
     classifies them (``bad_json`` / ``bad_response``)."""
 
-    __slots__ = ("buf", "done", "last", "now", "pieces", "res", "st", "stream_error")
+    __slots__ = ("buf", "calls", "done", "last", "now", "pieces", "res", "st", "stream_error")
 
     def __init__(self, res: RequestResult, st: float) -> None:
         self.res = res
@@ -251,6 +256,7 @@ class SseParser:
         self.buf = b""
         self.last = self.now = st
         self.pieces: list[str] = []
+        self.calls: dict[int, tuple[list[str], list[str]]] = {}  # index -> (name, arguments)
         self.done = False
         self.stream_error: Any = None
 
@@ -283,16 +289,21 @@ class SseParser:
                 if choices:
                     c0 = choices[0]
                     text = c0.get("text")
+                    called = False
                     if text is None:
                         delta = c0.get("delta") or {}
                         text = delta.get("content") or delta.get("reasoning_content")
-                    if text:
+                        calls = delta.get("tool_calls")
+                        if calls:
+                            called = self._calls(calls)
+                    if text or called:
                         if res.ttft_s is None:
                             res.ttft_s = now - self.st
                         else:
                             res.itl_s.append(now - self.last)
                         self.last = now
-                        self.pieces.append(text)
+                        if text:
+                            self.pieces.append(text)
                     if c0.get("finish_reason"):
                         res.finish_reason = c0["finish_reason"]
                 usage = obj.get("usage")
@@ -307,10 +318,28 @@ class SseParser:
                 if obj.get("error"):
                     self.stream_error = obj["error"]
 
+    def _calls(self, calls: list[Any]) -> bool:
+        """OpenAI's streamed tool-call deltas, gathered by index; True when one carried
+        a name or an arguments fragment."""
+        wrote = False
+        for call in calls:
+            fn = call.get("function") or {}
+            name, args = fn.get("name"), fn.get("arguments")
+            slot = self.calls.setdefault(int(call.get("index") or 0), ([], []))
+            if name:
+                slot[0].append(name)
+                wrote = True
+            if args:
+                slot[1].append(args)
+                wrote = True
+        return wrote
+
     def finish(self) -> None:
         """The body ended cleanly: judge the stream as a whole."""
         res = self.res
         res.text = "".join(self.pieces)
+        res.tool_calls = [{"name": "".join(name), "arguments": "".join(args)}
+                          for _, (name, args) in sorted(self.calls.items())]
         stream_error = self.stream_error
         if stream_error is not None:
             detail = stream_error if isinstance(stream_error, dict) else {"message": stream_error}

@@ -91,6 +91,11 @@ class DatasetOptions:
     structured_share: float = field(
         default=1.0,
         metadata={"help": "structured: share of requests with a schema (the rest unconstrained)"})
+    num_tools: int = field(default=4, metadata={"help": "tools: functions offered per request"})
+    tool_choice: str = field(
+        default="auto,required,named",
+        metadata={"help": "tools: the tool_choice forms requests draw from (auto, required, "
+                  "named: the question's own function), comma-separated"})
     endpoint: str = field(default="completions", metadata={"cli": False})
     seed: int = field(default=0, metadata={"cli": False})  # set per step from BenchConfig's
 

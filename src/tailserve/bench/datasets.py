@@ -12,6 +12,11 @@
   schema one of a seeded pool of ``--num-schemas`` (schemas.py: 8 to 30 properties, some
   nested; Zipf-like popularity, so some repeat and some arrive cold); outputs end where the
   JSON does (max_tokens ``--output-len``, 512 by default).
+- ``tools`` (chat only): a user question written for one of twelve function tools
+  (tool_pool.py: weather, search, calendar, SQL, ...), sent with ``--num-tools`` of them and a
+  ``tool_choice`` drawn from ``--tool-choice`` (auto, required, named); ``--input-len`` is not
+  used (the question and the tool list are the prompt); max_tokens ``--output-len``, 256 by
+  default. validity.py checks each call against its function's schema.
 - ``sharegpt``: the ShareGPT JSON (a list of ``{id, conversations: [{from, value}]}``); the
   first human turn is the prompt, the first reply after it gives the output length; sampled
   with the seed and filtered as vLLM does (prompt and reply >= 4 tokens, prompt <= 1024,
@@ -40,6 +45,13 @@ from tailserve.bench import (
 from tailserve.bench.config import DatasetOptions
 from tailserve.bench.schemas import response_format, schema_pool, zipf_weights
 from tailserve.bench.tokens import PromptSynth, TokenCounter
+from tailserve.bench.tool_pool import (
+    TOOLS,
+    parse_tool_choices,
+    question,
+    tool_choice_value,
+    tool_list,
+)
 
 # vLLM's ShareGPT filter (benchmarks/datasets.py is_valid_sequence).
 SHAREGPT_MIN_LEN = 4
@@ -93,6 +105,8 @@ def load_dataset(opts: DatasetOptions, counter: TokenCounter) -> Dataset:
         return _prefix(opts, counter, rng)
     if opts.name == "structured":
         return _structured(opts, counter, rng)
+    if opts.name == "tools":
+        return _tools(opts, counter, rng)
     if opts.name == "sharegpt":
         return _sharegpt(opts, counter, rng)
     if opts.name == "jsonl":
@@ -210,6 +224,32 @@ def _structured(opts: DatasetOptions, counter: TokenCounter,
     return Dataset("structured", reqs, notes=[
         f"{int(constrained.sum())} of {n} requests constrained by {used} of "
         f"{opts.num_schemas} schemas (Zipf-like popularity)"
+    ])
+
+
+TOOLS_OUTPUT_LEN = 256  # a call's arguments, or a short answer under auto
+
+
+def _tools(opts: DatasetOptions, counter: TokenCounter, rng: np.random.Generator) -> Dataset:
+    if opts.endpoint != "chat":
+        raise BenchError("--dataset tools sends tools and tool_choice, which only chat "
+                         "completions take: add --endpoint chat")
+    if not 1 <= opts.num_tools <= len(TOOLS):
+        raise BenchError(f"--num-tools must be in [1, {len(TOOLS)}], got {opts.num_tools}")
+    forms = parse_tool_choices(opts.tool_choice)
+    out_len = opts.output_len or TOOLS_OUTPUT_LEN
+    reqs = []
+    for _ in range(opts.num_prompts):
+        target = int(rng.integers(0, len(TOOLS)))
+        form = forms[int(rng.integers(0, len(forms)))]
+        ask = question(TOOLS[target], rng)
+        extra = {"tools": tool_list(target, opts.num_tools, rng),
+                 "tool_choice": tool_choice_value(form, TOOLS[target].name)}
+        reqs.append(BenchRequest(ask, counter.count(ask), out_len,
+                                 messages=[{"role": "user", "content": ask}], extra=extra))
+    return Dataset("tools", reqs, notes=[
+        f"{opts.num_prompts} chats with {opts.num_tools} of {len(TOOLS)} tools each, "
+        f"tool_choice from {forms}"
     ])
 
 

@@ -144,6 +144,9 @@ def print_step(console: Console, r: dict[str, Any], percentiles: list[float]) ->
     good = ts.get("goodput")
     if good is not None:
         console.print(goodput_line(good))
+    if ts.get("answers"):
+        for line in answer_lines(ts["answers"]):
+            console.print(line)
     failures = ts["failures"]
     if r["failed"]:
         f = Table(title="failures", title_justify="left")
@@ -160,6 +163,36 @@ def print_step(console: Console, r: dict[str, Any], percentiles: list[float]) ->
         console.print(_server_line(server))
     for w in ts["warnings"]:
         console.print(f"[yellow]warning:[/] {w}")
+
+
+def answer_lines(answers: dict[str, Any]) -> list[str]:
+    """One line per form of structured request: valid share, cuts, latency; then grammar."""
+    lines = []
+    lat = answers["latency_ms"]
+    for form, row in answers["by_form"].items():
+        calls = (f", {row['calls_valid']}/{row['calls']} calls valid, "
+                 f"{row['called_share']:.0%} of requests called"
+                 if "calls" in row else "")
+        ms = lat.get(form, {})
+        lines.append(
+            f"answers {form}: {row['valid']}/{row['requests']} valid "
+            f"({row['valid_share']:.1%}; {row['cut_by_max_tokens']} cut by max_tokens){calls}; "
+            f"TTFT P50/P99 {ms.get('p50_ttft_ms', 0.0):.1f}/{ms.get('p99_ttft_ms', 0.0):.1f} ms, "
+            f"ITL P50 {ms.get('p50_itl_ms', 0.0):.1f} ms")
+        if form in answers["examples"]:
+            lines.append(f"  e.g. {answers['examples'][form][:160]}")
+    if "unconstrained" in lat:
+        ms = lat["unconstrained"]
+        lines.append(f"unconstrained: TTFT P50/P99 {ms['p50_ttft_ms']:.1f}/"
+                     f"{ms['p99_ttft_ms']:.1f} ms, ITL P50 {ms['p50_itl_ms']:.1f} ms")
+    g = answers.get("grammar")
+    if g:
+        share = g["share_of_e2e"]
+        of = f", {share:.1%} of their end-to-end time" if share is not None else ""
+        lines.append(f"grammar (server): P50/P99/max {g['grammar_ms']['p50']:.1f}/"
+                     f"{g['grammar_ms']['p99']:.1f}/{g['grammar_ms']['max']:.1f} ms "
+                     f"a request{of}")
+    return lines
 
 
 def goodput_line(good: dict[str, Any]) -> str:

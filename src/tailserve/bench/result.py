@@ -25,6 +25,7 @@ from tailserve.bench.metrics import client_summary, compute_metrics, step_goodpu
 from tailserve.bench.preflight import ServerInfo
 from tailserve.bench.report import write_svg_plot
 from tailserve.bench.tokens import TokenCounter
+from tailserve.bench.validity import answers
 
 if TYPE_CHECKING:
     from tailserve.bench.config import BenchConfig
@@ -113,6 +114,9 @@ def build_result(cfg: BenchConfig, info: ServerInfo, counter: TokenCounter,
         "start_time": step.start_time,
         "start_perf_counter": step.start_perf_counter,
         **summary,
+        # Structured and tool-call answers checked against their schemas (validity.py);
+        # None when no request asked for structure.
+        "answers": answers(ds.requests, results),
         "warnings": warnings,
         "requests": [r.as_record(cfg.save_detailed) for r in results],
         "environment": step.environment,

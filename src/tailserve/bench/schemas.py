@@ -70,7 +70,9 @@ _KINDS: list[tuple[str, Callable[[np.random.Generator], Schema]]] = [
     ("name", lambda r: _text(40)),
     ("title", lambda r: _text(60)),
     ("summary", lambda r: _text(160)),
-    ("email", lambda r: {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.[a-z]{2,3}$"}),
+    # Bounded repeats: a small model in an open [a-z]+ may loop until max_tokens.
+    ("email", lambda r: {"type": "string",
+                         "pattern": "^[a-z]{1,16}@[a-z]{1,16}\\.[a-z]{2,3}$"}),
     ("created_date", lambda r: {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}),
     ("status", _enum),
     ("priority", _enum),
@@ -87,8 +89,9 @@ _KINDS: list[tuple[str, Callable[[np.random.Generator], Schema]]] = [
 ]
 
 
-def make_schema(rng: np.random.Generator) -> Schema:
-    n = int(rng.integers(MIN_PROPERTIES, MAX_PROPERTIES + 1))
+def make_schema(rng: np.random.Generator, num_properties: int | None = None) -> Schema:
+    """One schema; ``num_properties`` fixes its size (benchmarks), else 8 to 30."""
+    n = num_properties or int(rng.integers(MIN_PROPERTIES, MAX_PROPERTIES + 1))
     props: dict[str, Schema] = {}
     for k in rng.integers(0, len(_KINDS), size=n):
         stem, make = _KINDS[int(k)]

@@ -37,6 +37,10 @@ ToolChoice = Literal["none", "auto", "required", "named"]
 # A function without parameters takes the empty object (and nothing else).
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
+# OpenAI's function tool, whole: another key (a newer field, another vendor's) is a 400 naming
+# it, not dropped. ``strict`` is taken: required / named calls follow the schema either way.
+TOOL_KEYS = frozenset({"type", "function"})
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,14 @@ def _function(tool: Any, where: str) -> FunctionSpec:
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise bad_request(f"{where}.function must be an object", param="tools")
+    unknown = sorted([k for k, v in tool.items() if k not in TOOL_KEYS and v is not None]
+                     + [f"function.{k}" for k, v in fn.items()
+                        if k not in FUNCTION_KEYS and v is not None])
+    if unknown:
+        raise bad_request(f"{where}: {', '.join(unknown)} not supported"[:300], param="tools")
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.function.strict must be a boolean", param="tools")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}.function.name is required (a non-empty string)",
