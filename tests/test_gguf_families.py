@@ -185,7 +185,8 @@ def test_gguf_family_matches_transformers(tmp_path: Path, builder: Any, qtype: A
     # Preemption: a pool too small for all three at once recomputes one; answers unchanged.
     # Where every layer slides (window 8) a request holds at most ~6 blocks (its window and a
     # 64-token chunk), so 24 would fit all three: 8 (7 usable beside the null block) does not.
-    small = served(path, num_kv_blocks=8 if overrides.get("sliding_window") else 24, max_num_batched_tokens=64,
+    small = served(path, num_kv_blocks=8 if overrides.get("sliding_window") else 24,
+                   max_num_batched_tokens=64,
                    max_model_len=306 + NEW_TOKENS, enable_prefix_caching=False,
                    slo_itl_ms=None, scheduling_policy="fcfs")
     assert ts_greedy(small, prompts, NEW_TOKENS) == want
