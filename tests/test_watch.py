@@ -32,7 +32,6 @@ import openai
 import pytest
 
 from server_util import ServerProcess, metric_value
-from tailserve.analyze.watch.gpu import GpuWatermark
 from tailserve.analyze.watch.hist import (
     Bound,
     BucketError,
@@ -45,6 +44,7 @@ from tailserve.analyze.watch.scrape import Fetcher, WatchError, parse_page
 from tailserve.analyze.watch.view import dashboard_sample, fmt_latency, window_lines
 from tailserve.analyze.watch.watcher import Watcher
 from tailserve.analyze.watch.window import MetricWindow, Window, name_cause
+from tailserve.bench.gpu import GpuWatermark
 from tailserve.cli import main
 from tailserve.cli.watch import WatchBoard
 from tailserve.data.records import EngineState, RequestRecord

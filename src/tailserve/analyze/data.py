@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from tailserve.analyze.engines import OTHER, Engine, Series, build_series, identify
+from tailserve.analyze.engines import vllm as vllm_engine
+from tailserve.analyze.otlp import RequestSpan, match_spans, read_spans
 from tailserve.data.step import BlockedReason
 from tailserve.stepcost import prefill_attention_pairs
 
@@ -48,6 +50,7 @@ class Req:
     arrival_t: float | None = None  # server wall clock
     first_token_t: float | None = None
     finished_t: float | None = None
+    span: RequestSpan | None = None  # vLLM's llm_request span (diagnose --otlp-traces)
 
     @property
     def tpot_s(self) -> float | None:
@@ -148,6 +151,14 @@ class RunData:
     engine: Engine = field(default_factory=lambda: OTHER)
     engine_version: str | None = None
     series: Series | None = None
+    # This host's GPU memory at each /metrics sample (bench/gpu.py via the observer), and why
+    # there is none when NVML could not be read.
+    gpu_samples: list[dict[str, Any]] = field(default_factory=list)
+    gpu_why_not: str | None = None
+
+    @property
+    def has_spans(self) -> bool:
+        return any(q.span is not None for q in self.requests)
 
     @property
     def engine_label(self) -> str:
@@ -159,14 +170,48 @@ class RunData:
         return self.max_concurrency is not None or (rate is not None and math.isinf(rate))
 
 
-def load_run(result_path: str, timeline_path: str | None = None) -> RunData:
+def load_run(result_path: str, timeline_path: str | None = None,
+             traces_path: str | None = None) -> RunData:
     try:
         with open(result_path, encoding="utf-8") as f:
             result = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise DiagnoseError(f"cannot read the result {result_path}: {exc}") from None
     extra = read_timeline(timeline_path) if timeline_path else []
-    return run_from_result(result, extra)
+    run = run_from_result(result, extra)
+    if traces_path:
+        attach_spans(run, read_spans(traces_path), traces_path)
+    return run
+
+
+def attach_spans(run: RunData, spans: list[RequestSpan], path: str) -> None:
+    """Join vLLM's request spans to the run's requests by request id (the bench sends its own
+    as X-Request-Id, which vLLM's span carries), and read the run as vLLM's with them. A file
+    that matches no request is the wrong file, said as such rather than silently ignored."""
+    if run.has_timing:
+        raise DiagnoseError(f"--otlp-traces {path}: this run has tailserve's own per-request "
+                            "timing, which diagnose reads already; the traces file is for vLLM")
+    if run.engine.family not in ("vllm", "other"):
+        raise DiagnoseError(f"--otlp-traces {path}: the file holds vLLM's request spans, but "
+                            f"the run's /metrics are {run.engine.name}'s")
+    by_id = match_spans(spans, [q.request_id for q in run.requests])
+    if not by_id:
+        sample = ", ".join(sorted({s.request_id for s in spans})[:2])
+        raise DiagnoseError(f"--otlp-traces {path}: none of its {len(spans)} llm_request spans "
+                            f"(ids like {sample}) is a request of this run (ids like "
+                            f"{run.requests[0].request_id if run.requests else '-'}): traces "
+                            "of another run?")
+    for q in run.requests:
+        q.span = by_id.get(q.request_id)
+    ok = [q for q in run.requests if q.ok]
+    missing = sum(q.span is None for q in ok)
+    if missing:
+        run.notes.append(f"{missing} of {len(ok)} completed requests have no llm_request span "
+                         f"in {path}: their first-token parts are fitted")
+    if run.engine.family == "other":
+        run.engine = vllm_engine.ENGINE
+        run.series = build_series(run.engine, run.samples)
+    run.engine = vllm_engine.with_spans(run.engine)
 
 
 def read_timeline(path: str) -> list[dict[str, Any]]:
@@ -241,6 +286,8 @@ def run_from_result(result: dict[str, Any],
                   slos_ms=_bench_slos(ts.get("goodput")))
     _fill_server_times(run)
     _identify(run, server, ts.get("environment") or result.get("environment"))
+    run.gpu_samples = [x for x in server.get("gpu_samples") or [] if isinstance(x, dict)]
+    run.gpu_why_not = server.get("gpu_why_not")
     return run
 
 

@@ -22,6 +22,8 @@ from tailserve.analyze.advice import explain
 from tailserve.analyze.attribution import MetricTail, attribute
 from tailserve.analyze.counters import counter_samples
 from tailserve.analyze.data import RunData
+from tailserve.analyze.gpu_memory import gpu_watermark
+from tailserve.analyze.gpu_memory import sentences as gpu_sentences
 from tailserve.analyze.grammar import GRAMMAR, carve_grammar, explain_grammar
 from tailserve.analyze.noisy_neighbour import name_noisy_neighbour
 from tailserve.analyze.samples import (
@@ -32,6 +34,7 @@ from tailserve.analyze.samples import (
     server_samples,
 )
 from tailserve.analyze.slo_misses import SloMisses, print_misses, slo_misses
+from tailserve.analyze.span_parts import apply_spans
 from tailserve.analyze.stepmodel import StepModel, WindowSums, fit_step_model
 from tailserve.analyze.ttft_parts import decompose_ttft
 from tailserve.analyze.windows import find_windows
@@ -74,6 +77,8 @@ class Diagnosis:
             "engine": self.run.engine.as_json() | {"version": self.run.engine_version},
             "load": load_phrase(self.run),
             "ttft_decomposition": decompose_ttft(self),
+            "notes": self.run.notes,
+            "gpu_memory": gpu_watermark(self.run),
         }
 
 
@@ -105,6 +110,9 @@ def diagnose(run: RunData, percentile: float = 99.0,
     else:
         samples = client_samples(run)
         judged = CLIENT_CAUSES if run.start_time is not None else ("own_prefill",)
+    if not run.has_timing and run.has_spans and apply_spans(run, samples):
+        # vLLM's request spans: the server's own TTFT, so the client's time is judged too.
+        judged = (*judged, "client_or_network")
     cannot = [c for c in SERVER_CAUSES if c not in judged]
     tails: dict[str, MetricTail] = {}
     for m in METRICS:
@@ -209,6 +217,7 @@ def _findings(d: Diagnosis) -> list[str]:
                        + (f" (then {rest})" if rest else "") + f". {top.advice}")
     for w in d.windows[:5]:
         out.append(f"P99 jump at {w['summary']}.")
+    out += gpu_sentences(gpu_watermark(d.run))
     if d.errors:
         total = sum(d.errors.values())
         kinds = ", ".join(f"{k} ×{v}" for k, v in sorted(d.errors.items(), key=lambda x: -x[1]))
@@ -222,12 +231,23 @@ def print_summary(d: Diagnosis, console: Any) -> None:
 
     console.print(f"[bold]tailserve diagnose[/]: {headline(d)}; the tail is every sample at "
                   f"or above P{d.percentile:g}")
+    for note in d.run.notes:
+        console.print(f"[dim]{note}[/]")
     sr = d.run.series
     if sr is not None:
         read = [d.run.engine.signals[k].metric for k in d.run.engine.signals if sr.has(k)]
         console.print(f"{d.run.engine.name}'s /metrics: {len(sr)} samples "
                       f"{(sr.t[-1] - sr.t[0]) / max(len(sr) - 1, 1):.1f} s apart; read "
                       + ", ".join(read))
+    if d.run.has_spans:
+        n = sum(q.span is not None for q in d.run.requests)
+        console.print(f"vLLM's llm_request spans: {n} of {len(d.run.requests)} requests "
+                      "(queue, prefill and server-side TTFT per request)")
+    wm = gpu_watermark(d.run)
+    for dev in (wm or {}).get("devices") or []:
+        console.print(f"GPU {dev['index']} memory (NVML, this host): peak "
+                      f"{dev['peak_used_fraction']:.0%} of {dev['total_bytes'] / 2**30:.0f} GiB "
+                      f"at t={dev['peak_at_s']:g} s (started at {dev['first_used_fraction']:.0%})")
     if d.model is not None:
         m = d.model.describe()
         console.print(f"step model: {m['base_ms']:.2f} ms + {m['ms_per_decode_seq']:.3f} ms/"

@@ -20,7 +20,7 @@ import numpy as np
 
 from tailserve.analyze.data import BLOCKED_KV
 from tailserve.analyze.diagnose import NAMES, Diagnosis, headline
-from tailserve.analyze.ttft_parts import plot_slowest
+from tailserve.analyze.ttft_parts import plot_slowest, table_html
 from tailserve.analyze.windows import bin_edges
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def _ttft_vs_prompt(d: Diagnosis, plt: Any) -> Figure | None:
 
 def _queue_vs_kv_gauges(d: Diagnosis, plt: Any) -> Figure | None:
     """Another engine: its KV usage and waiting gauges at each send, against the queue time
-    fitted from TTFT (and the part of it the KV cache held back)."""
+    fitted from TTFT, or measured by vLLM's request spans (span_parts.py)."""
     sr, s = d.run.series, d.samples.get("ttft")
     key = next((k for k in ("kv_usage", "kv_usage_old") if sr is not None and sr.has(k)), None)
     if sr is None or s is None or key is None or not len(s.values) or np.isnan(s.t).any():
@@ -124,7 +124,8 @@ def _queue_vs_kv_gauges(d: Diagnosis, plt: Any) -> Figure | None:
     sc = ax.scatter(kv, np.broadcast_to(queue, kv.shape), c=waiting, cmap="viridis", s=10)
     fig.colorbar(sc, ax=ax, label="waiting requests at send")
     ax.set_xlabel("KV cache usage at send (%)")
-    ax.set_ylabel("queue time, fitted from TTFT (ms)")
+    ax.set_ylabel("queue time, from vLLM's spans (ms)" if d.run.has_spans
+                  else "queue time, fitted from TTFT (ms)")
     return fig
 
 
@@ -217,6 +218,7 @@ def render_html(d: Diagnosis) -> str:
              f"</title><style>{CSS}</style></head><body><h1>tailserve diagnose</h1>",
              f"<p class='note'>{e(headline(d))}; the tail is every sample at or above "
              f"P{d.percentile:g}.</p>",
+             *(f"<p class='note'>{e(n)}</p>" for n in d.run.notes),
              "<h2>Findings</h2><ul class='findings'>",
              *(f"<li>{e(f)}</li>" for f in d.findings), "</ul>"]
     if d.replicas:
@@ -252,6 +254,8 @@ def render_html(d: Diagnosis) -> str:
         parts.append(f"<img id='plot-{name}' alt='{_TITLES[name]}' "
                      f"src='data:image/png;base64,{png_base64(fig)}'>")
         plt.close(fig)
+        if name == "ttft_parts":
+            parts.append(table_html(d))
     parts.append("</body></html>")
     return "\n".join(parts)
 

@@ -5,9 +5,12 @@ them with the median: queue time (split by what held admission: a slot or the to
 free KV blocks, a preemption), the request's own prefill, other requests' prefill, stalls,
 and client-side time. With tailserve's timing they are *measured* per request; with another
 engine's counters they are *fitted* (TTFT against prompt length and the queue ahead of it,
-split by the engine's gauges), which the output says. ``rest_ms`` is what no part claims (the
-first decode step, the fitted base); parts can overlap a little (a stall during a prefill),
-so it is floored at 0.
+split by the engine's gauges), which the output says; with vLLM's request spans
+(``--otlp-traces``, span_parts.py) queue, prefill and client time are *spans*: measured per
+request, the prefill split into own and interference by the run's quickest price.
+``rest_ms`` is what no part claims (the first decode step, the fitted base, the hop from the
+API to vLLM's engine core); parts can overlap a little (a stall during a prefill), so it is
+floored at 0.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def decompose_ttft(d: Diagnosis) -> dict[str, Any] | None:
         return None
     names = [c for c in ORDER if c in s.parts] + sorted(c for c in s.parts if c not in ORDER)
     start = d.run.start_time or 0.0
+    method = "measured" if d.run.has_timing else "spans" if d.run.has_spans else "fitted"
     rows = []
     for k in range(len(s.values)):
         q = d.run.requests[int(s.req[k])]
@@ -38,9 +42,41 @@ def decompose_ttft(d: Diagnosis) -> dict[str, Any] | None:
         rows.append({"request_id": q.request_id,
                      "send_s": None if q.send_t is None else round(q.send_t - start, 3),
                      "prompt_tokens": q.prompt_len, "ttft_ms": round(ttft, 3),
-                     "parts_ms": parts, "rest_ms": round(max(0.0, ttft - sum(parts.values())), 3)})
-    return {"method": "measured" if d.run.has_timing else "fitted", "parts": names,
-            "requests": rows}
+                     "parts_ms": parts, "rest_ms": round(max(0.0, ttft - sum(parts.values())), 3),
+                     # A request without a span keeps the fitted parts (a span file that
+                     # missed some requests): each row says which it is.
+                     "method": "fitted" if method == "spans" and q.span is None else method})
+    return {"method": method, "about": ABOUT[method], "parts": names, "requests": rows}
+
+
+ABOUT = {
+    "measured": "tailserve's per-request timing and step timeline",
+    "spans": "vLLM's llm_request spans: queue, prefill and server-side TTFT measured per "
+             "request; the prefill window split into the prompt's own cost at the run's "
+             "quickest price and interference",
+    "fitted": "fitted on the client's clock (TTFT against prompt length and the queue ahead), "
+              "split by the engine's gauges where recorded",
+}
+
+
+def table_html(d: Diagnosis, n: int = 10) -> str:
+    """The ``n`` slowest first tokens as an HTML table of their parts in ms (empty: none)."""
+    import html
+
+    dec = decompose_ttft(d)
+    if dec is None:
+        return ""
+    rows = sorted(dec["requests"], key=lambda r: -r["ttft_ms"])[:n]
+    names = [c for c in dec["parts"] if any(r["parts_ms"][c] for r in rows)]
+    head = "".join(f"<th>{html.escape(c)} (ms)</th>" for c in names)
+    body = "".join(
+        f"<tr><td>{html.escape(r['request_id'])}</td><td>{r['prompt_tokens']}</td>"
+        f"<td>{r['ttft_ms']:.1f}</td>"
+        + "".join(f"<td>{r['parts_ms'][c]:.1f}</td>" for c in names)
+        + f"<td>{r['rest_ms']:.1f}</td><td>{r['method']}</td></tr>" for r in rows)
+    return (f"<p class='note'>Parts from {html.escape(dec['about'])}.</p><table id='ttft-parts'>"
+            f"<tr><th>request</th><th>prompt tokens</th><th>TTFT (ms)</th>{head}"
+            f"<th>rest (ms)</th><th>method</th></tr>{body}</table>")
 
 
 def plot_slowest(d: Diagnosis, plt: Any, n: int = 20) -> Any:

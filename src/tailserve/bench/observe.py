@@ -11,6 +11,10 @@ takes milliseconds of CPU, and in the client's event loop (or a thread holding t
 would delay chunk reads and inflate the very latencies being measured. Results come back as
 JSON over a pipe when the step ends.
 
+With the "before", every "during" and the "after" sample the observer also reads this host's
+GPU memory through NVML when it can (bench/gpu.py: ``gpu_samples``, and ``gpu_why_not`` when
+it cannot), so the seeds' memory watermark shares the time window.
+
 Against a server without these routes the parts are simply absent; other engines' gauges,
 counters and histogram sums and counts are sampled too when present (``vllm:``, ``sglang:``,
 ``llamacpp:``): analyze/engines/ reads them as per-window deltas.
@@ -23,6 +27,8 @@ import multiprocessing
 import time
 from multiprocessing.connection import Connection
 from typing import Any
+
+from tailserve.bench.gpu import GpuWatermark
 
 GAUGES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -109,10 +115,12 @@ class ObserverProcess:
 
     def __init__(self, base_url: str | None, headers: dict[str, str], metrics: bool,
                  timeline: bool, interval_s: float = 1.0,
-                 replicas: list[tuple[str, bool, bool]] | None = None) -> None:
+                 replicas: list[tuple[str, bool, bool]] | None = None,
+                 gpu: bool = True) -> None:
         targets = [] if base_url is None else [(base_url, metrics, timeline, False)]
         targets += [(url, m, t, True) for url, m, t in replicas or []]
-        self.args = (targets, headers, interval_s)
+        # The GPU watermark is this host's: it goes with the main server's observation.
+        self.args = (targets, headers, interval_s, gpu and base_url is not None)
         self.has_main = base_url is not None
         self._conn: Connection | None = None
         self._proc: Any = None
@@ -227,13 +235,39 @@ class _Target:
         return out
 
 
+class _Gpu:
+    """This host's GPU memory at each sample (bench/gpu.py), for the main server's result."""
+
+    def __init__(self, gpu: bool | GpuWatermark) -> None:
+        self.reader = (GpuWatermark() if gpu is True else gpu) or None
+        self.samples: list[dict[str, Any]] = []
+
+    def sample(self, phase: str) -> None:
+        devices = self.reader.read() if self.reader is not None else None
+        if devices:
+            self.samples.append({"t": time.time(), "phase": phase,
+                                 "devices": [d.as_json() for d in devices]})
+
+    def result(self) -> dict[str, Any]:
+        if self.reader is None:
+            return {}
+        out: dict[str, Any] = {"gpu_samples": self.samples}
+        if self.reader.why_not:
+            out["gpu_why_not"] = self.reader.why_not
+        return out
+
+
 def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]],
-                   headers: dict[str, str], interval_s: float) -> None:
+                   headers: dict[str, str], interval_s: float,
+                   gpu: bool | GpuWatermark = False) -> None:
+    """``gpu``: read NVML (True), or this reader (tests pass one over a fake NVML)."""
     start = time.time()
     watched = [_Target(url, headers, m, t, h, start) for url, m, t, h in targets]
-    sampled = any(w.metrics or w.health for w in watched)
+    g = _Gpu(gpu)
+    sampled = any(w.metrics or w.health for w in watched) or g.reader is not None
     for w in watched:
         w.sample("before")
+    g.sample("before")
     conn.send_bytes(b"ready")
     next_sample = time.monotonic() + interval_s
     next_poll = time.monotonic() + TIMELINE_POLL_S
@@ -246,6 +280,7 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
         if sampled and now >= next_sample:
             for w in watched:
                 w.sample("during")
+            g.sample("during")
             next_sample += interval_s
             if next_sample < now:  # a slow scrape: skip the missed ticks, don't burst
                 next_sample = now + interval_s
@@ -256,4 +291,8 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
     for w in watched:
         w.sample("after")
         w.poll_timeline()
-    conn.send_bytes(json.dumps([w.result() for w in watched]).encode())
+    g.sample("after")
+    results = [w.result() for w in watched]
+    if results and g.reader is not None:
+        results[0] |= g.result()  # ObserverProcess puts the main server first
+    conn.send_bytes(json.dumps(results).encode())

@@ -29,7 +29,8 @@ def _cmd_diagnose(ns: argparse.Namespace) -> int:
     from tailserve.analyze.diagnose import diagnose, print_summary
 
     slos = slo_flags(ns, DiagnoseError)
-    d = diagnose(load_run(ns.result, ns.timeline), ns.percentile, slos or None)
+    d = diagnose(load_run(ns.result, ns.timeline, ns.otlp_traces), ns.percentile,
+                 slos or None)
     if ns.html:
         from tailserve.analyze.report import write_html
 
@@ -57,6 +58,10 @@ def add_diagnose(sub: Any) -> None:
     d.add_argument("--timeline", default=None, metavar="FILE",
                    help="the server's timeline JSONL (tailserve serve --timeline), if the "
                    "result does not carry it")
+    d.add_argument("--otlp-traces", default=None, metavar="FILE",
+                   help="vLLM's request spans as OTLP/JSON (an OpenTelemetry collector's "
+                   "file exporter, fed by vllm serve --otlp-traces-endpoint): each request's "
+                   "queue, prefill and server-side TTFT, joined by request id")
     d.add_argument("--percentile", type=float, default=99.0,
                    help="the tail: samples at or above this percentile (default: 99)")
     d.add_argument("--html", default=None, metavar="FILE",

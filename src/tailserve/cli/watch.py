@@ -104,10 +104,10 @@ class WatchBoard:
 def _cmd_watch(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tailserve.analyze.watch.gpu import GpuWatermark
     from tailserve.analyze.watch.scrape import Fetcher, WatchError
     from tailserve.analyze.watch.view import dashboard_sample, header, print_window
     from tailserve.analyze.watch.watcher import Watcher
+    from tailserve.bench.gpu import GpuWatermark
 
     if not 0 < ns.interval < float("inf"):
         raise WatchError(f"--interval must be a positive number of seconds, got {ns.interval:g}")

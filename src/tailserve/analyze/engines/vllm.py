@@ -3,11 +3,14 @@
 What it shows: the scheduler's running and waiting counts and the KV cache's usage (gauges),
 preemptions and tokens (counters), and per-request histograms of queue, prefill and decode
 time, TTFT, ITL and end-to-end latency, read here as per-window sums and counts. What it does
-not show: step durations (so no step model, no stalls) and per-request server timing (so the
-client's time cannot be split from the server's).
+not show: step durations (so no step model, no stalls) and, in /metrics, per-request server
+timing (so the client's time cannot be split from the server's). Its OpenTelemetry request
+spans have that timing: ``with_spans`` is vLLM read with them (analyze/otlp.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from tailserve.analyze.engines.base import COUNTER, FRACTION, GAUGE, Engine, Signal
 
@@ -41,11 +44,13 @@ ENGINE = Engine(
         "prefill_interference": "ITL gaps that hold other requests' first tokens (client clock)",
     },
     missing={
-        "engine_stall": "vLLM exports no per-step durations; its OpenTelemetry traces "
-                        "(--otlp-traces-endpoint) or a step timeline would let it be judged",
+        "engine_stall": "vLLM exports no per-step durations (its request spans carry none "
+                        "either); a step timeline would let it be judged",
         "client_or_network": "vLLM has no per-request server timing in its responses; its "
-                             "OpenTelemetry request spans would let client time be split "
-                             "from server time",
+                             "request spans (vllm serve --otlp-traces-endpoint into an "
+                             "OpenTelemetry collector's file exporter, read with diagnose "
+                             "--otlp-traces FILE) would let client time be split from server "
+                             "time",
     },
     advice={
         "queueing": "offered load exceeds what vLLM serves at this mix: add replicas, or "
@@ -71,3 +76,28 @@ ENGINE = Engine(
                        "priority for short ones.",
     },
 )
+
+# With its request spans (diagnose --otlp-traces, analyze/otlp.py) vLLM tells each request's
+# own queue and prefill time and its server-side TTFT, so those causes rest on measurements
+# and the client's time can be split from the server's.
+_SPAN_BASIS = {
+    "queueing": "each request's gen_ai.latency.time_in_queue from vLLM's llm_request spans, "
+                "split from KV pressure by vllm:num_requests_waiting and "
+                "vllm:kv_cache_usage_perc where recorded",
+    "kv_cache_pressure": "the span's gen_ai.latency.time_in_queue spent while "
+                         "vllm:num_requests_waiting > 0 with vllm:kv_cache_usage_perc near full",
+    "own_prefill": "the request's prompt (gen_ai.usage.prompt_tokens) at the run's quickest "
+                   "prefill price, from the spans' gen_ai.latency.time_in_model_prefill",
+    "prefill_interference": "the rest of the span's gen_ai.latency.time_in_model_prefill "
+                            "(other requests in its steps); ITL gaps that hold other requests' "
+                            "first tokens (client clock)",
+    "client_or_network": "the client's TTFT and E2EL less the span's "
+                         "gen_ai.latency.time_to_first_token and gen_ai.latency.e2e",
+}
+
+
+def with_spans(engine: Engine) -> Engine:
+    """vLLM read with its request spans: the span-based basis, client time no longer missing."""
+    return replace(engine, basis=engine.basis | _SPAN_BASIS,
+                   missing={k: v for k, v in engine.missing.items()
+                            if k != "client_or_network"})

@@ -25,7 +25,6 @@ import numpy as np
 from tailserve.analyze.counters import kv_bound
 from tailserve.analyze.engines import OTHER, Engine, Series, build_series, identify, vllm
 from tailserve.analyze.engines.base import Signal
-from tailserve.analyze.watch.gpu import GpuWatermark
 from tailserve.analyze.watch.hist import BucketError, share_at_most, window_delta
 from tailserve.analyze.watch.scrape import Fetcher, Scrape, WatchError
 from tailserve.analyze.watch.window import (
@@ -37,6 +36,7 @@ from tailserve.analyze.watch.window import (
     judge_metric,
     name_cause,
 )
+from tailserve.bench.gpu import GpuWatermark
 
 # Signals whose usual value (the mean over windows that did not jump) a cause is judged against.
 _USUAL = ("running", "waiting", "kv_usage", "prompt_tokens_per_s", "prompt_tokens_per_request",

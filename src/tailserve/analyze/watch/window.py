@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from tailserve.analyze.attribution import ABS_FLOOR_S
-from tailserve.analyze.watch.gpu import DeviceMemory
 from tailserve.analyze.watch.hist import Bound, Buckets, quantile, share_at_most
 from tailserve.analyze.windows import CHANGE_FACTOR, JUMP_FACTOR
+from tailserve.bench.gpu import DeviceMemory
 
 BASELINE_WINDOWS = 12
 NOISE_QUANTILE = 90

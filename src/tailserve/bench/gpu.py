@@ -1,10 +1,13 @@
-"""The GPU memory watermark of the host watch runs on, through NVML (``nvidia-ml-py``, module
-``pynvml``, an optional dependency: ``pip install tailserve[nvml]``).
+"""The GPU memory watermark of the host bench or watch runs on, through NVML (``nvidia-ml-py``,
+module ``pynvml``, an optional dependency: ``pip install tailserve[nvml]``).
 
-Per device, memory used (every process) against its capacity, read once per window; at or
-above ``ALERT_FRACTION`` the window carries an alert (the same 95% as ``tailserve serve
---memory-alert``'s default). NVML sees this host only: run ``watch`` on the server's host to
-see its GPUs. No pynvml, no driver, no device: no watermark, with the reason (``why_not``).
+Per device, memory used (every process) against its capacity: bench's observer reads it with
+every ``/metrics`` sample (bench/observe.py; diagnose reports the peak), watch once per
+window; at or above ``ALERT_FRACTION`` it is an alert (the same 95% as ``tailserve serve
+--memory-alert``'s default). NVML sees this host only: run bench or watch on the server's
+host to see its GPUs. No pynvml, no driver, no device: no watermark, with the reason
+(``why_not``). It lives in bench/ because bench is the lower of its two users (analyze may
+import bench, not the other way round).
 
 The NVML module is a seam (``nvml=``): tests pass an object with the same few functions.
 """
