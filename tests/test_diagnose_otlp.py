@@ -89,6 +89,48 @@ def test_what_the_sdk_encoder_writes_reads_too(tmp_path: Path) -> None:
                             None)
 
 
+def test_the_peers_harness_collector_writes_what_diagnose_reads(tmp_path: Path) -> None:
+    # make peers-test points vLLM at benchmarks/peers/span_collector.py: an OTLP/HTTP
+    # protobuf export in, one OTLP/JSON line out.
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.common.trace_encoder")
+    import sys
+    import urllib.request
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers"))
+    from span_collector import SpanFileCollector
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("vllm.tracing.otel")
+    for i in range(2):
+        tracer.start_span("llm_request", start_time=(1_700_000_000 + i) * 10**9, attributes={
+            "gen_ai.request.id": f"cmpl-bench-x-0-{i}", "gen_ai.latency.time_in_queue": 0.5 * i,
+            "gen_ai.latency.time_in_model_prefill": 0.25,
+            "gen_ai.latency.time_to_first_token": 1.0}).end()
+    collector = SpanFileCollector(str(tmp_path / "spans.jsonl"))
+    collector.start()
+    try:
+        for span in exporter.get_finished_spans():  # one export request each, as batches come
+            req = urllib.request.Request(collector.url, method="POST", headers={
+                "Content-Type": "application/x-protobuf"},
+                data=encode_spans([span]).SerializeToString())
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert r.status == 200
+    finally:
+        collector.stop()
+    assert collector.requests == 2
+    assert len((tmp_path / "spans.jsonl").read_text(encoding="utf-8").splitlines()) == 2
+    spans = read_spans(str(tmp_path / "spans.jsonl"))
+    assert [(s.request_id, s.queue_s, s.arrival_t) for s in spans] == [
+        ("cmpl-bench-x-0-0", 0.0, 1_700_000_000.0), ("cmpl-bench-x-0-1", 0.5, 1_700_000_001.0)]
+
+
 # ---------------------------------------------------------------- the decomposition
 def test_spans_measure_each_requests_ttft_parts(tmp_path: Path) -> None:
     d = with_spans("vllm-starved", STARVED_SPANS, tmp_path)

@@ -8,21 +8,28 @@ few recorded results (gzipped) so `make test` checks the adapters without the pe
 
     python benchmarks/peers/diagnose_scenarios.py --out /tmp/diag vllm-starved llama-queue
 
-vLLM takes ~2 minutes to start; servers are started once per distinct setting.
+vLLM takes ~2 minutes to start; servers are started once per distinct setting. vLLM exports
+its request spans to a collector of the harness's own (span_collector.py), which writes them
+to ``<scenario>-spans.jsonl`` beside the result, for ``diagnose --otlp-traces``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from serving_peers import SERVED_NAME, Server, server_for, stop, wait_ready  # noqa: E402
+
+# OpenTelemetry's batch span processor exports every 5 s by default.
+SPAN_FLUSH_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -76,8 +83,17 @@ def run(names: list[str], out_dir: str, peers_home: str) -> dict[str, str]:
         sc = SCENARIOS[n]
         groups.setdefault((sc.server, sc.server_args), []).append(n)
     for (name, extra), members in groups.items():
+        spans = None
+        if name == "vllm":
+            from span_collector import SpanFileCollector
+
+            spans = SpanFileCollector(os.path.join(out_dir, f"vllm-{len(paths)}-spans.jsonl"))
+            spans.start()
+            extra = (*extra, "--otlp-traces-endpoint", spans.url)
         server = server_for(name, list(extra), peers_home,
                             llama_threads=int(os.environ.get("LLAMA_THREADS", "1")))
+        if spans is not None:
+            server.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
         log = open(os.path.join(out_dir, f"{name}-{len(paths)}.log"), "wb")  # noqa: SIM115
         proc = subprocess.Popen(server.cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=server.env, start_new_session=True)
@@ -88,9 +104,18 @@ def run(names: list[str], out_dir: str, peers_home: str) -> dict[str, str]:
             for n in members:
                 paths[n] = os.path.join(out_dir, f"{n}.json")
                 bench(server, SCENARIOS[n].bench_args, paths[n])
+            if spans is not None:
+                time.sleep(SPAN_FLUSH_S)  # the last requests' spans leave in the next batch
         finally:
-            stop(proc)
+            stop(proc)  # SIGTERM: vLLM's span processor flushes what it holds on exit
             log.close()
+            if spans is not None:
+                spans.stop()
+        if spans is not None:
+            # One file per server: each scenario's requests join their own spans by id.
+            for n in members:
+                if os.path.exists(spans.path):
+                    shutil.copyfile(spans.path, os.path.join(out_dir, f"{n}-spans.jsonl"))
     return paths
 
 

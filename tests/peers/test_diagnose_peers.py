@@ -47,3 +47,13 @@ def test_planted_cause_is_named_first(name: str, results: dict[str, str]) -> Non
     for metric, cause in SCENARIOS[name].expect.items():
         assert d.tails[metric].causes[0].cause == cause, (metric, d.findings)
     assert_own_flags(d)
+    if SCENARIOS[name].server != "vllm":
+        return
+    # vLLM's request spans, through the harness's collector: every request has one, the
+    # TTFT parts are measured, and the planted cause still leads.
+    spans = results[name].removesuffix(".json") + "-spans.jsonl"
+    d = diagnose(load_run(results[name], None, spans))
+    assert d.run.notes == [] and d.as_json()["ttft_decomposition"]["method"] == "spans"
+    assert "client_or_network" not in d.cannot_judge
+    for metric, cause in SCENARIOS[name].expect.items():
+        assert d.tails[metric].causes[0].cause == cause, (metric, d.findings)
