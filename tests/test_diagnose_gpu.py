@@ -121,3 +121,16 @@ def test_below_the_alert_no_finding_and_without_nvml_the_reason() -> None:
     # A malformed entry is skipped, not a crash.
     bad = {"t": start + 1.0, "devices": [{"index": "x"}, {"name": "no numbers"}]}
     assert diagnose(_vllm_run_with([bad])).as_json()["gpu_memory"] is None
+
+
+def test_the_watermark_sits_in_the_p99_jump_windows() -> None:
+    # The seeds' joined view: GPU memory in the same time window as the latency. 60 of 80
+    # GiB all run, 76 GiB during t=60-74 s, where the starved vLLM run's ITL P99 jumps.
+    start = _vllm_run_with([]).start_time or 0.0
+    samples = [_sample(start + t, 76.0 if 60 <= t <= 74 else 60.0) for t in range(0, 300, 2)]
+    d = diagnose(_vllm_run_with(samples))
+    w = next(w for w in d.windows if w["start_s"] <= 65.0 <= w["end_s"])
+    assert w["changes"]["gpu_used_share"] == {"window": 0.95, "baseline": 0.75}
+    first = next(w for w in d.windows if w["end_s"] < 30.0)  # a jump of its own, no spike
+    assert first["changes"]["gpu_used_share"]["window"] == 0.75
+    assert all("gpu_used_share" not in w["changes"] for w in diagnose(_vllm_run_with(None)).windows)

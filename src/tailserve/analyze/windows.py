@@ -3,7 +3,8 @@
 The run is cut into equal bins (about 20, at least 1 s each). A bin whose P99 of TTFT, ITL or
 E2EL is more than ``JUMP_FACTOR`` times that metric's typical bin P99 (the median over bins)
 is a jump; adjacent jump bins merge into one window. For each window the seed's joined view:
-arrival rate, prompt-length mix, KV usage, waiting queue, preemptions, errors and memory,
+arrival rate, prompt-length mix, KV usage, waiting queue, preemptions, errors and memory (the
+GPU's NVML used share too, when the bench recorded it),
 each beside its value in the ordinary bins, so what moved with the latency stands out.
 """
 
@@ -38,6 +39,10 @@ def _p99_by_bin(s: Samples, edges: np.ndarray) -> np.ndarray:
         if len(v) >= 3:
             out[i] = np.percentile(v, 99)
     return out
+
+
+# Memory in a window is its peak; the other figures are means.
+PEAKS = ("rss_mb", "gpu_used_share")
 
 
 def _bin_stats(run: RunData, edges: np.ndarray) -> dict[str, np.ndarray]:
@@ -76,7 +81,23 @@ def _bin_stats(run: RunData, edges: np.ndarray) -> dict[str, np.ndarray]:
                 rss = steps.rss[m]
                 if (~np.isnan(rss)).any():
                     st["rss_mb"][i] = np.nanmax(rss) / 2**20
+    if run.gpu_samples:
+        st["gpu_used_share"] = _gpu_by_bin(run.gpu_samples, edges)
     return st
+
+
+def _gpu_by_bin(gpu_samples: list[dict[str, Any]], edges: np.ndarray) -> np.ndarray:
+    """The fullest device's NVML used share in each bin (the bench's GPU watermark samples,
+    analyze/gpu_memory.py): memory is judged by its peak, not its mean."""
+    out = np.full(len(edges) - 1, np.nan)
+    for x in gpu_samples:
+        fr = [float(d["used_bytes"]) / float(d["total_bytes"]) for d in x.get("devices") or []
+              if isinstance(d, dict) and isinstance(d.get("used_bytes"), (int, float))
+              and isinstance(d.get("total_bytes"), (int, float)) and d["total_bytes"] > 0]
+        i = int(np.digitize(float(x.get("t") or 0.0), edges)) - 1
+        if fr and 0 <= i < len(out):
+            out[i] = max(fr) if np.isnan(out[i]) else max(out[i], max(fr))
+    return out
 
 
 def _gauge(values: dict[str, float], *names: str) -> float | None:
@@ -162,7 +183,7 @@ def _window(run: RunData, edges: np.ndarray, sel: np.ndarray, jump: np.ndarray,
     moved = []
     for k, v in st.items():
         w, b = v[sel], v[~jump]
-        wv = None if np.isnan(w).all() else float(np.nanmax(w) if k in ("rss_mb",) else
+        wv = None if np.isnan(w).all() else float(np.nanmax(w) if k in PEAKS else
                                                  np.nanmean(w))
         bv = None if np.isnan(b).all() else float(np.nanmean(b))
         changes[k] = {"window": None if wv is None else round(wv, 4),
