@@ -198,6 +198,20 @@ def test_html_report_tables_the_slowest_first_tokens(tmp_path: Path) -> None:
     assert "<th>client_or_network (ms)</th>" in table and "<td>17.2</td>" in rows[0]
 
 
+def test_the_command_reads_a_gzipped_file_and_prints_the_spans_view(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = tmp_path / "spans.jsonl.gz"
+    traces.write_bytes(gzip.compress(STARVED_SPANS.read_bytes()))
+    res = result("vllm-starved", tmp_path)
+    assert main(["diagnose", res, "--otlp-traces", str(traces), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ttft_decomposition"]["method"] == "spans" and out["notes"] == []
+    assert out["cannot_judge"] == ["engine_stall"]
+    assert main(["diagnose", res, "--otlp-traces", str(traces)]) == 0
+    text = capsys.readouterr().out
+    assert "vLLM's llm_request spans: 12 of 12 requests" in text
+
+
 # ---------------------------------------------------------------- bad input
 def _otlp(spans: list[dict[str, Any]]) -> str:
     return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]})
@@ -239,3 +253,9 @@ def test_spans_on_a_run_that_is_not_vllms_are_refused(tmp_path: Path) -> None:
         attach_spans(ours, spans, "t.jsonl")
     with pytest.raises(TraceFileError, match="cannot read the traces"):
         read_spans(str(FIXTURES / "absent.jsonl"))
+    # The collector's file exporter with format: proto, and a gzip cut short.
+    (tmp_path / "spans.pb").write_bytes(b"\n\xa4\x05\n\x8d\x01\n\xff\xfe")
+    (tmp_path / "cut.gz").write_bytes(gzip.compress(b'{"resourceSpans": []}')[:12])
+    for name in ("spans.pb", "cut.gz"):
+        with pytest.raises(TraceFileError, match="cannot read the traces"):
+            read_spans(str(tmp_path / name))

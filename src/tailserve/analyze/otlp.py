@@ -18,12 +18,14 @@ are set in ``v1/engine/output_processor.py``):
 vLLM exports over gRPC or HTTP, not to a file; an OpenTelemetry collector between them
 writes the file (its ``file`` exporter: JSON lines, one ``{"resourceSpans": [...]}`` export
 request a line). One such object pretty-printed over many lines reads too. OTLP/JSON writes
-64-bit integers (``intValue``, the ``*UnixNano`` times) as strings; both forms are accepted.
+64-bit integers (``intValue``, the ``*UnixNano`` times) as strings; both forms are accepted,
+and a gzipped file too.
 Spans of other names (vLLM's start-up spans, a proxy's) are skipped.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,9 +139,11 @@ def _request_span(span: dict[str, Any]) -> RequestSpan | None:
 def read_spans(path: str) -> list[RequestSpan]:
     """Every usable ``llm_request`` span in ``path``; TraceFileError when there is none."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
+        with open(path, "rb") as f:
+            raw = f.read()
+        # A gzipped file (a rotated collector file, or one gzipped to keep) reads as is.
+        text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as exc:
         raise TraceFileError(f"cannot read the traces {path}: {exc}") from None
     total = named = 0
     out = []
