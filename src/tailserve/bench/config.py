@@ -209,7 +209,7 @@ class BenchConfig:
         default="lean",
         metadata=_target("lean: a minimal HTTP/1.1 client for http:// (lowest client-added "
                          "latency); aiohttp: always aiohttp. https:// always uses aiohttp"))
-    # Spin instead of sleeping around each request (see run._open_loop); off by default.
+    # Spin instead of sleeping around each request (see open_loop.open_loop); off by default.
     busy_poll: bool = field(
         default=False,
         metadata=_target("spin instead of sleeping from 2 ms before each send and while 1-4 "
