@@ -5,8 +5,9 @@ HTTP edge needs it, the OpenAI ``param`` it concerns. These never reach the engi
 are raised when a request is built or added, and the edge maps them to 4xx.
 
 The checks of user input that layers far apart make alike live here, the lowest layer, so each
-rule and its message has one home: a user-given JSON object with known fields
-(``--kv-events-config``, the tenants' keys file, the bench's ``--extra-body``).
+rule and its message has one home: an SLO flag's milliseconds (the bench, tune, diagnose,
+watch) and a user-given JSON object with known fields (``--kv-events-config``, the tenants'
+keys file, the bench's ``--extra-body``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ def check_valid_unicode(text: str, what: str, param: str | None) -> None:
             f"{exc.start}; text must be valid Unicode",
             param=param,
         ) from None
+
+
+def check_slo_ms(flag: str, ms: float, error: type[Exception] = ConfigError) -> None:
+    """An SLO flag's value (``flag``: ``--slo-ttft-ms``) must be a positive, finite number of
+    milliseconds; NaN fails too. ``error``: the caller's user-mistake type (``BenchError`` ...),
+    so its command reports it as it reports every other flag."""
+    if not 0 < ms < float("inf"):
+        raise error(f"{flag} must be a positive number of milliseconds, got {ms:g}")
 
 
 def json_object(value: str | dict[str, Any], what: str, known: Collection[str] | None = None,
