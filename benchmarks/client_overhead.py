@@ -148,8 +148,9 @@ def bench_block(url: str, n: int, rate: float, max_concurrency: int | None, prog
     busy_poll = extra == "busy"
     from rich.console import Console
 
+    from tailserve.bench.config import BenchConfig
     from tailserve.bench.datasets import DatasetOptions
-    from tailserve.bench.run import BenchConfig, run_bench
+    from tailserve.bench.run import run_bench
 
     if progress:  # a real terminal's redraws, thrown away
         console = Console(file=open(os.devnull, "w"), force_terminal=True, width=120)  # noqa: SIM115
@@ -189,7 +190,7 @@ def floor_block(port: int, n: int, rate: float, seed: int, spin: bool = False
     ``spin``: a non-blocking socket, a spin for the last 2 ms before each send (as
     ``--busy-poll`` does) and a spin on ``recv``: this process is never woken up, only the
     responder is — the floor for the busy-poll client."""
-    from tailserve.bench.run import arrival_times
+    from tailserve.bench.open_loop import arrival_times
 
     body = json.dumps({"model": "responder", "prompt": " ".join(["word"] * 32),
                        "max_tokens": 40, "stream": True,
@@ -197,7 +198,7 @@ def floor_block(port: int, n: int, rate: float, seed: int, spin: bool = False
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                ).encode() + body
-    # The bench's own schedule for this seed (run.py draws it from (seed, step 0, 1)).
+    # The bench's own schedule for this seed (bench/step.py draws it from (seed, step 0, 1)).
     arrivals = arrival_times(n, rate, 1.0, np.random.default_rng([seed, 0, 1]))
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as both bench clients do

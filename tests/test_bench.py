@@ -23,8 +23,9 @@ from rich.console import Console
 
 from server_util import ServerProcess, free_port
 from tailserve.bench.client import RequestResult, StreamClient
+from tailserve.bench.config import BenchConfig
 from tailserve.bench.datasets import DatasetOptions
-from tailserve.bench.run import BenchConfig, run_bench
+from tailserve.bench.run import run_bench
 from tailserve.cli import main
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -142,7 +143,7 @@ def test_client_events_split_across_reads_and_crlf() -> None:
     res = send_to(sse([whole[:10], 0.05, whole[10:], cmpl_chunk("d", "stop").replace(
         b"\n\n", b"\r\n\r\n"), DONE]))
     assert res.success and res.text == "abcd" and res.ttft_s is not None and res.ttft_s >= 0.05
-    assert res.output_tokens is None  # no usage: run.py fills it from a tokenizer or chunks
+    assert res.output_tokens is None  # no usage: step.py fills it from a tokenizer or chunks
 
 
 @pytest.mark.parametrize("script, error_type", [

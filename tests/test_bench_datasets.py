@@ -28,7 +28,7 @@ from tailserve.bench.metrics import (
     p_word,
 )
 from tailserve.bench.observe import parse_metrics
-from tailserve.bench.run import arrival_times
+from tailserve.bench.open_loop import arrival_times
 from tailserve.bench.tokens import LocalCounter, PromptSynth
 
 

@@ -27,9 +27,10 @@ from aiohttp import web
 
 from server_util import free_port
 from tailserve.bench.client import BenchClient, RequestResult, StreamClient
+from tailserve.bench.config import BenchConfig
 from tailserve.bench.datasets import DatasetOptions
 from tailserve.bench.http11 import LeanStreamClient
-from tailserve.bench.run import BenchConfig, run_bench
+from tailserve.bench.run import run_bench
 from tailserve.cli import main
 from test_bench import DONE, USAGE, FakeServer, _console, chat_chunk, cmpl_chunk, event, sse
 
@@ -423,8 +424,8 @@ def _open_loop_run(clients: list[BenchClient], n: int, gap_s: float, busy_poll: 
                    ) -> tuple[list[RequestResult], float, float]:
     """``n`` requests ``gap_s`` apart through the bench's open loop (client i % len(clients));
     the results, the wall time and this thread's CPU time over the run."""
+    from tailserve.bench.open_loop import open_loop
     from tailserve.bench.report import Progress
-    from tailserve.bench.run import _open_loop
 
     results = [RequestResult(i, f"rid-{i}", 5, 3, i * gap_s) for i in range(n)]
     use = [clients[i % len(clients)] for i in range(n)]
@@ -433,7 +434,7 @@ def _open_loop_run(clients: list[BenchClient], n: int, gap_s: float, busy_poll: 
     async def go() -> tuple[float, float]:
         wall, cpu = perf_counter(), time.thread_time()
         with Progress(_console()[0], n, "t", False) as progress:
-            await _open_loop(use, payloads, results, None, perf_counter(), progress, busy_poll)
+            await open_loop(use, payloads, results, None, perf_counter(), progress, busy_poll)
         for c in clients:
             await c.close()  # type: ignore[attr-defined]
         return perf_counter() - wall, time.thread_time() - cpu

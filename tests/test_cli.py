@@ -148,7 +148,7 @@ def test_generate_values_reach_the_sampling_params() -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--request-rates", "1,x"], "--request-rates wants numbers like 1,2,4,8"),
-    (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
+    (["--extra-body", "[1]"], "--extra-body: not a JSON object (an array)"),
     (["--percentiles", "0"], "--percentiles must be in (0, 100]"),
 ])
 def test_bench_flag_mistakes_exit_2(argv: list[str], message: str,

@@ -294,8 +294,9 @@ def test_end_to_end_prefill_interference(heavy_model_dir: str, tmp_path: Path) -
 
     from server_util import ServerProcess
     from tailserve.analyze.data import load_run
+    from tailserve.bench.config import BenchConfig
     from tailserve.bench.datasets import DatasetOptions
-    from tailserve.bench.run import BenchConfig, run_bench
+    from tailserve.bench.run import run_bench
 
     path = tmp_path / "result.json"
     # Chunked prefill off and a budget that fits a whole long prompt: each 1500-token prompt

@@ -182,8 +182,9 @@ def bundled() -> Iterator[ServerProcess]:
 
 def test_live_sweep_finds_capacity_on_the_bundled_model(bundled: ServerProcess,
                                                         tmp_path: Path) -> None:
+    from tailserve.bench.config import BenchConfig
     from tailserve.bench.datasets import DatasetOptions
-    from tailserve.bench.run import BenchConfig, run_bench
+    from tailserve.bench.run import run_bench
 
     path = tmp_path / "sweep.json"
     cfg = BenchConfig(base_url=bundled.url, sweep=True, sweep_max_steps=3, observe=False,

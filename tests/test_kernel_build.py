@@ -162,3 +162,16 @@ def test_the_build_runs_the_ninja_package_whatever_path_finds_first(tmp_path: Pa
         assert done.stdout.split()[1] == "41"
     assert not (tmp_path / "decoy.log").exists()
     assert compiles(tmp_path) == 1
+
+
+def test_another_torch_install_is_another_build(tmp_path: Path, cxx: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch writes its include and library paths into build.ninja, so a second virtual
+    environment sharing the key would rebuild the first one's library in turn, for ever."""
+    import torch
+
+    csrc, cache = write_probe(tmp_path / "csrc", 41), tmp_path / "cache"
+    here = _build_dir(csrc, FLAGS, cache)
+    assert _build_dir(csrc, FLAGS, cache) == here  # the key is stable
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert _build_dir(csrc, FLAGS, cache) != here

@@ -153,10 +153,12 @@ def test_kv_events_config_parses_like_vllm() -> None:
     assert cfg.enabled
     off = KVEventsConfig.parse({"enable_kv_cache_events": False})
     assert off is not None and off.publisher == "null" and not off.enabled
-    with pytest.raises(ConfigError, match=r"unknown keys \['topik'\]"):
+    with pytest.raises(ConfigError, match=r"kv_events_config: unknown field\(s\) topik; known: "):
         KVEventsConfig.parse('{"topik": "x"}')
-    with pytest.raises(ConfigError, match="not JSON"):
+    with pytest.raises(ConfigError, match="kv_events_config: not JSON"):
         KVEventsConfig.parse("{enable")
+    with pytest.raises(ConfigError, match=r"kv_events_config: not a JSON object \(an array\)"):
+        KVEventsConfig.parse("[1]")
     with pytest.raises(ConfigError, match="publisher must be 'null' or 'zmq', got 'kafka'"):
         KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "kafka"})
 

@@ -66,8 +66,10 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"errors", "model", "tailserve"},
     "analyze": {"bench", "config", "data", "errors", "kv_groups", "model", "stepcost"},
     "cli_flags": set(),  # argparse flags from dataclass fields; knows no tailserve type
+    # (errors: the SLO flags' check, errors.check_slo_ms, that diagnose, compare and watch share)
     "cli": {
-        "analyze", "bench", "cli_flags", "config", "engine", "envs", "sampling_params", "server",
+        "analyze", "bench", "cli_flags", "config", "engine", "envs", "errors", "sampling_params",
+        "server",
     },
     # docs/configuration.md's generator (`make docs`): reads the flags' dataclasses and envs
     "configdoc": {"cli_flags", "config", "envs", "server"},

@@ -46,8 +46,10 @@ def test_keys_file_names_each_tenant_and_its_limits(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("lines,message", [
-    (["{not json"], "line 1: not a JSON object"),
-    (["[1, 2]"], "line 1: not a JSON object"),
+    (["{not json"], "line 1: not JSON (Expecting property name"),
+    (["[1, 2]"], "line 1: not a JSON object (an array)"),
+    # A bare key on its own line is named by its type, never echoed into a log.
+    (['"sk-0123456789"'], "line 1: not a JSON object (a string)"),
     (['{"key": "sk-0123456789", "name": "a", "colour": "red"}'], "unknown field(s) colour"),
     (['{"key": "short", "name": "a"}'], "'key' must be a string of at least 8"),
     (['{"key": "sk-0123456789", "name": "a b"}'], "'name' must be 1-64 characters"),
@@ -68,6 +70,13 @@ def test_a_bad_keys_file_is_refused_naming_the_line(
     path = write_keys(tmp_path / "keys.jsonl", *lines)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_api_keys(path)
+
+
+def test_a_keys_line_that_is_not_an_object_is_not_echoed(tmp_path: Path) -> None:
+    path = write_keys(tmp_path / "keys.jsonl", '"sk-secret-0123456789"')
+    with pytest.raises(ConfigError) as info:
+        load_api_keys(path)
+    assert str(info.value) == f"api_keys {path!r} line 1: not a JSON object (a string)"
 
 
 def test_a_missing_keys_file_is_refused(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailserve.errors import ConfigError
+from tailserve.errors import check_slo_ms
 
 TTFT_KEY = "p99_ttft_ms"
 ITL_KEY = "p99_itl_ms"
@@ -48,8 +48,7 @@ class Slos:
 
     def __post_init__(self) -> None:
         for name, v in (("--slo-ttft-ms", self.ttft_ms), ("--slo-itl-ms", self.itl_ms)):
-            if not 0 < v < float("inf"):
-                raise ConfigError(f"{name} must be a positive number of milliseconds, got {v}")
+            check_slo_ms(name, v)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@
                  (schema_check.py, a small validator), grammar time from the server
     result.py    the result file: vLLM's keys plus a ``tailserve`` block
     report.py    the terminal tables and the latency-vs-rate plot
-    run.py       arrivals, the open loop, steps and sweeps
+    run.py       a run: flags checked, pre-flight, stepped rates and the sweep
+    step.py      one step against one server, from prepared requests to its result
+    open_loop.py the arrival schedule and the open loop that sends at it
     canary.py    --base-url-b: users split between two servers in one run
     replicas.py  --replica: the replicas behind a router, each request's replica
 """

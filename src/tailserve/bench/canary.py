@@ -25,11 +25,13 @@ import numpy as np
 from tailserve.bench import BenchError
 from tailserve.bench.client import BenchClient, RequestResult
 from tailserve.bench.datasets import load_dataset
+from tailserve.bench.open_loop import arrival_times, open_loop
 from tailserve.bench.report import Progress, print_step
 from tailserve.bench.result import StepData, _write_json, build_result, environment
 
 if TYPE_CHECKING:
-    from tailserve.bench.run import BenchConfig, _Ctx
+    from tailserve.bench.config import BenchConfig
+    from tailserve.bench.step import StepRunner
 
 FNV_OFFSET_32 = 0x811C9DC5
 FNV_PRIME_32 = 0x01000193
@@ -69,36 +71,34 @@ def validate(cfg: BenchConfig) -> None:
                          f"hashes to arm {arms.pop()}: use more users or a larger split")
 
 
-async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any]]:
+async def canary_step(runners: dict[str, StepRunner], console: Any) -> list[dict[str, Any]]:
     """One step over both arms; one result per arm (A's first)."""
-    from tailserve.bench.run import _open_loop, arrival_times
-
-    a = ctxs["A"]
+    a = runners["A"]
     cfg = a.cfg
-    ds = load_dataset(a._dataset_opts(0), a.counter)
+    ds = load_dataset(a.dataset_opts(0), a.counter)
     n = len(ds.requests)
     # Users from their own stream (seed, 0, 2): the arrivals' stream is (seed, 0, 1).
     users = np.random.default_rng([cfg.seed, 0, 2]).integers(0, cfg.users, size=n)
     arm_of_user = {u: user_arm(f"user-{u}", cfg.split) for u in range(cfg.users)}
     arms = [arm_of_user[int(u)] for u in users]
-    clients: list[BenchClient] = [ctxs[arm].client for arm in arms]
+    clients: list[BenchClient] = [runners[arm].client for arm in arms]
     arrivals = arrival_times(n, cfg.request_rate, cfg.burstiness,
                              np.random.default_rng([cfg.seed, 0, 1]))
     results = [RequestResult(i, f"bench-{a.run_id}-{arms[i]}-{i}", r.prompt_len, r.output_len,
                              float(arrivals[i])) for i, r in enumerate(ds.requests)]
-    payloads = [ctxs[arm].client.prepare(ctxs[arm].payload(req), res)
+    payloads = [runners[arm].client.prepare(runners[arm].payload(req), res)
                 for arm, req, res in zip(arms, ds.requests, results, strict=True)]
     console.print(f"canary step: {n} {ds.name} requests from {cfg.users} users, "
                   f"{arms.count('B')} to B ({cfg.split:.0%} of users by FNV-1a of the user id)")
     load_before = os.getloadavg()
     gc.collect()
-    gc.freeze()  # as in run.py: no full collection inside the measured window
+    gc.freeze()  # as in step.py: no full collection inside the measured window
     interrupted = False
     try:
         with Progress(console, n, "canary", cfg.progress) as progress:
             t0_wall, t0 = time.time(), perf_counter()  # after the bar's first draw
             try:
-                await _open_loop(clients, payloads, results, cfg.max_concurrency, t0,
+                await open_loop(clients, payloads, results, cfg.max_concurrency, t0,
                                  progress, cfg.busy_poll)
             finally:
                 duration = perf_counter() - t0
@@ -108,23 +108,23 @@ async def canary_step(ctxs: dict[str, _Ctx], console: Any) -> list[dict[str, Any
         gc.unfreeze()
     out = []
     for arm in ARMS:
-        ctx = ctxs[arm]
+        runner = runners[arm]
         mine = [r for r, x in zip(results, arms, strict=True) if x == arm
                 and (not interrupted or r.send_s is not None)]
-        ctx._fill_output_tokens(mine)
-        result = build_result(cfg, ctx.info, ctx.counter, StepData(
+        runner.fill_output_tokens(mine)
+        result = build_result(cfg, runner.info, runner.counter, StepData(
             index=0, name=f"canary {arm}", rate=cfg.request_rate,
-            max_concurrency=cfg.max_concurrency, dataset=ds, dataset_options=a._dataset_opts(0),
-            ignore_eos=ctx.ignore_eos, results=mine, duration_s=duration, start_time=t0_wall,
+            max_concurrency=cfg.max_concurrency, dataset=ds, dataset_options=a.dataset_opts(0),
+            ignore_eos=runner.ignore_eos, results=mine, duration_s=duration, start_time=t0_wall,
             start_perf_counter=t0, server=None, warnings=list(ds.notes),
             interrupted=interrupted, run_id=a.run_id,
-            environment=environment(cfg.argv, ctx.info, ctx.loop_name, load_before,
-                                    ctx.client_name, cfg.busy_poll),
-        ), ctx.slos)
+            environment=environment(cfg.argv, runner.info, runner.loop_name, load_before,
+                                    runner.client_name, cfg.busy_poll),
+        ), runner.slos)
         result["label"] = f"{cfg.label or 'canary'} {arm}"
         result["tailserve"]["canary"] = {
             "arm": arm, "split": cfg.split, "users": cfg.users,
-            "base_url_a": ctxs["A"].info.base_url, "base_url_b": ctxs["B"].info.base_url,
+            "base_url_a": runners["A"].info.base_url, "base_url_b": runners["B"].info.base_url,
             "user_ids": [f"user-{int(users[r.index])}" for r in mine],
         }
         print_step(console, result, cfg.percentiles)

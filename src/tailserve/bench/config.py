@@ -6,12 +6,12 @@ here only. Kept free of numpy and aiohttp so that building the CLI parser stays 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tailserve.bench import DATASETS, DEFAULT_INPUT_LEN, DEFAULT_MIX, BenchError
+from tailserve.errors import json_object
 
 INF = float("inf")
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -54,13 +54,7 @@ def parse_rates(spec: str) -> list[float] | None:
 def parse_extra_body(text: str) -> dict[str, Any] | None:
     if not text:
         return None
-    try:
-        extra = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BenchError(f"--extra-body is not JSON: {exc}") from None
-    if not isinstance(extra, dict):
-        raise BenchError("--extra-body must be a JSON object")
-    return extra
+    return json_object(text, "--extra-body", error=BenchError)
 
 
 def parse_timeout(text: str) -> float | None:
@@ -209,7 +203,7 @@ class BenchConfig:
         default="lean",
         metadata=_target("lean: a minimal HTTP/1.1 client for http:// (lowest client-added "
                          "latency); aiohttp: always aiohttp. https:// always uses aiohttp"))
-    # Spin instead of sleeping around each request (see run._open_loop); off by default.
+    # Spin instead of sleeping around each request (see open_loop.open_loop); off by default.
     busy_poll: bool = field(
         default=False,
         metadata=_target("spin instead of sleeping from 2 ms before each send and while 1-4 "

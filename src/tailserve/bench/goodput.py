@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tailserve.bench import BenchError
+from tailserve.errors import check_slo_ms
 
 SLO_KINDS = ("ttft", "itl", "tpot", "e2el")
 # The server's default SLOs as it publishes them (gauges in seconds; 0 or absent: unset).
@@ -45,9 +46,8 @@ class SloSpec:
     def __post_init__(self) -> None:
         for kind in SLO_KINDS:
             v = getattr(self, f"{kind}_ms")
-            if v is not None and not 0 < v < float("inf"):
-                raise BenchError(f"--slo-{kind}-ms must be a positive number of milliseconds, "
-                                 f"got {v}")
+            if v is not None:
+                check_slo_ms(f"--slo-{kind}-ms", v, BenchError)
 
     @classmethod
     def from_ms(cls, slos: dict[str, float], source: str = "client") -> SloSpec:

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from tailserve.config import QUANTIZATIONS, EngineArgs
+from tailserve.errors import check_slo_ms
 
 
 def slo_flags(ns: argparse.Namespace, error: type[Exception]) -> dict[str, float]:
@@ -17,8 +18,7 @@ def slo_flags(ns: argparse.Namespace, error: type[Exception]) -> dict[str, float
     slos = {k: v for k in ("ttft", "itl", "tpot")
             if (v := getattr(ns, f"slo_{k}_ms")) is not None}
     for k, v in slos.items():
-        if not 0 < v < float("inf"):
-            raise error(f"--slo-{k}-ms must be a positive number of milliseconds, got {v:g}")
+        check_slo_ms(f"--slo-{k}-ms", v, error)
     return slos
 
 

@@ -108,6 +108,7 @@ def _cmd_watch(ns: argparse.Namespace) -> int:
     from tailserve.analyze.watch.view import dashboard_sample, header, print_window
     from tailserve.analyze.watch.watcher import Watcher
     from tailserve.bench.gpu import GpuWatermark
+    from tailserve.errors import check_slo_ms
 
     if not 0 < ns.interval < float("inf"):
         raise WatchError(f"--interval must be a positive number of seconds, got {ns.interval:g}")
@@ -115,9 +116,7 @@ def _cmd_watch(ns: argparse.Namespace) -> int:
     for kind in ("ttft", "itl"):
         v = getattr(ns, f"slo_{kind}_ms")
         if v is not None:
-            if not 0 < v < float("inf"):
-                raise WatchError(f"--slo-{kind}-ms must be a positive number of milliseconds, "
-                                 f"got {v:g}")
+            check_slo_ms(f"--slo-{kind}-ms", v, WatchError)
             slos[kind] = v / 1e3
     if ns.windows is not None and ns.windows < 1:
         raise WatchError(f"--windows must be >= 1, got {ns.windows}")

@@ -4,12 +4,11 @@ component takes only its own part."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from tailserve.config.model import ModelConfig
-from tailserve.errors import ConfigError
+from tailserve.errors import ConfigError, json_object
 from tailserve.kv_groups import KVGroupLayout, blocks_per_seq, max_blocks_per_seq
 from tailserve.platforms import (
     DeviceType,
@@ -151,19 +150,7 @@ class KVEventsConfig:
         """From the flag's JSON text (or a dict); ``ConfigError`` naming what is wrong."""
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"kv_events_config is not JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_events_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_events_config has unknown keys {unknown}; known: {sorted(known)}"
-            )
+        value = json_object(value, "kv_events_config", {f.name for f in fields(cls)})
         cfg = cls(**value)
         publisher = cfg.publisher or ("zmq" if cfg.enable_kv_cache_events else "null")
         if publisher not in ("null", "zmq"):

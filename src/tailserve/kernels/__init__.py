@@ -78,13 +78,19 @@ def _cpu_flags() -> str:
 def _build_dir(csrc: Path = _CSRC, flags: tuple[str, ...] = tuple(_FLAGS),
                cache_root: Path | None = None) -> Path:
     """The build's directory, keyed by what decides the library and nothing else: the
-    sources' names and bytes, the flags, torch, the compiler and the CPU. Never by the
-    checkout's path, so two clones of the same sources share one build (``_stage``)."""
+    sources' names and bytes, the flags, torch (its version and where it is installed), the
+    compiler and the CPU. Never by the checkout's path, so two clones of the same sources share
+    one build (``_stage``). torch's place is in the key because torch writes its include and
+    library paths into build.ninja: two virtual environments sharing one directory rebuilt
+    everything in turn (two minutes on two cores), and a server started by the other one's
+    tests was not healthy within three minutes."""
     digest = hashlib.sha256()
     for path in _sources(csrc) + _headers(csrc):
         digest.update(path.name.encode())  # a rename or a new file changes the key too
         digest.update(path.read_bytes())
-    for part in (" ".join(flags), torch.__version__, _compiler_identity(), _cpu_flags()):
+    torch_home = str(Path(torch.__file__).resolve().parent)
+    for part in (" ".join(flags), torch.__version__, torch_home, _compiler_identity(),
+                 _cpu_flags()):
         digest.update(b"\0" + part.encode())
     return (cache_root or _cache_root()) / "kernels" / digest.hexdigest()[:16]
 

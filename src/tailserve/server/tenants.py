@@ -16,7 +16,6 @@ compared by their SHA-256 digest, so lookup time does not depend on how much of 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import time
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailserve.errors import ConfigError
+from tailserve.errors import ConfigError, json_object
 from tailserve.server.errors import APIError
 
 # Tenant names become labels and salts: short and printable. A header-supplied name outside
@@ -62,13 +61,7 @@ def load_api_keys(path: str) -> dict[bytes, Tenant]:
         if not text or text.startswith("#"):
             continue
         where = f"api_keys {path!r} line {number}"
-        try:
-            entry = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not a JSON object ({exc.msg})") from None
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: not a JSON object")
-        tenant, key = _tenant(entry, where)
+        tenant, key = _tenant(json_object(text, where, _FIELDS), where)
         digest = _digest(key.encode())
         if digest in keys:
             raise ConfigError(f"{where}: the key is already given to tenant "
@@ -84,10 +77,6 @@ def load_api_keys(path: str) -> dict[bytes, Tenant]:
 
 
 def _tenant(entry: dict[str, Any], where: str) -> tuple[Tenant, str]:
-    unknown = sorted(set(entry) - _FIELDS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(_FIELDS))}")
     key, name = entry.get("key"), entry.get("name")
     if not isinstance(key, str) or len(key) < 8:
         raise ConfigError(f"{where}: 'key' must be a string of at least 8 characters")
