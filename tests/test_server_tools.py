@@ -169,6 +169,53 @@ def test_auto_reads_calls_in_the_documented_format(client: openai.OpenAI) -> Non
 
 
 @pytest.mark.slow
+def test_strict_auto_calls_always_validate(client: openai.OpenAI) -> None:
+    # tool_choice auto (the default) with a strict function: the grammar lets the text run
+    # free and holds each <tool_call> to the schema. Two earlier exchanges in the history (as
+    # the generic prompt writes calls back) make the 135M model call in some samples.
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}}
+              for t in TOOLS]
+    history: list[Any] = []
+    for i, city in enumerate(["London", "Rome"]):
+        history += [
+            {"role": "user", "content": f"What is the weather like in {city} today?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{i}", "type": "function", "function": {
+                    "name": "get_weather",
+                    "arguments": json.dumps({"city": city, "unit": "celsius"})}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": '{"temperature": 18}'},
+            {"role": "assistant", "content": f"It is 18 degrees in {city}."},
+        ]
+    called = 0
+    for seed in range(16):
+        c = client.chat.completions.create(
+            model=MODEL, messages=[*history, *ASK], tools=strict, temperature=1.0, seed=seed,
+            max_tokens=80).choices[0]
+        if c.message.tool_calls:
+            assert c.finish_reason in ("tool_calls", "length"), (seed, c)
+            called += 1
+            if c.finish_reason == "tool_calls":  # (a call cut by max_tokens is not returned)
+                _check_calls(c.message, {"get_weather", "add"})
+        if c.finish_reason != "length":  # every tag the model wrote became a valid call
+            assert "<tool_call>" not in (c.message.content or ""), (seed, c)
+    assert called > 0  # otherwise nothing was checked (2 of 8 seeds called when written)
+    # With a JSON response_format beside them (an agent's typed final output): the answer is
+    # that JSON or valid calls, nothing else.
+    answer = {"type": "object", "properties": {"temperature": {"type": "integer"}},
+              "required": ["temperature"], "additionalProperties": False}
+    for seed in range(4):
+        c = client.chat.completions.create(
+            model=MODEL, messages=[*history, *ASK], tools=strict, temperature=1.0, seed=seed,
+            max_tokens=80, response_format={"type": "json_schema", "json_schema": {
+                "name": "weather", "schema": answer}}).choices[0]
+        if c.finish_reason == "tool_calls":
+            _check_calls(c.message, {"get_weather", "add"})
+            assert c.message.content is None
+        elif c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content or ""), answer)
+
+
+@pytest.mark.slow
 def test_auto_with_a_tool_using_prompt(client: openai.OpenAI) -> None:
     # The bundled 135M model, greedy, answers these in prose (it never wrote the call format
     # on its own in 5 prompts tried, few-shot included): auto leaves its text as content and
@@ -222,6 +269,11 @@ def test_bad_tool_input_is_a_400_naming_its_field(server: ServerProcess) -> None
                 "a": {"type": "bogus"}}}}}], "tool_choice": "required"}, "tools"),
         ({"tools": [{"type": "function", "function": fn}], "tool_choice": "required",
           "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {**fn, "strict": True}}],
+          "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+        ({"tools": [{"type": "function", "function": {
+            "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
+                "a": {"type": "bogus"}}}}}]}, "tools"),
         ({"messages": [{"role": "tool", "content": "18"}]}, "messages"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
          "messages"),

@@ -19,7 +19,10 @@ fails):
 
 Rank 0 alone then makes the engine's own parts: the KV-events publisher (before the pool, so
 that a taken port fails the start before a byte of KV is allocated), the scheduler and the
-step-time model's calibration, and wires them into an ``EngineCore``.
+step-time model's calibration, and wires them into an ``EngineCore``. A serving engine also
+hands in llguidance's tokenizer being built in a thread beside steps 1-3 (``grammar_tokenizer``,
+``engine/process.py``); it is waited for before the calibration, whose step times a busy
+thread would skew.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from tailserve.config import EngineArgs, EngineConfig, LoadConfig, UnsizedEngineConfig
 from tailserve.config.engine import kv_capacity
@@ -111,7 +116,8 @@ class EngineBuilder:
 
     # ------------------------------------------------------------------ rank 0
     def build_engine(self, loaded: LoadedModel | None = None, *, keep_checkpoint: bool = False,
-                     with_tokenizer: bool = True) -> EngineCore:
+                     with_tokenizer: bool = True,
+                     grammar_tokenizer: Future[Any] | None = None) -> EngineCore:
         """Rank 0: every step, the workers started (tensor parallelism), then the engine.
         What it loaded itself it lets go once the runner is built (``release_checkpoint``)
         unless ``keep_checkpoint`` (tools that read ``loaded.weights`` afterwards);
@@ -139,6 +145,7 @@ class EngineBuilder:
             # First of the engine's own parts: a taken port fails the start before the KV
             # pool is allocated.
             kv_events = open_kv_events(config)
+            lltokenizer = _settled(grammar_tokenizer)
             try:
                 self.allocate(runner, config)
                 scheduler = Scheduler(config.scheduler, config.cache)
@@ -150,13 +157,31 @@ class EngineBuilder:
                 if kv_events is not None:
                     kv_events.close()
                 raise
-            core = EngineCore(config, loaded, runner, scheduler, kv_events, workers, self.steps)
+            core = EngineCore(config, loaded, runner, scheduler, kv_events, workers, self.steps,
+                              grammar_tokenizer=lltokenizer)
         except BaseException:
             if workers is not None:
                 workers.shutdown(graceful=False)
             raise
         _log_ready(core, time.perf_counter() - t0)
         return core.release_checkpoint() if owned else core
+
+
+def _settled(job: Future[Any] | None) -> Any:
+    """The tokenizer ``job`` built, or None (none asked for; or it failed: a vocabulary
+    llguidance cannot read should not stop the engine, only its constrained requests)."""
+    if job is None:
+        return None
+    t0 = time.perf_counter()
+    try:
+        tokenizer = job.result()
+    except Exception as exc:
+        log.warning("structured output: llguidance's tokenizer could not be built (%s: %s); "
+                    "constrained requests will try again", type(exc).__name__, str(exc)[:300])
+        return None
+    log.info("structured output: tokenizer ready (waited %.2f s for it)",
+             time.perf_counter() - t0)
+    return tokenizer
 
 
 def _ms(seconds: float | None) -> str:

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -46,6 +47,7 @@ class EngineCore:
         self, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner,
         scheduler: Scheduler, kv_events: ZmqKVEventPublisher | None = None,
         tp_workers: TensorParallelWorkers | None = None, startup_steps: Sequence[str] = (),
+        grammar_tokenizer: Any = None,
     ) -> None:
         self.config = config
         self.model_config = config.model
@@ -61,8 +63,10 @@ class EngineCore:
             name: dict(report.swapped) for name, report in runner.built.reports.items()}
         self.startup_steps = list(startup_steps)  # EngineBuilder.steps, in order
         # Structured output: matchers built off the loop; a constrained request waits in
-        # _pending (outside the scheduler) until its matcher is there.
-        self.structured = StructuredOutputManager(self._hf_tokenizer, config.model.vocab_size)
+        # _pending (outside the scheduler) until its matcher is there. ``grammar_tokenizer``:
+        # llguidance's, built at start-up (the engine process); else built when first needed.
+        self.structured = StructuredOutputManager(self._hf_tokenizer, config.model.vocab_size,
+                                                  tokenizer=grammar_tokenizer)
         self._pending: list[Request] = []
         # Requests refused when they left _pending (the queue filled meanwhile, the grammar
         # failed to build): the loop answers each with a Rejected message.
@@ -72,13 +76,15 @@ class EngineCore:
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None, *,
-                  keep_checkpoint: bool = False, with_tokenizer: bool = True) -> EngineCore:
+                  keep_checkpoint: bool = False, with_tokenizer: bool = True,
+                  grammar_tokenizer: Future[Any] | None = None) -> EngineCore:
         """``EngineBuilder(args).build_engine(...)``: load (unless ``loaded`` is given),
         resolve ``args`` against the model, build (``engine/build.py``)."""
         from tailserve.engine.build import EngineBuilder
 
         return EngineBuilder(args).build_engine(loaded, keep_checkpoint=keep_checkpoint,
-                                                with_tokenizer=with_tokenizer)
+                                                with_tokenizer=with_tokenizer,
+                                                grammar_tokenizer=grammar_tokenizer)
 
     def release_checkpoint(self) -> EngineCore:
         """Let the loaded checkpoint's tensors go once the runner holds its own (returns

@@ -76,6 +76,15 @@ class EngineLoop:
         )
         self.num_finished = 0
         self.profile: ProfileCapture | None = None
+        # Before Ready, so the server is healthy only once no request has to wait for it:
+        # built at the first constrained request, it put seconds of queue in front of it.
+        self.grammar_tokenizer_s: float | None = None
+        try:
+            self.grammar_tokenizer_s = core.structured.build_tokenizer()
+        except Exception as exc:  # a vocabulary llguidance cannot read: serve all the rest
+            logger.warning("structured output: llguidance's tokenizer could not be built "
+                           "(%s: %s); constrained requests will be refused",
+                           type(exc).__name__, str(exc)[:300])
 
     def ready_message(self) -> Ready:
         core = self.core

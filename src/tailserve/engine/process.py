@@ -12,6 +12,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -67,9 +69,16 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
     from tailserve.engine.core import EngineCore
     from tailserve.engine.loop import EngineLoop, drive
 
+    # llguidance's tokenizer (the model's tokenizer loaded for it, then converted: 2-5 s on a
+    # loaded 2-core host) in a thread beside the load, so that no constrained request waits
+    # for it and start-up waits for what is left of it only.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
+    grammar_tokenizer = pool.submit(_grammar_tokenizer, engine_args.get("model"))
+    pool.shutdown(wait=False)
     try:
         # No tokenizer here: the API process tokenizes and detokenizes.
-        core = EngineCore.from_args(EngineArgs(**engine_args), with_tokenizer=False)
+        core = EngineCore.from_args(EngineArgs(**engine_args), with_tokenizer=False,
+                                    grammar_tokenizer=grammar_tokenizer)
     except Exception as exc:
         from tailserve.model.parallel import TensorParallelError
 
@@ -118,6 +127,16 @@ def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int
         return drive(loop, wait_for_inputs, parent_gone)
     finally:
         core.close()
+
+
+def _grammar_tokenizer(model: str | None) -> Any:
+    from tailserve.engine.structured_output import lltokenizer_from_hf
+    from tailserve.model.loader import load_tokenizer
+
+    t0 = time.perf_counter()
+    tokenizer = lltokenizer_from_hf(load_tokenizer(model))
+    logger.info("structured output: tokenizer built in %.2f s", time.perf_counter() - t0)
+    return tokenizer
 
 
 def _trim_heap() -> None:

@@ -106,7 +106,8 @@ def _short(message: str) -> str:
 
 
 def lltokenizer_from_hf(hf_tokenizer: Any) -> Any:
-    """llguidance's view of a fast Hugging Face tokenizer (~2 s for a 49k vocabulary)."""
+    """llguidance's view of a fast Hugging Face tokenizer: 0.3-1 s for the bundled 49k
+    vocabulary on this 2-core host (more under load), once per process."""
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(hf_tokenizer)
@@ -114,11 +115,15 @@ def lltokenizer_from_hf(hf_tokenizer: Any) -> Any:
 
 class StructuredOutputManager:
     """The engine's matchers, by request id. ``load_tokenizer`` returns the model's Hugging Face
-    tokenizer; it is called once, in the worker thread, on the first constrained request."""
+    tokenizer. llguidance's own tokenizer is built from it once: at start-up when the engine
+    serves (``build_tokenizer``, or ``tokenizer`` handed in built), else in the worker thread
+    at the first constrained request (the offline ``LLM``, whose start should not pay for a
+    feature it may never use)."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
+                 tokenizer: Any = None) -> None:
         self._load_tokenizer = load_tokenizer
-        self._tokenizer: Any = None
+        self._tokenizer: Any = tokenizer
         self._words = -(-vocab_size // 32)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -126,6 +131,24 @@ class StructuredOutputManager:
         self._matchers: dict[str, Any] = {}
         # Seconds of grammar work per request (matcher build + masks): tailserve_timing.
         self.grammar_s: dict[str, float] = {}
+
+    @property
+    def tokenizer(self) -> Any:
+        """llguidance's tokenizer, or None while it is not built."""
+        return self._tokenizer
+
+    def build_tokenizer(self) -> float:
+        """Build llguidance's tokenizer now unless it is built; the seconds that took (0 when
+        it was there). A request that found it missing would wait that long in the queue
+        (benchmarks/notes/structured_output.md: 6 s on a loaded host)."""
+        with self._lock:
+            if self._tokenizer is not None:
+                return 0.0
+            t0 = time.perf_counter()
+            self._tokenizer = lltokenizer_from_hf(self._load_tokenizer())
+            took = time.perf_counter() - t0
+        logger.info("structured output: tokenizer ready in %.2f s", took)
+        return took
 
     def __len__(self) -> int:
         return len(self._building) + len(self._matchers)
@@ -142,12 +165,7 @@ class StructuredOutputManager:
         self.grammar_s[request_id] = 0.0
 
     def _build(self, so: StructuredOutputsParams) -> tuple[Any, float]:
-        with self._lock:
-            if self._tokenizer is None:
-                t0 = time.perf_counter()
-                self._tokenizer = lltokenizer_from_hf(self._load_tokenizer())
-                logger.info("structured output: tokenizer ready in %.2f s",
-                            time.perf_counter() - t0)
+        self.build_tokenizer()  # a no-op once built (start-up builds it when serving)
         t0 = time.perf_counter()
         grammar = grammar_of(so)
         check_syntax(grammar)

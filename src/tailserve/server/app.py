@@ -298,8 +298,9 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
 
 
 async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
-    from tailserve.model.loader import load_tokenizer, resolve_model_path
+    from tailserve.model.loader import resolve_model_path
     from tailserve.obs.tracing import make_tracer
+    from tailserve.server.structured import load_tokenizers
 
     tracer = make_tracer(settings.otlp_traces_endpoint)  # fails fast if the extra is missing
     try:
@@ -317,21 +318,23 @@ async def _serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
         engine_args, watchdog_timeout_s=settings.watchdog_timeout,
         log_level=settings.log_level.upper(),
     )
-    tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, engine_args.model))
+    # Both tokenizers while the engine starts: llguidance's (0.3-1 s here) is built now so that
+    # the first constrained request does not wait for it.
+    tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizers, engine_args.model))
     try:
         info = await client.start()
     except EngineStartupError as exc:
         print(f"error: the engine could not start: {exc}", file=sys.stderr)
         await client.shutdown(timeout_s=5)
         return 1
-    tokenizer = await tokenizer_task
+    tokenizer, lltokenizer = await tokenizer_task
     names = served_names(engine_args.model, source, settings.served_model_name)
     # The vllm: aliases carry the name clients send as "model", as vLLM's model_name label does.
     metrics = ServerMetrics(model_name=names[0], enable_vllm_metrics=settings.enable_vllm_metrics,
                             tenant_names=[t.name for t in (tenant_keys or {}).values()])
     timeline = Timeline(settings.timeline, maxlen=settings.timeline_buffer)
     ctx = ServerContext(settings, client, tokenizer, names, metrics, timeline, tracer,
-                        tenant_keys=tenant_keys)
+                        tenant_keys=tenant_keys, lltokenizer=lltokenizer)
     config = uvicorn.Config(
         create_app(ctx), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, lifespan="off", timeout_graceful_shutdown=5,

@@ -88,6 +88,7 @@ class ServerContext:
         timeline: Timeline,
         tracer: Any = None,
         tenant_keys: dict[bytes, Tenant] | None = None,
+        lltokenizer: Any = None,
     ) -> None:
         assert client.info is not None, "start the engine client first"
         self.settings = settings
@@ -112,7 +113,8 @@ class ServerContext:
         # Structured output's grammars: compiled and timed off the event loop, cached; each
         # compile's time goes to /metrics.
         self.grammar = GrammarChecker(tokenizer, settings.grammar_timeout_ms / 1e3,
-                                      on_compiled=metrics.on_grammar_compiled)
+                                      on_compiled=metrics.on_grammar_compiled,
+                                      lltokenizer=lltokenizer)
         # What a huge prompt's tokenizing took goes back to the OS once it is done (heap.py);
         # the arena cap is set here, before the first tokenize thread starts.
         self.heap = HeapTrimmer(LARGE_REQUEST_BYTES, MALLOC_ARENA_MAX, self.tokenize_pool.submit)

@@ -37,6 +37,7 @@ from tailserve.server.structured import structured_outputs_of
 from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
 from tailserve.server.tools import (
     ToolRequest,
+    auto_lark,
     check_tool_messages,
     check_tool_schemas,
     generic_messages,
@@ -179,6 +180,17 @@ class OpenAIServing:
         found = structured_outputs_of(body)
         forced = tools.grammar() if tools is not None else None
         if forced is not None:
+            if found is not None and tools is not None and tools.strict_auto:
+                # A typed answer or calls (an agent's final output type beside its tools):
+                # one grammar of both. Other grammars do not compose with calls.
+                so, param = found
+                if so.json is None and not so.json_object:
+                    raise bad_request(f"strict function tools under tool_choice auto can be "
+                                      f"combined with a JSON schema or json_object only, "
+                                      f"not with {param}'s other forms", param=param)
+                forced = StructuredOutputsParams(grammar=auto_lark(
+                    tools, so.json if so.json is not None else '{"type":"object"}'))
+                found = None
             if found is not None:
                 raise bad_request(f"a forced tool call (tool_choice required or a named "
                                   f"function) cannot be combined with {found[1]}",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +40,8 @@ from tailserve.errors import InvalidRequestError
 from tailserve.sampling_params import StructuredOutputsParams
 from tailserve.server.errors import bad_request
 from tailserve.server.protocol import _SamplingFields
+
+logger = logging.getLogger(__name__)
 
 # Grammars whose verdict is remembered (the text of each, a few KB for a large schema).
 CACHE_SIZE = 512
@@ -107,12 +110,18 @@ class GrammarChecker:
     seconds (in the worker thread), including one that went past the limit, when it ends."""
 
     def __init__(self, hf_tokenizer: Any, timeout_s: float,
-                 on_compiled: Callable[[float], None] | None = None) -> None:
+                 on_compiled: Callable[[float], None] | None = None,
+                 lltokenizer: Any = None) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.timeout_s = timeout_s
         self._on_compiled = on_compiled
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+        # llguidance's tokenizer: the server builds it at start-up (``lltokenizer``, from
+        # ``load_tokenizers``); otherwise it is built at the first grammar.
         self._tokenizer: Future[Any] | None = None
+        if lltokenizer is not None:
+            self._tokenizer = Future()
+            self._tokenizer.set_result(lltokenizer)
         self._lock = threading.Lock()
         # grammar text -> None (compiles within the limit) or the 400's message.
         self._verdicts: OrderedDict[str, str | None] = OrderedDict()
@@ -184,6 +193,21 @@ class GrammarChecker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def load_tokenizers(model: str | None) -> tuple[Any, Any]:
+    """The model's Hugging Face tokenizer and llguidance's, built from it: the server builds
+    both at start-up (beside the engine's), so no request waits for them."""
+    from tailserve.model.loader import load_tokenizer
+
+    hf_tokenizer = load_tokenizer(model)
+    try:
+        lltokenizer = lltokenizer_from_hf(hf_tokenizer)
+    except Exception as exc:  # a vocabulary llguidance cannot read: serve all the rest
+        logger.warning("structured output: llguidance's tokenizer could not be built (%s: %s)",
+                       type(exc).__name__, str(exc)[:300])
+        lltokenizer = None
+    return hf_tokenizer, lltokenizer
 
 
 def _key(so: StructuredOutputsParams) -> str:

@@ -16,7 +16,8 @@ By ``tool_choice`` (``tools.py``):
   held back until it closes, then becomes a call when it parses, names a declared function and
   has object arguments (``parameters`` is read as ``arguments`` too); otherwise it is content,
   as written. Whitespace next to a call is dropped from the content. Without
-  ``parallel_tool_calls`` only the first call is kept.
+  ``parallel_tool_calls`` only the first call is kept. Under a strict ``auto``'s grammar only
+  ``<tool_call>`` blocks are read (the grammar checked those; a bare JSON text it did not).
 - ``none`` or no tools: the text is content.
 """
 
@@ -94,6 +95,8 @@ class ToolCallParser:
         # required: "between" (calls), "head", "args", "tail"
         self._state = "between" if self.mode == "required" else "text"
         self._seen_text = False  # auto: a non-space character went by
+        # auto: whether a text that is only JSON may be a call (not under the strict grammar).
+        self._bare = tools is not None and not tools.strict_auto
         self._ws = ""  # auto: whitespace held until we know whether a call is next to it
         self._tag_ws = ""
         self._after_call = False
@@ -191,7 +194,7 @@ class ToolCallParser:
                             self._buf = ""
                         break
                     self._seen_text = True
-                    if stripped[0] in "{[":
+                    if stripped[0] in "{[" and self._bare:
                         self._state = "bare"
                         continue
                 i = self._buf.find(OPEN)

@@ -19,7 +19,11 @@ call is always well formed and its arguments follow the function's schema:
 
 - named: the output *is* the arguments object (the function's ``parameters``);
 - ``required``: ``{"name": ..., "arguments": {...}}``, an ``anyOf`` over the functions, or an
-  array of them (at least one) when ``parallel_tool_calls`` (OpenAI's default).
+  array of them (at least one) when ``parallel_tool_calls`` (OpenAI's default);
+- ``auto`` with a ``strict`` function: a Lark grammar (``auto_lark``) that lets the text run
+  free until it writes ``<tool_call>``, then holds it to a call: a declared name, arguments
+  valid against the schema of a strict function (any object for the others), the closing tag.
+  Without ``strict`` functions ``auto`` is not constrained (the text is read as it comes).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ ToolChoice = Literal["none", "auto", "required", "named"]
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
 # OpenAI's function tool, whole: another key (a newer field, another vendor's) is a 400 naming
-# it, not dropped. ``strict`` is taken: required / named calls follow the schema either way.
+# it, not dropped. ``strict``: required / named calls follow the schema either way; under
+# ``auto`` it turns the grammar on (``auto_lark``).
 TOOL_KEYS = frozenset({"type", "function"})
 FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
@@ -48,6 +53,7 @@ class FunctionSpec:
     name: str
     description: str | None
     parameters: dict[str, Any] | None
+    strict: bool = False
 
     def schema(self) -> dict[str, Any]:
         return self.parameters if self.parameters is not None else NO_PARAMETERS
@@ -70,8 +76,15 @@ class ToolRequest:
     named: str | None
     parallel: bool
 
+    @property
+    def strict_auto(self) -> bool:
+        """``auto`` with a ``strict`` function: the output is constrained (``auto_lark``) and
+        calls are read only from ``<tool_call>`` blocks, the ones the grammar checked."""
+        return self.choice == "auto" and any(f.strict for f in self.functions.values())
+
     def grammar(self) -> StructuredOutputsParams | None:
-        """The grammar that forces a call (``required`` / named), or None."""
+        """The grammar that forces a call (``required`` / named) or checks the calls of a
+        strict ``auto``, or None."""
         if self.choice == "named":
             assert self.named is not None
             schema = self.functions[self.named].schema()
@@ -79,18 +92,57 @@ class ToolRequest:
             calls = [_call_schema(f) for f in self.functions.values()]
             one = calls[0] if len(calls) == 1 else {"anyOf": calls}
             schema = {"type": "array", "items": one, "minItems": 1} if self.parallel else one
+        elif self.strict_auto:
+            return StructuredOutputsParams(grammar=auto_lark(self))
         else:
             return None
         return StructuredOutputsParams(json=json.dumps(schema, sort_keys=False,
                                                        separators=(",", ":")))
 
 
-def _call_schema(f: FunctionSpec) -> dict[str, Any]:
+def _call_schema(f: FunctionSpec, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
     # "name" before "arguments": llguidance writes properties in the schema's order, which
     # lets the stream announce the call before its arguments (tool_parser.py).
     return {"type": "object", "properties": {"name": {"const": f.name},
-                                             "arguments": f.schema()},
+                                             "arguments": arguments or f.schema()},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+# Any text that does not contain the opening tag (llguidance's and/not regex operators).
+_NO_CALL_TEXT = "/(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/"
+
+
+def auto_lark(tools: ToolRequest, answer: str | None = None) -> str:
+    """The Lark grammar of a strict ``auto``: free text, in which each ``<tool_call>`` opens a
+    call in the generic prompt's format (compact JSON, as ``required`` writes it), closed by
+    ``</tool_call>``; at most one call without ``parallel_tool_calls``. With ``answer`` (the
+    JSON schema of a ``response_format``, as text) the output is either that JSON or the
+    calls, one a line, and nothing else: how an agent that wants a typed final answer and
+    tools asks (the two alternatives begin with different characters, so nothing is lazy).
+
+    The text before a call and its opening tag are one *lazy* lexeme, which ends at the first
+    ``<tool_call>``: the free text can never swallow the tag (a plain text lexeme followed by
+    the tag would need the lexer to take back bytes it had already given the text). The text
+    after the last call is a plain lexeme: with parallel calls a tag in it starts the next
+    call by the same lazy lexeme; with one call at most, it may not hold a tag at all.
+    Functions without ``strict`` take any object as arguments (OpenAI's non-strict tools are
+    not held to their schema either); their names are still checked."""
+    calls = [_call_schema(f, None if f.strict else {"type": "object"})
+             for f in tools.functions.values()]
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # as structured_output
+    call = json.dumps(schema, separators=(",", ":"))
+    if answer is not None:
+        body = {**json.loads(answer), "x-guidance": {"whitespace_flexible": False}}
+        several = 'call ("\\n" call)*' if tools.parallel else "call"
+        return (f"start: answer | {several}\n"
+                f"answer: %json {json.dumps(body, separators=(',', ':'))}\n"
+                f"call: \"<tool_call>\" %json {call} \"</tool_call>\"\n")
+    repeat, tail = ("*", "/(?s:.*)/") if tools.parallel else ("?", _NO_CALL_TEXT)
+    return (f"start: call{repeat} tail\n"
+            f"call: head %json {call} \"</tool_call>\"\n"
+            "head[lazy]: /(?s:.*)<tool_call>/\n"
+            f"tail: TAIL\nTAIL: {tail}\n")
 
 
 def tool_request(tools: list[Any] | None, tool_choice: Any,
@@ -171,7 +223,7 @@ def _function(tool: Any, where: str) -> FunctionSpec:
             raise bad_request(f"{where}.function.parameters must describe an object "
                               f"(type \"object\"), got type {parameters.get('type')!r}"[:300],
                               param="tools")
-    return FunctionSpec(name, description, parameters)
+    return FunctionSpec(name, description, parameters, strict=bool(strict))
 
 
 def check_tool_schemas(tools: ToolRequest) -> None:
