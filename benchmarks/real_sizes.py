@@ -17,8 +17,8 @@ asked ones whatever the random weights sample.
         --servers tailserve,llama.cpp                                     # the plumbing
 
 Files go to --out (default ~/.cache/tailserve-real-sizes) and are reused by later runs:
-``{shape}-{qtype}.gguf``, ``{shape}-hf/`` (the tokenizer; config and bf16 weights only when
-vLLM runs). vLLM is left out for the 8B unless --vllm: its bf16 folder is 16 GB on disk
+``{shape}-{qtype}.gguf``, ``{shape}-hf/`` (config.json and the tokenizer; the bf16 weights
+only when vLLM runs). vLLM is left out for the 8B unless --vllm: its bf16 folder is 16 GB on disk
 and vLLM holds it in memory (plus its K/V space) on a 24 GiB host beside the others' files.
 """
 
@@ -45,6 +45,10 @@ PROMPTS = ("saturated=32",)
 # vLLM sizes its K/V for the config's 131,072 positions otherwise, more than
 # VLLM_CPU_KVCACHE_SPACE holds; the longest request here is 2,008 tokens.
 VLLM_ARGS = ("--max-model-len=4096",)
+# tailserve alike: a 131,072-token sequence must fit its K/V pool or the engine refuses to
+# start. 4 GiB of K/V holds the saturated batch (32 x 320 tokens) of the 8B in float32
+# (256 KiB a token) without preemption; llama-server's -c 32768 holds it too.
+TAILSERVE_ARGS = ("--max-model-len=4096", "--kv-cache-memory=4")
 
 
 def log(msg: str) -> None:
@@ -76,12 +80,13 @@ def ensure_gguf(s: rw.Shape, qtype: str, out: str, seed: int, llama_quantize: st
 
 
 def ensure_hf(s: rw.Shape, gguf_path: str, out: str, seed: int, weights: bool) -> str:
-    """The HF folder: the tokenizer always (the clients need it), config + bf16 weights when
-    ``weights`` (vLLM)."""
+    """The HF folder: config.json and the tokenizer always (the clients need them), the bf16
+    weights when ``weights`` (vLLM)."""
     folder = os.path.join(out, f"{s.name}-hf")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         log(f"writing the tokenizer to {folder}")
         rw.write_tokenizer(gguf_path, folder)
+    rw.write_hf_config(s, folder)  # small: always rewritten, so it follows the code
     if weights and not os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
         t0 = time.monotonic()
         log(f"writing bf16 safetensors to {folder}")
@@ -105,6 +110,7 @@ def peers_argv(a: argparse.Namespace, gguf_path: str, hf: str, servers: list[str
             "--client", a.client]
     if not a.smoke:  # --prompts would override the smoke run's counts
         argv += [f"--prompts={p}" for p in PROMPTS]
+    argv += [f"--tailserve-arg={x}" for x in TAILSERVE_ARGS]
     if "vllm" in servers:
         argv += ["--model-hf", hf, *[f"--vllm-arg={x}" for x in VLLM_ARGS]]
     if a.smoke:

@@ -118,15 +118,21 @@ def hf_config(s: Shape) -> dict[str, object]:
             "bos_token_id": 1, "eos_token_id": 2}  # the tokenizer's (SmolLM2's) ids
 
 
+def write_hf_config(s: Shape, folder: str) -> None:
+    """config.json: beside the tokenizer it makes the folder one the clients' tokenizer
+    loaders accept (tailserve bench asks for a model folder), weights or not."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config(s), f, indent=1)
+
+
 def write_hf_weights(s: Shape, folder: str, seed: int, shard_bytes: int = 2 << 30) -> None:
     """config.json + bf16 safetensors shards of at most ``shard_bytes`` (one shard in memory
     at a time: the 8B is 16 GB) + the index; model.safetensors.index.json last, so a folder
     with it is complete."""
     from safetensors.torch import save_file
 
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(s), f, indent=1)
+    write_hf_config(s, folder)
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     size = total = 0
@@ -205,7 +211,11 @@ def write_gguf(s: Shape, qtype: str, path: str, seed: int) -> None:
     types = list(tok["token_type"])  # type: ignore[call-overload]
     pad = s.vocab_size - len(tokens)
     tokens += [f"<|unused_{i}|>" for i in range(pad)]
-    types += [int(gguf.TokenType.UNUSED)] * pad
+    # NORMAL, not UNUSED: llama-server renders an UNUSED (or CONTROL) token as no text, and
+    # random logits pick padded ids more often than not, so a stream could end with no text
+    # at all (tailserve bench's test request refuses that). No merge reaches them: a prompt
+    # never becomes one.
+    types += [int(gguf.TokenType.NORMAL)] * pad
 
     w = gguf.GGUFWriter(path, "llama")
     w.add_name(f"{s.name} (random weights, tailserve benchmarks/real_sizes.py)")

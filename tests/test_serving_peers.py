@@ -324,6 +324,7 @@ def test_real_sizes_calls_the_harness_with_its_model(tmp_path: Path) -> None:
         "/m.gguf", "/hf", "llama-3.1-8b-Q4_K_M")
     assert value("--workloads") == "single,saturated,prompt256,prompt2000"
     assert "--prompts=saturated=32" in argv and "--model-hf" not in argv
+    assert "--tailserve-arg=--max-model-len=4096" in argv  # else 131,072 tokens of K/V
     a = real_sizes.parse_args(["--shape", "llama-3.2-1b", "--qtype", "Q4_0", "--out",
                                str(tmp_path), "--smoke"])
     argv = real_sizes.peers_argv(a, "/m.gguf", "/hf", a.servers)
