@@ -438,11 +438,12 @@ def summarize(result: dict[str, Any], slos: Slos, w: Workload | None = None) -> 
     }
 
 
-def structured_bench_cmd(url: str, w: Workload, seed: int, out: str) -> list[str]:
+def structured_bench_cmd(url: str, w: Workload, seed: int, out: str,
+                         model: str = SERVED_NAME) -> list[str]:
     """The structured workload: chat, half the requests constrained, outputs end where the
     JSON does (no --ignore-eos)."""
     cmd = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", url,
-           "--model", SERVED_NAME, "--endpoint", "chat", "--dataset", "structured",
+           "--model", model, "--endpoint", "chat", "--dataset", "structured",
            "--structured-share", "0.5", "--input-len", str(w.input_len),
            "--range-ratio", str(w.range_ratio), "--output-len", str(w.output_len),
            "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
@@ -483,7 +484,7 @@ def run_client(client: str, args: argparse.Namespace, server: Server, w: Workloa
         if not os.path.isfile(dataset):
             write_dataset(w, seed, dataset, args.chat_output_max)
     if w.dataset == "structured":
-        cmd = structured_bench_cmd(server.url, w, seed, out)
+        cmd = structured_bench_cmd(server.url, w, seed, out, args.served.name)
     elif client == "vllm":
         cmd = vllm_bench_cmd(args.vllm, args.served.tokenizer or args.hf_folder, server.url,
                              w, seed, out, dataset, args.served.name)
