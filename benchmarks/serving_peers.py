@@ -15,8 +15,8 @@ same workloads from one client, so the client's own costs cancel out:
              peer_workloads.py cites the published statistics)
   agent      open-loop, multi-turn sessions whose requests share growing prefixes (a shared
              system/tool prefix, then each session's history): prefix caching matters
-  prompt128 / prompt1000 / prompt2000   one request at a time, a prompt of that many tokens
-             and 8 output tokens: the TTFT of a prompt (issue 30's table)
+  prompt128 / prompt256 / prompt1000 / prompt2000   one request at a time, a prompt of that
+             many tokens and 8 output tokens: the TTFT of a prompt (issue 30's table)
 
   structured open-loop chat, half the requests with a strict response_format json_schema
              (tailserve bench --dataset structured, sent by tailserve bench for every
@@ -50,6 +50,13 @@ counted the same way for all: TTFT <= --slo-ttft-ms and no gap > --slo-itl-ms.
     python benchmarks/serving_peers.py --smoke                   # a few requests per workload
     python benchmarks/serving_peers.py --servers tailserve --rounds 2 \
         --variant before@/tmp/old-tree= --variant after= --variant off=--slo-itl-ms none
+
+Another model instead of the bundled one (benchmarks/real_sizes.py writes them): --model-gguf
+(tailserve and llama-server serve the file), --model-hf (vLLM's folder), --tokenizer (a
+Hugging Face folder with the model's tokenizer: both clients count prompt tokens with it) and
+--served-name; the roofline then counts that GGUF's bytes, for llama-server too (the same
+weights as stored; its K/V in float16). Every client run sends ignore_eos already (the
+structured workload aside), so the output lengths never depend on the weights.
 
 Prints one table and writes --json (default serving_peers.json). Installs: benchmarks/peers/.
 """
@@ -130,13 +137,15 @@ WORKLOADS = {
     "structured": Workload("structured", 60, 256, 512, range_ratio=0.5, request_rate=0.3,
                            dataset="structured"),
     "prompt128": Workload("prompt128", 8, 128, 8, max_concurrency=1),
+    "prompt256": Workload("prompt256", 8, 256, 8, max_concurrency=1),
     "prompt1000": Workload("prompt1000", 6, 1000, 8, max_concurrency=1),
     "prompt2000": Workload("prompt2000", 4, 2000, 8, max_concurrency=1),
 }
 # What a run without --workloads measures (the newer workloads are asked for by name).
 DEFAULT_WORKLOADS = ("single", "saturated", "mixed", "long-mix")
 SMOKE_PROMPTS = {"single": 2, "saturated": 4, "mixed": 4, "long-mix": 10, "chat": 4,
-                 "agent": 8, "structured": 4, "prompt128": 1, "prompt1000": 1, "prompt2000": 1}
+                 "agent": 8, "structured": 4, "prompt128": 1, "prompt256": 1, "prompt1000": 1,
+                 "prompt2000": 1}
 
 
 # ---------------------------------------------------------------------------- servers
@@ -175,6 +184,19 @@ class Variant:
         if not label:
             raise ValueError(f"--variant {text!r}: LABEL[@TREE]=ARGS")
         return cls(label, os.path.abspath(tree) if tree else None, tuple(args.split()))
+
+
+@dataclass(frozen=True)
+class Served:
+    """The model every server serves: the bundled one (all None), or the files given.
+    ``gguf``: tailserve's and llama-server's file; ``hf``: vLLM's folder; ``tokenizer``: a
+    Hugging Face folder the clients count tokens with (vLLM's bench always needs one: the
+    model folder when not given)."""
+
+    name: str = SERVED_NAME
+    gguf: str | None = None
+    hf: str | None = None
+    tokenizer: str | None = None
 
 
 def user_env(**extra: str) -> dict[str, str]:
@@ -216,14 +238,18 @@ def best_llama_flags(flags: set[str]) -> tuple[list[str], str]:
 
 
 def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int | None,
-               variant: Variant | None = None, vllm_dtype: str = "float32") -> Server:
+               variant: Variant | None = None, vllm_dtype: str = "float32",
+               served: Served = Served()) -> Server:
     port = free_port()
     env = user_env(TAILSERVE_PYTHON=sys.executable, TAILSERVE_PEERS_HOME=peers_home)
     if llama_threads is not None:
         env["LLAMA_THREADS"] = str(llama_threads)
+    if served.name != SERVED_NAME:  # the peers' scripts name it (peers/common.sh)
+        env["PEERS_SERVED_NAME"] = served.name
     if name == "tailserve":
-        cmd = [sys.executable, "-m", "tailserve.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), "--served-model-name", SERVED_NAME, *extra]
+        model = [] if served.gguf is None else [served.gguf]  # MODEL: positional
+        cmd = [sys.executable, "-m", "tailserve.cli", "serve", *model, "--host", "127.0.0.1",
+               "--port", str(port), "--served-model-name", served.name, *extra]
         env["PYTHONPATH"] = os.path.join(REPO, "src")
         if variant is not None:
             cmd += list(variant.args)
@@ -235,8 +261,12 @@ def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int 
     elif name == "vllm":
         cmd = ["bash", os.path.join(HERE, "peers", "start_vllm.sh"), str(port), *extra]
         env["PEERS_VLLM_DTYPE"] = vllm_dtype
+        if served.hf is not None:
+            env["MODEL_HF"] = served.hf
     else:
         cmd = ["bash", os.path.join(HERE, "peers", "start_llamacpp.sh"), str(port), *extra]
+        if served.gguf is not None:
+            env["MODEL_GGUF"] = served.gguf
     return Server(name, cmd, env, port, name)
 
 
@@ -317,7 +347,7 @@ def write_dataset(w: Workload, seed: int, path: str, output_max: int) -> list[in
 
 
 def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, out: str,
-                   dataset: str | None = None) -> list[str]:
+                   dataset: str | None = None, model: str = SERVED_NAME) -> list[str]:
     if dataset is not None:
         data = ["--dataset-name", "custom", "--dataset-path", dataset,
                 "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle"]
@@ -326,7 +356,7 @@ def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, 
                 "--random-output-len", str(w.output_len),
                 "--random-range-ratio", str(w.range_ratio)]
     cmd = [vllm, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-           "--base-url", url, "--model", SERVED_NAME, "--tokenizer", hf_folder, *data,
+           "--base-url", url, "--model", model, "--tokenizer", hf_folder, *data,
            "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
            "--ignore-eos", "--temperature", "0", "--seed", str(seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -342,16 +372,17 @@ def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, 
 
 
 def tailserve_bench_cmd(url: str, w: Workload, seed: int, out: str,
-                        dataset: str | None = None) -> list[str]:
+                        dataset: str | None = None, model: str = SERVED_NAME,
+                        tokenizer: str = "default") -> list[str]:
     if dataset is not None:
         data = ["--dataset", "jsonl", "--dataset-path", dataset]
     else:
         data = ["--dataset", "random", "--input-len", str(w.input_len),
                 "--output-len", str(w.output_len), "--range-ratio", str(w.range_ratio)]
     cmd = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", url,
-           "--model", SERVED_NAME, *data,
+           "--model", model, *data,
            "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
-           "--ignore-eos", "--seed", str(seed), "--tokenizer", "default",
+           "--ignore-eos", "--seed", str(seed), "--tokenizer", tokenizer,
            "--percentiles", "50,99", "--no-observe", "--no-progress",
            "--save-result", out, "--save-detailed"]
     if w.max_concurrency is not None:
@@ -407,11 +438,12 @@ def summarize(result: dict[str, Any], slos: Slos, w: Workload | None = None) -> 
     }
 
 
-def structured_bench_cmd(url: str, w: Workload, seed: int, out: str) -> list[str]:
+def structured_bench_cmd(url: str, w: Workload, seed: int, out: str,
+                         model: str = SERVED_NAME) -> list[str]:
     """The structured workload: chat, half the requests constrained, outputs end where the
     JSON does (no --ignore-eos)."""
     cmd = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", url,
-           "--model", SERVED_NAME, "--endpoint", "chat", "--dataset", "structured",
+           "--model", model, "--endpoint", "chat", "--dataset", "structured",
            "--structured-share", "0.5", "--input-len", str(w.input_len),
            "--range-ratio", str(w.range_ratio), "--output-len", str(w.output_len),
            "--num-prompts", str(w.num_prompts), "--request-rate", str(w.request_rate),
@@ -452,11 +484,13 @@ def run_client(client: str, args: argparse.Namespace, server: Server, w: Workloa
         if not os.path.isfile(dataset):
             write_dataset(w, seed, dataset, args.chat_output_max)
     if w.dataset == "structured":
-        cmd = structured_bench_cmd(server.url, w, seed, out)
+        cmd = structured_bench_cmd(server.url, w, seed, out, args.served.name)
     elif client == "vllm":
-        cmd = vllm_bench_cmd(args.vllm, args.hf_folder, server.url, w, seed, out, dataset)
+        cmd = vllm_bench_cmd(args.vllm, args.served.tokenizer or args.hf_folder, server.url,
+                             w, seed, out, dataset, args.served.name)
     else:
-        cmd = tailserve_bench_cmd(server.url, w, seed, out, dataset)
+        cmd = tailserve_bench_cmd(server.url, w, seed, out, dataset, args.served.name,
+                                  args.served.tokenizer or "default")
     env = user_env(PYTHONPATH=os.path.join(REPO, "src"), HF_HUB_OFFLINE="1")
     limit = args.client_timeout
     with open(os.path.join(out_dir, f"{tag}.log"), "wb") as log:
@@ -496,19 +530,23 @@ def read_bandwidth() -> float:
     return measure_bandwidth(copy_mib=64, read_mib=1024, repeats=5).read_gbps
 
 
-def roofline_row(row: dict[str, Any], w: Workload, bandwidth: list[float], server: Server
-                 ) -> dict[str, Any]:
+def roofline_row(row: dict[str, Any], w: Workload, bandwidth: list[float], server: Server,
+                 model_gguf: str | None = None) -> dict[str, Any]:
     """The single stream against its memory roofline: the bytes a tailserve decode step reads
     (weights as stored + K/V at the workload's mean context, as `tailserve plan` counts them)
     over the best read bandwidth measured just before and after the workload (the least
     disturbed: a busy neighbour only lowers it). For the peers only the bandwidth: their
-    bytes differ (vLLM reads float32 weights, llama-server a float16 cache)."""
+    bytes differ (vLLM reads float32 weights, llama-server a float16 cache). With
+    ``model_gguf`` (both serve that file as stored) llama-server gets its roofline too:
+    the same weight bytes, K/V counted in float16, its cache's default type."""
     out: dict[str, Any] = {"read_gbps": [round(b, 2) for b in bandwidth]}
-    if server.name != "tailserve":
+    llama = server.name == "llama.cpp" and model_gguf is not None
+    if server.name != "tailserve" and not llama:
         return out
     from roofline import served_decode_bytes
 
-    kv = "auto"  # the last --kv-cache-dtype of the serve command wins, as in argparse
+    # tailserve: the last --kv-cache-dtype of the serve command wins, as in argparse
+    kv = "float16" if llama else "auto"
     for i, a in enumerate(server.cmd):
         if a.startswith("--kv-cache-dtype="):
             kv = a.split("=", 1)[1]
@@ -516,7 +554,7 @@ def roofline_row(row: dict[str, Any], w: Workload, bandwidth: list[float], serve
             kv = server.cmd[i + 1]
     kv = "float32" if kv == "auto" else kv  # what auto is for a GGUF on the CPU path
     context = w.input_len + (w.output_len - 1) / 2  # the mean over the decode steps
-    weights, kv_bytes = served_decode_bytes(kv, context)
+    weights, kv_bytes = served_decode_bytes(kv, context, model_gguf)
     roof_ms = (weights + kv_bytes) / (max(bandwidth) * 1e9) * 1e3
     out |= {"roofline_weight_bytes": weights, "roofline_kv_bytes": round(kv_bytes),
             "roofline_kv_dtype": kv, "roofline_context": context,
@@ -545,6 +583,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "llama.cpp": [*args.llama_auto_flags, *(args.llama_arg or [])]}
     report: dict[str, Any] = {
         "machine": machine(), "smoke": args.smoke, "client": args.client,
+        "model": asdict(args.served),
         "vllm_dtype": {"dtype": args.vllm_dtype, "why": args.vllm_dtype_why},
         "llama_flags": {"flags": args.llama_auto_flags, "why": args.llama_auto_why},
         "slos_ms": asdict(slos), "workloads": [asdict(w) for w in workloads],
@@ -560,7 +599,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             turns += [(rnd, name, v) for v in variants]
     for rnd, name, variant in turns:
         server = server_for(name, extra[name], args.peers_home, args.llama_threads, variant,
-                            args.vllm_dtype)
+                            args.vllm_dtype, args.served)
         label = server.label
         tag = label if args.rounds == 1 else f"{label}-r{rnd}"
         entry: dict[str, Any] = {"cmd": server.cmd, "url": server.url, "round": rnd}
@@ -607,7 +646,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row |= summarize(result, slos, w)
                     if roof:
                         bandwidth.append(read_bandwidth())
-                        row |= roofline_row(row, w, bandwidth, server)
+                        row |= roofline_row(row, w, bandwidth, server,
+                                            args.served.gguf)
                 report["rows"].append(row)
             if args.capacity is not None:
                 print(f"[{tag}] capacity search on {args.capacity.name}", file=sys.stderr)
@@ -837,6 +877,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="skip the read-bandwidth measurements around the single workload "
                    "(tailserve's TPOT against its memory roofline)")
+    p.add_argument("--model-gguf", default=None, metavar="PATH",
+                   help="the GGUF tailserve and llama-server serve (default: the bundled "
+                   "SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--model-hf", default=None, metavar="DIR",
+                   help="the Hugging Face folder vLLM serves (default: PEERS_HOME/smollm2-hf)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a Hugging Face folder with the model's tokenizer, for both clients "
+                   "(default: the bundled model's; with --model-hf, that folder)")
+    p.add_argument("--served-name", default=SERVED_NAME,
+                   help="the model name every server answers to (default: %(default)s)")
     p.add_argument("--out-dir", default=None, help="client results and server logs")
     p.add_argument("--json", default="serving_peers.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
@@ -880,10 +930,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.vllm_dtype_why = "--vllm-dtype"
     args.vllm = os.path.join(args.peers_home, "vllm", "bin", "vllm")
-    args.hf_folder = os.path.join(args.peers_home, "smollm2-hf")
+    args.hf_folder = args.model_hf or os.path.join(args.peers_home, "smollm2-hf")
+    tokenizer = args.tokenizer or args.model_hf
+    if args.model_gguf is not None and tokenizer is None:
+        p.error("--model-gguf needs --tokenizer DIR (or --model-hf): the clients count the "
+                "prompts in that model's tokens")
+    for opt, path, ok in (("--model-gguf", args.model_gguf, os.path.isfile),
+                          ("--model-hf", args.model_hf, os.path.isdir),
+                          ("--tokenizer", args.tokenizer, os.path.isdir)):
+        if path is not None and not ok(path):
+            p.error(f"{opt} {path}: not found")
+    args.served = Served(args.served_name, args.model_gguf and os.path.abspath(args.model_gguf),
+                         args.model_hf and os.path.abspath(args.model_hf),
+                         tokenizer and os.path.abspath(tokenizer))
+    from_files = [w for w in args.workloads if WORKLOADS[w].long_share or WORKLOADS[w].dataset]
+    if args.served.tokenizer is not None and from_files:
+        # Their prompt files and the structured client count in the bundled model's tokens.
+        p.error(f"--workloads {','.join(from_files)}: written in the bundled model's tokens; "
+                "with --tokenizer or --model-hf only the random-prompt workloads")
+    if "vllm" in args.servers and args.model_gguf is not None and args.model_hf is None:
+        p.error("--model-gguf with vLLM among --servers needs --model-hf: vLLM would serve "
+                "the bundled model")
     if args.client is None:
         args.client = "vllm" if os.access(args.vllm, os.X_OK) else "tailserve"
-    if args.client == "vllm" and not os.path.isdir(args.hf_folder):
+    if args.client == "vllm" and not os.path.isdir(args.served.tokenizer or args.hf_folder):
         p.error(f"--client vllm needs the converted model in {args.hf_folder}: "
                 "run benchmarks/peers/install_vllm.sh")
     return args

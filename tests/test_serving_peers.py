@@ -228,3 +228,106 @@ def test_capacity_sweep_against_a_fake_server(sp: ModuleType, tmp_path: Path,
     assert cap["points"][0]["request_goodput"] == pytest.approx(1.0)  # 10 good in 10 s
     with pytest.raises(SystemExit):
         sp.parse_args(["--client", "tailserve", "--capacity", "single"])  # closed loop
+
+
+# ---------------------------------------------------------------- another model's files
+def test_the_bundled_model_by_default(sp: ModuleType) -> None:
+    ts = sp.server_for("tailserve", [], "/peers", None)
+    assert ts.cmd[3:5] == ["serve", "--host"]  # no MODEL: the bundled one
+    assert ts.cmd[ts.cmd.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
+    for name in ("llama.cpp", "vllm"):
+        env = sp.server_for(name, [], "/peers", None).env
+        assert not {"MODEL_GGUF", "MODEL_HF", "PEERS_SERVED_NAME"} & set(env)
+    args = sp.parse_args(["--client", "tailserve"])
+    assert args.served == sp.Served()
+    t = sp.tailserve_bench_cmd("http://h", sp.WORKLOADS["single"], 3, "/o/r.json")
+    assert t[t.index("--tokenizer") + 1] == "default"
+    assert t[t.index("--model") + 1] == "SmolLM2-135M-Instruct"
+
+
+def test_a_given_model_reaches_every_server_and_client(sp: ModuleType, tmp_path: Path) -> None:
+    gguf, hf = tmp_path / "m.gguf", tmp_path / "hf"
+    gguf.write_bytes(b"GGUF")
+    hf.mkdir()
+    args = sp.parse_args(["--client", "tailserve", "--model-gguf", str(gguf), "--model-hf",
+                          str(hf), "--served-name", "m-Q4_0", "--workloads", "single,prompt256"])
+    assert args.served == sp.Served("m-Q4_0", str(gguf), str(hf), str(hf))
+    assert args.hf_folder == str(hf)
+    ts = sp.server_for("tailserve", ["--x"], "/peers", None, served=args.served)
+    assert ts.cmd[3:5] == ["serve", str(gguf)]
+    assert ts.cmd[ts.cmd.index("--served-model-name") + 1] == "m-Q4_0" and ts.cmd[-1] == "--x"
+    llama = sp.server_for("llama.cpp", [], "/peers", None, served=args.served)
+    assert (llama.env["MODEL_GGUF"], llama.env["PEERS_SERVED_NAME"]) == (str(gguf), "m-Q4_0")
+    vllm = sp.server_for("vllm", [], "/peers", None, served=args.served)
+    assert (vllm.env["MODEL_HF"], vllm.env["PEERS_SERVED_NAME"]) == (str(hf), "m-Q4_0")
+    w = sp.WORKLOADS["prompt256"]
+    assert (w.input_len, w.output_len, w.max_concurrency) == (256, 8, 1)
+    t = sp.tailserve_bench_cmd("http://h", w, 3, "/o/r.json", None, "m-Q4_0", str(hf))
+    assert (t[t.index("--model") + 1], t[t.index("--tokenizer") + 1]) == ("m-Q4_0", str(hf))
+    assert "--ignore-eos" in t
+    v = sp.vllm_bench_cmd("vllm", str(hf), "http://h", w, 3, "/o/r.json", None, "m-Q4_0")
+    assert (v[v.index("--model") + 1], v[v.index("--tokenizer") + 1]) == ("m-Q4_0", str(hf))
+    assert "--ignore-eos" in v
+
+
+def test_a_given_model_is_refused_where_it_cannot_be_served_alike(sp: ModuleType,
+                                                                  tmp_path: Path) -> None:
+    gguf, tok = tmp_path / "m.gguf", tmp_path / "tok"
+    gguf.write_bytes(b"GGUF")
+    tok.mkdir()
+    ok = ["--client", "tailserve", "--servers", "tailserve,llama.cpp", "--workloads", "single"]
+    args = sp.parse_args([*ok, "--model-gguf", str(gguf), "--tokenizer", str(tok)])
+    assert args.served.tokenizer == str(tok) and args.served.hf is None
+    for bad in (["--model-gguf", str(gguf)],  # no tokenizer: prompts in the wrong tokens
+                ["--model-gguf", str(tmp_path / "none.gguf"), "--tokenizer", str(tok)],
+                # long-mix's file is written in the bundled model's tokens
+                ["--model-gguf", str(gguf), "--tokenizer", str(tok), "--workloads", "long-mix"],
+                # vLLM would serve the bundled model
+                ["--model-gguf", str(gguf), "--tokenizer", str(tok), "--servers", "vllm"]):
+        with pytest.raises(SystemExit):
+            sp.parse_args([*ok, *bad])
+
+
+def test_roofline_of_a_given_gguf_for_tailserve_and_llama_server(sp: ModuleType) -> None:
+    from roofline import served_decode_bytes
+    from tailserve.model.loader import default_model_path
+
+    path = default_model_path()  # any GGUF: its bytes are counted from the file
+    w = sp.WORKLOADS["single"]
+    context = w.input_len + (w.output_len - 1) / 2
+    weights, kv32 = served_decode_bytes("float32", context, path)
+    llama = sp.Server("llama.cpp", ["bash"], {}, 1, "llama.cpp")
+    row = sp.roofline_row({"median_tpot_ms": 5.0}, w, [40.0], llama, path)
+    # The same weights as stored; llama-server's K/V in float16: half of float32's.
+    assert row["roofline_weight_bytes"] == weights and row["roofline_kv_dtype"] == "float16"
+    assert row["roofline_kv_bytes"] == round(kv32 / 2)
+    assert row["tpot_over_roofline"] == pytest.approx(
+        5.0 / ((weights + kv32 / 2) / 40e9 * 1e3), abs=1e-3)
+    vllm = sp.Server("vllm", ["bash"], {}, 1, "vllm")  # reads its own bf16/fp32 weights
+    assert sp.roofline_row({"median_tpot_ms": 5.0}, w, [40.0], vllm, path) == {
+        "read_gbps": [40.0]}
+
+
+def test_real_sizes_calls_the_harness_with_its_model(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import real_sizes
+
+    a = real_sizes.parse_args(["--shape", "llama-3.1-8b", "--qtype", "Q4_K_M", "--out",
+                               str(tmp_path)])
+    assert a.servers == ["tailserve", "llama.cpp"]  # no vLLM for the 8B unless --vllm
+    argv = real_sizes.peers_argv(a, "/m.gguf", "/hf", a.servers)
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert (value("--model-gguf"), value("--tokenizer"), value("--served-name")) == (
+        "/m.gguf", "/hf", "llama-3.1-8b-Q4_K_M")
+    assert value("--workloads") == "single,saturated,prompt256,prompt2000"
+    assert "--prompts=saturated=32" in argv and "--model-hf" not in argv
+    assert "--tailserve-arg=--max-model-len=4096" in argv  # else 131,072 tokens of K/V
+    a = real_sizes.parse_args(["--shape", "llama-3.2-1b", "--qtype", "Q4_0", "--out",
+                               str(tmp_path), "--smoke"])
+    argv = real_sizes.peers_argv(a, "/m.gguf", "/hf", a.servers)
+    assert argv[argv.index("--model-hf") + 1] == "/hf" and "--vllm-arg=--max-model-len=4096" \
+        in argv
+    assert "--smoke" in argv and not any(x.startswith("--prompts") for x in argv)

