@@ -66,12 +66,20 @@ def engine_main(
 
 
 def _run(engine_args: dict[str, Any], inputs: zmq.Socket, emit: Any, parent: int) -> int:
-    from tailserve.engine.core import EngineCore
-    from tailserve.engine.loop import EngineLoop, drive
-
     # llguidance's tokenizer (the model's tokenizer loaded for it, then converted: 2-5 s on a
     # loaded 2-core host) in a thread beside the load, so that no constrained request waits
     # for it and start-up waits for what is left of it only.
+    # transformers' lazy top-level module is not thread-safe: the thread and the load below
+    # resolving ``AutoTokenizer`` at once once got a half-initialized module (ImportError:
+    # cannot import name 'AutoTokenizer', a fresh clone's first server). Both threads' names
+    # are resolved here first, so neither imports while the other does.
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+    from tailserve.engine.core import EngineCore
+    from tailserve.engine.loop import EngineLoop, drive
+    from tailserve.engine.structured_output import lltokenizer_from_hf  # noqa: F401
+    from tailserve.model.loader import load_tokenizer  # noqa: F401
+
     pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
     grammar_tokenizer = pool.submit(_grammar_tokenizer, engine_args.get("model"))
     pool.shutdown(wait=False)

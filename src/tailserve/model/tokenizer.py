@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,12 @@ _HF_TOKENIZER_STAMPED = (
     "config.json",
 )
 
+# One load at a time per process: the engine builds llguidance's tokenizer in a thread beside
+# the model load, and transformers resolves its lazily imported modules without a lock (two
+# threads at once got "cannot import name 'AutoTokenizer'"). The second caller then finds the
+# first one's tokenizer in the cache instead of building it again.
+_LOAD_LOCK = threading.Lock()
+
 
 def load_hf_tokenizer(folder: str) -> PreTrainedTokenizerBase:
     """The fast tokenizer (with its chat template) of a Hugging Face model folder."""
@@ -40,13 +47,15 @@ def load_hf_tokenizer(folder: str) -> PreTrainedTokenizerBase:
             f"no tokenizer in {folder}: expected tokenizer.json (or tokenizer.model) next to "
             f"tokenizer_config.json; found: {folder_listing(folder)}"
         )
-    return _load_hf_cached(folder, _stamp(folder, _HF_TOKENIZER_STAMPED))
+    with _LOAD_LOCK:
+        return _load_hf_cached(folder, _stamp(folder, _HF_TOKENIZER_STAMPED))
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The fast tokenizer and chat template stored in a GGUF file's metadata."""
     folder, name = os.path.split(path)
-    return _load_gguf_cached(path, _stamp(folder, (name,)))
+    with _LOAD_LOCK:
+        return _load_gguf_cached(path, _stamp(folder, (name,)))
 
 
 @functools.lru_cache(maxsize=8)
