@@ -212,7 +212,7 @@ def _capacity(report: dict[str, Any] | None, server: str) -> float | None:
 
 
 def targets_table(report: dict[str, Any], cap_report: dict[str, Any] | None) -> list[str]:
-    """Issues 29 and 30's targets against the peers, read off the class's runs: each with
+    """Issues 29, 30 and 33's targets against the peers, read off the class's runs: each with
     tailserve's figure, the peer's, the ratio and whether it is met. A target whose figures
     the runs lack is left out."""
     rows = report["rows"]
@@ -249,6 +249,16 @@ def targets_table(report: dict[str, Any], cap_report: dict[str, Any] | None) -> 
     add("30: saturated output tok/s >= 1.5x vLLM's", fig("tailserve", "saturated",
         "output_throughput"), fig("vllm", "saturated", "output_throughput"), 1.5,
         higher_is_better=True)
+    add("33: structured TTFT P99, constrained <= 1.2x unconstrained",
+        fig("tailserve", "structured", "constrained_p99_ttft_ms"),
+        fig("tailserve", "structured", "unconstrained_p99_ttft_ms"), 1.2)
+    add("33: structured TTFT P99, constrained <= vLLM's constrained",
+        fig("tailserve", "structured", "constrained_p99_ttft_ms"),
+        fig("vllm", "structured", "constrained_p99_ttft_ms"), 1.0)
+    # Already a ratio (constrained / unconstrained in one run): against 1, limit 1.1.
+    add("33: structured ITL P50, constrained / unconstrained <= 1.1",
+        fig("tailserve", "structured", "p50_itl_constrained_over_unconstrained"), 1.0, 1.1,
+        digits=2)
     if not lines:
         return []
     return ["Targets of the issues, read off these runs (issue: target; the second figure is "

@@ -148,6 +148,9 @@ def test_capacity_and_targets_are_read_off_the_runs(pp: ModuleType) -> None:
         _row("tailserve", "prompt128", median_ttft_ms=76.0),
         _row("vllm", "prompt128", median_ttft_ms=121.8),
         _row("tailserve", "long-mix", short_p99_ttft_ms=154.1, short_median_ttft_ms=80.8),
+        _row("tailserve", "structured", constrained_p99_ttft_ms=321.7,
+             unconstrained_p99_ttft_ms=250.0, p50_itl_constrained_over_unconstrained=0.97),
+        _row("vllm", "structured", constrained_p99_ttft_ms=376.4),
     ]}
     sweep = {**REPORT, "commit": "cap0001", "rows": [], "capacity": {
         "vllm": _cap({0.5: 0.5, 0.25: 0.8}, None, 0.25, False),
@@ -164,7 +167,12 @@ def test_capacity_and_targets_are_read_off_the_runs(pp: ModuleType) -> None:
             "| 29: long-mix short TTFT P99 <= 3x P50 | 154.1 | 80.8 | 1.91x | met |\n"
             "| 29: capacity at SLO >= 3x llama-server's (req/s) | 0.420 | 0.125 | 3.36x | met |\n"
             "| 30: TTFT of a 128-token prompt <= 0.7x vLLM's | 76.0 | 121.8 | 0.62x | met |\n"
-            ) in page
+            "| 33: structured TTFT P99, constrained <= 1.2x unconstrained | 321.7 | 250.0 | "
+            "1.29x | **not met** |\n"
+            "| 33: structured TTFT P99, constrained <= vLLM's constrained | 321.7 | 376.4 | "
+            "0.85x | met |\n"
+            "| 33: structured ITL P50, constrained / unconstrained <= 1.1 | 0.97 | 1.00 | "
+            "0.97x | met |") in page
     # vLLM's capacity was below every rate tried: no ratio is claimed against it.
     assert "1.5x vLLM-CPU's" not in page
     assert len(page.splitlines()) <= 150
