@@ -127,6 +127,16 @@ class PriorityQueue(FCFSQueue):
         return max(candidates, key=lambda r: (r.priority, r.admit_seq))
 
 
+# How many times a late request's served prefill time counts in its key. Above 1 its key
+# outruns the clock while it is served, so a prompt that arrives on time during a late one's
+# prefill goes first however late that one was (at 1 the key only kept pace with the clock: a
+# short prompt arriving 12 s after a late 3,900-token one still waited 750 ms behind its chunks,
+# the quiet run of 2026-12-04 07:46); at 2 the late request still gets at least half of the
+# prefill time while on-time prompts keep arriving, since each second it is served moves its key
+# two seconds on.
+LATE_SERVED_WEIGHT = 2.0
+
+
 def late_yield_s(req: Request, idle_prefill_s: float) -> float:
     """How much later a request that can no longer meet its deadline is keyed: its TTFT SLO,
     or its whole prompt's prefill alone (``idle_prefill_s``) when that is longer. The
@@ -145,7 +155,8 @@ class DeadlineQueue(FCFSQueue):
     predicted as one step, is past it) yields: its key moves later by the larger of its TTFT
     SLO and its whole prompt's prefill alone (``yield_s``), behind those that still can, best
     effort after them. Its key is ``arrival + TTFT SLO + yield_s`` plus the time of the steps
-    that have carried its prompt so far (``timestamps.prefill_time``): it moves only while the
+    that have carried its prompt so far (``timestamps.prefill_time``, counted
+    ``LATE_SERVED_WEIGHT`` times): it moves only while the
     request is being served, and every key is at least its request's arrival, so a request
     that gets no tokens is passed by nothing that arrives after its key: the starvation bound
     (``starvation_bound``). It scales with the request's own size: a prompt that needs 4 s
@@ -171,7 +182,9 @@ class DeadlineQueue(FCFSQueue):
         """The latest key the request can have until it is served again (None without a
         deadline)."""
         due = req.next_token_deadline()
-        return None if due is None else due + self.yield_s(req) + req.timestamps.prefill_time
+        if due is None:
+            return None
+        return due + self.yield_s(req) + LATE_SERVED_WEIGHT * req.timestamps.prefill_time
 
     def deadline(self, req: Request, now: float) -> float:
         """The request's key: its next token's deadline; when it can no longer meet it, that
@@ -181,7 +194,7 @@ class DeadlineQueue(FCFSQueue):
         if due is None:
             return req.arrival_time
         if now + self._own_prefill_s(req) > due:
-            due += self.yield_s(req) + req.timestamps.prefill_time
+            due += self.yield_s(req) + LATE_SERVED_WEIGHT * req.timestamps.prefill_time
         return due
 
     def prefill_key(self, req: Request, index: int, now: float) -> tuple[float, ...]:
