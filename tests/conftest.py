@@ -123,3 +123,27 @@ def otlp_collector() -> Iterator[tuple[str, list[bytes]]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+# The headless browser of the dashboard and watch pages' tests (Debian's chromium, driven by
+# playwright): one per test module.
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing (make setup-browser installs Debian's chromium)")
+    with sync_api.sync_playwright() as pw:
+        try:
+            b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+                                   timeout=30000)
+        except Exception as exc:
+            pytest.skip(f"chromium cannot launch: {str(exc).splitlines()[0]}")
+        yield b
+        b.close()

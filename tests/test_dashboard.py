@@ -28,11 +28,6 @@ from tailserve.server.dashboard import page_html
 from tailserve.server.dashboard.feed import DashboardFeed, percentile
 
 KEY = "dash-key"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]  # fmt: skip
 
 
 # ---------------------------------------------------------------- the feed, no server
@@ -196,21 +191,6 @@ class Load:
         self.stop.set()
         for t in self.threads:
             t.join(60)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing (make setup-browser installs Debian's chromium)")
-    with sync_api.sync_playwright() as pw:
-        try:
-            b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-                                   timeout=30000)
-        except Exception as exc:
-            pytest.skip(f"chromium cannot launch: {str(exc).splitlines()[0]}")
-        yield b
-        b.close()
 
 
 _RUNNING = "Number(document.getElementById('running').textContent)"

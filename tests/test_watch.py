@@ -16,7 +16,6 @@ import io
 import itertools
 import json
 import math
-import os
 import re
 import threading
 import time
@@ -49,7 +48,6 @@ from tailserve.cli import main
 from tailserve.cli.watch import WatchBoard
 from tailserve.data.records import EngineState, RequestRecord
 from tailserve.obs.metrics import ServerMetrics
-from test_dashboard import CHROMIUM, CHROMIUM_ARGS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 INF = math.inf
@@ -426,21 +424,6 @@ def test_dashboard_port_serves_the_page_and_the_windows() -> None:
         assert httpx.get(base + "/metrics", timeout=10).status_code == 404
     finally:
         board.close()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing (make setup-browser installs Debian's chromium)")
-    with sync_api.sync_playwright() as pw:
-        try:
-            b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-                                   timeout=30000)
-        except Exception as exc:
-            pytest.skip(f"chromium cannot launch: {str(exc).splitlines()[0]}")
-        yield b
-        b.close()
 
 
 def test_dashboard_page_shows_the_watch_panel(browser: Any) -> None:
