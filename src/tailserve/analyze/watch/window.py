@@ -151,6 +151,9 @@ def name_cause(mw: MetricWindow, sig: dict[str, float], usual: dict[str, float])
     u = usual.get
     g = sig.get
     pre, waiting, kv = g("preemptions", 0.0), g("waiting", 0.0), g("kv_usage")
+    # The evidence of prefill interference read off the prompt tokens entering (both views).
+    inflow = (f"{g('prompt_tokens_per_s', 0.0):.0f} prompt tokens/s entered (usually "
+              f"{u('prompt_tokens_per_s', 0.0):.0f})")
     if pre > 0:
         kv_s = f" with the KV cache {_pct(kv)} used" if kv is not None else ""
         mw.cause, mw.why = "preemption", f"{pre:.0f} preemptions in the window{kv_s}"
@@ -173,9 +176,7 @@ def name_cause(mw: MetricWindow, sig: dict[str, float], usual: dict[str, float])
             mw.why = (f"prompts averaged {g('prompt_tokens_per_request', 0.0):.0f} tokens "
                       f"(usually {u('prompt_tokens_per_request', 0.0):.0f})")
         elif _rose(g("prompt_tokens_per_s"), u("prompt_tokens_per_s")):
-            mw.cause = "prefill_interference"
-            mw.why = (f"{g('prompt_tokens_per_s', 0.0):.0f} prompt tokens/s entered (usually "
-                      f"{u('prompt_tokens_per_s', 0.0):.0f})")
+            mw.cause, mw.why = "prefill_interference", inflow
     else:
         if _rose(g("prefill_token_share"), u("prefill_token_share")):
             mw.cause = "prefill_interference"
@@ -183,9 +184,7 @@ def name_cause(mw: MetricWindow, sig: dict[str, float], usual: dict[str, float])
                       f"tokens (usually {_pct(u('prefill_token_share', 0.0))})")
         elif "prefill_token_share" not in sig and _rose(g("prompt_tokens_per_s"),
                                                         u("prompt_tokens_per_s")):
-            mw.cause = "prefill_interference"
-            mw.why = (f"{g('prompt_tokens_per_s', 0.0):.0f} prompt tokens/s entered (usually "
-                      f"{u('prompt_tokens_per_s', 0.0):.0f})")
+            mw.cause, mw.why = "prefill_interference", inflow
         elif _stalled(g("step_max_s"), u("step_max_s")):
             mw.cause = "engine_stall"
             mw.why = (f"the longest step took {g('step_max_s', 0.0) * 1e3:.0f} ms (usually "
