@@ -13,10 +13,14 @@ import pytest
 from fake_runner import EOS, FakeRunner
 from tailserve.data.step import BlockedReason
 from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.tenant_share import TENANT_PRESENCE_S
 from tailserve.errors import InvalidRequestError, QueueFullError
-from tailserve.request import Request
+from tailserve.request import SLO, Request
 from tailserve.sampling_params import SamplingParams
 from test_scheduler import make
+from test_scheduler_time import Clock
+from test_scheduler_time import make as make_timed
+from test_scheduler_time import step as timed_step
 
 Step = tuple[list[tuple[str, int]], BlockedReason | None]
 
@@ -49,9 +53,9 @@ def test_a_flood_does_not_hold_back_another_tenants_prompt(tenants: bool) -> Non
     s.add_request(treq("q0", "quiet" if tenants else None, 8, arrival=1.0))
     steps = [sched(s, runner)[0] for _ in range(3)]
     if tenants:
-        # q0's finish tag (8 tokens) is below the flood's first (40): first, in step one.
-        assert steps == [[("q0", 8), ("f0", 24)], [("f0", 16), ("f1", 16)],
-                         [("f1", 24), ("f2", 8)]]
+        # q0's finish tag (8 tokens) is below the flood's first (40): first, in step one,
+        # and alone: f0's chunk would not complete its prompt, only delay q0's first token.
+        assert steps == [[("q0", 8)], [("f0", 32)], [("f0", 8), ("f1", 24)]]
     else:
         # One tenant: deadline order (arrival), q0 behind the whole flood.
         assert steps == [[("f0", 32)], [("f0", 8), ("f1", 24)], [("f1", 16), ("f2", 16)]]
@@ -155,3 +159,85 @@ def test_the_full_queue_sheds_the_tenant_over_its_share() -> None:
 def test_a_bad_tenant_weight_is_refused(weight: float) -> None:
     with pytest.raises(InvalidRequestError, match=r"tenant_weight must be in \(0, 1000\]"):
         make().add_request(treq("a", "t", 8, weight=weight))
+
+
+def test_one_tenants_overdue_queue_keeps_steps_capped_while_another_is_present() -> None:
+    """An overdue queue lifts the ITL cap of a step with no decode (the whole token budget),
+    but not while another tenant is present: its next prompt would wait for that step in
+    flight. Once the other tenant has had nothing in the engine and no arrival for
+    TENANT_PRESENCE_S, the overdue flood takes the whole budget again."""
+    def tenant_req(rid: str, tenant: str, n: int, arrival: float) -> Request:
+        r = treq(rid, tenant, n, arrival=arrival)
+        r.slo = SLO(1.0, None)
+        return r
+
+    def run(quiet: bool) -> list[list[tuple[str, int]]]:
+        clock = Clock()
+        # 10 ms a step + 1 ms a prompt token; a 31 ms cap: 16 tokens with no decode.
+        s = make_timed(clock, target_s=0.031, slo_ttft_s=1.0)
+        runner = FakeRunner()
+        s.add_request(tenant_req("f0", "flood", 600, 0.0))
+        s.add_request(tenant_req("f1", "flood", 600, 0.0))
+        steps = [timed_step(s, runner, clock)]
+        if quiet:
+            clock.t = 1.4
+            s.add_request(tenant_req("q0", "quiet", 8, clock.t))
+            steps.append(timed_step(s, runner, clock))  # q0 in, then done (1 token)
+        clock.t = 1.5
+        assert s._queue_overdue(clock.t) is not quiet
+        steps.append(timed_step(s, runner, clock))
+        clock.t = 1.4 + TENANT_PRESENCE_S + 0.01
+        assert s._queue_overdue(clock.t)
+        steps.append(timed_step(s, runner, clock))
+        return steps
+
+    assert run(quiet=False) == [[("f0", 16)], [("f0", 512)], [("f0", 72), ("f1", 440)]]
+    # q0 goes by fair share and alone; then capped steps, not the whole budget.
+    assert run(quiet=True) == [[("f0", 16)], [("q0", 8)], [("f0", 16)], [("f0", 512)]]
+
+
+def test_prompts_that_complete_share_a_step_across_tenants() -> None:
+    """Only a chunk that completes no prompt stays out of a step that completes another
+    tenant's: two tenants' short prompts go together; a prompt that would be left part-way
+    waits one step, whichever tenant's it is."""
+    s = make(enable_prefix_caching=False)
+    runner = FakeRunner()
+    s.add_request(treq("a0", "a", 8))
+    s.add_request(treq("b0", "b", 8))
+    assert sched(s, runner)[0] == [("a0", 8), ("b0", 8)]
+    s = make(enable_prefix_caching=False)
+    s.add_request(treq("f0", "flood", 20))
+    s.add_request(treq("q0", "quiet", 24))
+    assert [sched(s, runner)[0] for _ in range(2)] == [[("f0", 20)], [("q0", 24)]]
+
+
+def test_while_two_tenants_are_present_a_step_is_capped_at_the_shared_cap() -> None:
+    """With one tenant a step with no decode takes the whole token budget within a loose ITL
+    cap; once a second tenant has arrived (even with nothing left in the engine) steps stay
+    within ``shared_step_cap``: twice a 32-token prompt's own step, 2 x (10 + 32) = 84 ms
+    here, so 64 tokens."""
+    clock = Clock()
+    s = make_timed(clock, target_s=1.0)
+    runner = FakeRunner()
+    s.add_request(treq("f0", "flood", 1000))
+    assert timed_step(s, runner, clock) == [("f0", 512)]
+    s.add_request(treq("q0", "quiet", 8, arrival=clock.t))
+    assert timed_step(s, runner, clock) == [("q0", 8)]  # alone: f0 would not complete
+    assert s.shared_step_cap() == pytest.approx(0.084)
+    assert timed_step(s, runner, clock) == [("f0", 64)]
+    clock.t += TENANT_PRESENCE_S + 0.01
+    assert timed_step(s, runner, clock) == [("f0", 424)]  # the rest, one tenant again
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_prompts_rest_runs_past_the_cap_only_while_one_tenant_is_present(
+        shared: bool) -> None:
+    # An 84 ms ITL cap: 64 tokens; the 100-token prompt's rest (110 ms) is within twice it.
+    clock = Clock()
+    s = make_timed(clock, target_s=0.084)
+    runner = FakeRunner()
+    if shared:
+        s.add_request(treq("q0", "quiet", 8))
+        assert timed_step(s, runner, clock) == [("q0", 8)]
+    s.add_request(treq("f0", "flood", 100, arrival=clock.t))
+    assert timed_step(s, runner, clock) == [("f0", 64 if shared else 100)]

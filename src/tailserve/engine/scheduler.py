@@ -73,6 +73,11 @@ from tailserve.stepcost import StepShape, StepTimeModel
 
 __all__ = ["MIN_PREFILL_CHUNK", "PREFILL_ALIGN", "Scheduler", "WaitingQueue"]
 
+# While more than one tenant is present a step takes at most SHARED_STEP_SCALE times the
+# predicted step of a SHARED_STEP_TOKENS-token prompt alone (Scheduler.shared_step_cap).
+SHARED_STEP_TOKENS = 32
+SHARED_STEP_SCALE = 2.0
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig,
@@ -139,6 +144,7 @@ class Scheduler:
             check_slo(req, slo_s, predicted, idle, len(self.waiting), len(self.running),
                       refuse=self.config.enable_slo_admission)
         req.status = RequestStatus.WAITING
+        self.tenants.arrived(req.tenant, self._clock())
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
@@ -251,6 +257,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step: the phases of ``engine/step_phases.py`` over one ``StepBudget``."""
         b = StepBudget(tokens=self.config.max_num_batched_tokens, now=self._clock())
+        b.shared = len(self.tenants.present(
+            itertools.chain(self.running, self.waiting), b.now)) > 1
         partials = schedule_decodes(self, b)
         b.target_s = self._step_time_budget(b)
         schedule_prefills(self, b, partials)
@@ -261,7 +269,25 @@ class Scheduler:
         """The time the step may take, given the decodes it carries (``b.shape`` holds only
         them yet): their smallest slack less the margin (``latency.step_time_budget``);
         without decodes, ``prefill_step_cap``; neither while the queue is overdue. Only when
-        prompts may be split (without chunking a prompt is prefilled whole or not at all)."""
+        prompts may be split (without chunking a prompt is prefilled whole or not at all).
+        While more than one tenant is present, never more than ``shared_step_cap``."""
+        budget = self._slo_step_time_budget(b)
+        if b.shared and self.config.enable_chunked_prefill:
+            cap = self.shared_step_cap()
+            budget = cap if budget is None else min(budget, cap)
+        return budget
+
+    def shared_step_cap(self) -> float:
+        """The time a step may take while more than one tenant is present: twice a
+        ``SHARED_STEP_TOKENS``-token prompt's own step (by the step-time model, so it
+        scales with the model and the machine). A tenant's short prompt that arrives
+        meanwhile waits for the step in flight, then for its own: 89 ms steps (the ITL cap)
+        left a quiet tenant's P99 first token 1.8x its value with no flood; ~50 ms ones
+        cost the flood's prefill rate ~5% (the attention of late chunks dominates them)."""
+        return SHARED_STEP_SCALE * self.step_model.predict(
+            StepShape().plus_chunk(0, SHARED_STEP_TOKENS))
+
+    def _slo_step_time_budget(self, b: StepBudget) -> float | None:
         if b.shape.decode_seqs:
             self.min_decode_slack_s = b.min_slack_s
         if not self.config.enable_chunked_prefill:
@@ -284,9 +310,13 @@ class Scheduler:
         processes) admitted 5 requests at a time where the token budget admits 29, and first
         tokens waited 24 s instead of 11 at the median (the mixed load at 0.5 req/s). So
         does a request never scheduled by its starvation bound. Preempted requests do not
-        count: taking the whole budget for them would only preempt again."""
+        count: taking the whole budget for them would only preempt again. Nor does one tenant's
+        overdue queue while another tenant is present (``TenantShares.others_present``)."""
         pending = [r for r in self.running if not is_decode(r)] + list(self.waiting)
-        return any(self._overdue(r, now) for r in pending)
+        late = {r.tenant for r in pending if self._overdue(r, now)}
+        # Across tenants, only while no other tenant is present (engine/tenant_share.py).
+        return bool(late) and not self.tenants.others_present(
+            late, itertools.chain(self.running, self.waiting), now)
 
     def _overdue(self, r: Request, now: float) -> bool:
         slo = r.slo.ttft_s

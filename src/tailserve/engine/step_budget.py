@@ -35,6 +35,11 @@ class StepBudget:
     # waiting requests may still be admitted (strict order keeps the aging bound).
     blocked_by: BlockedReason | None = None
     admitting: bool = True
+    # More than one tenant is present (``TenantShares.present``): another tenant's prompt
+    # may arrive into this step's time.
+    shared: bool = False
+    # Tenants whose prompt (or recompute) completes in this step: it gives them a token.
+    completing_tenants: set[str | None] = field(default_factory=set)
 
     def take_decode(self, request_id: str, context: int) -> None:
         """One decode token of a request whose context (computed tokens + 1) is ``context``."""

@@ -12,6 +12,12 @@ key's entry in ``--api-keys``).
 - **KV pool**: while another tenant waits, a tenant that already holds blocks is not
   admitted beyond its weighted share of the pool (beyond the watermark); it keeps what it
   holds (no preemption for share), and the blocks its requests free go to the waiting one.
+- **Step length**: one tenant's overdue queue lifts the step's time cap (the scheduler's
+  ``_queue_overdue``) only while no other tenant is present (a request in the engine, or
+  one that arrived within ``TENANT_PRESENCE_S``): otherwise the other tenant's next prompt
+  would wait for a whole-budget step in flight, 0.5-0.8 s each here under a flood of
+  2,000-token prompts, where a capped step is ~90 ms. For the same reason a prompt's rest
+  may take a step past the cap (to twice it) only while one tenant is present.
 - **Queue bound**: when ``max_queue_len`` is reached, a tenant within its weighted share of
   the queue is still queued, and the one over its share is refused (``queue_full``, naming
   the share), so a flood sheds the flooder, not its neighbours.
@@ -34,6 +40,10 @@ if TYPE_CHECKING:
     from tailserve.engine.scheduler import Scheduler
 
 Keyed = tuple[tuple[float, ...], Request]
+# How long after its last arrival a tenant counts as present with nothing in the engine. A
+# tenant at 0.5 req/s leaves a gap this long once in ~20,000 arrivals; the cost to another
+# tenant's overdue flood meanwhile is capped steps (~7% of its prefill rate here).
+TENANT_PRESENCE_S = 30.0
 
 
 def tenant_label(tenant: str | None) -> str:
@@ -48,6 +58,28 @@ class TenantShares:
         self._served: dict[str | None, float] = {}
         # More than one tenant has prefill pending in this step (``sync``).
         self.competing = False
+        # Each tenant's latest arrival (``arrived``), kept for ``TENANT_PRESENCE_S``.
+        self._last_arrival: dict[str | None, float] = {}
+
+    def arrived(self, tenant: str | None, now: float) -> None:
+        """A request of ``tenant`` was queued at ``now``."""
+        self._last_arrival[tenant] = now
+        if len(self._last_arrival) > 1:
+            gone = [t for t, at in self._last_arrival.items() if now - at > TENANT_PRESENCE_S]
+            for t in gone:
+                del self._last_arrival[t]
+
+    def present(self, in_engine: Iterable[Request], now: float) -> set[str | None]:
+        """The tenants with a request in the engine (``in_engine``) or an arrival within
+        ``TENANT_PRESENCE_S`` of ``now``."""
+        recent = {t for t, at in self._last_arrival.items() if now - at <= TENANT_PRESENCE_S}
+        return recent | {r.tenant for r in in_engine}
+
+    def others_present(self, tenants: set[str | None], in_engine: Iterable[Request],
+                       now: float) -> bool:
+        """Whether a tenant outside ``tenants`` has a request in the engine
+        (``in_engine``) or arrived within ``TENANT_PRESENCE_S`` of ``now``."""
+        return bool(self.present(in_engine, now) - tenants)
 
     def sync(self, tenants: Iterable[str | None]) -> bool:
         """Start a step whose prefill candidates belong to ``tenants``: forget the others,
