@@ -16,6 +16,7 @@ from tailserve.config import check_removed_args
 from tailserve.data.step import BlockedReason, EngineOutput
 from tailserve.engine.latency import step_time_budget
 from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.step_time import queue_overdue
 from tailserve.engine.waiting_queue import LATE_SERVED_WEIGHT, DeadlineQueue
 from tailserve.errors import ConfigError, QueueFullError, SLOUnattainableError
 from tailserve.request import SLO
@@ -80,9 +81,9 @@ def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget() -> None:
     s.add_request(req("long", 600, clock.t))
     s.add_request(req("late", 600, clock.t))
     assert step(s, runner, clock) == [("d0", 1), ("d1", 1), ("long", 16)]
-    assert not s._queue_overdue(clock.t + 0.9)
+    assert not queue_overdue(s, clock.t + 0.9)
     clock.t += 1.0
-    assert s._queue_overdue(clock.t)
+    assert queue_overdue(s, clock.t)
     assert step(s, runner, clock) == [("d0", 1), ("d1", 1), ("long", 510)]
     # Late by its own size (a 0.5 s SLO under its 610 ms prefill): best effort, no override
     # until it has waited unscheduled past its starvation bound (its SLO, then its own
@@ -90,7 +91,7 @@ def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget() -> None:
     s2, _ = _running(Clock(), 2, target_s=0.031, slo_ttft_s=0.5)
     s2.add_request(req("big", 600, s2._clock()))
     t0 = s2._clock()
-    assert not s2._queue_overdue(t0 + 1.10) and s2._queue_overdue(t0 + 1.12)
+    assert not queue_overdue(s2, t0 + 1.10) and queue_overdue(s2, t0 + 1.12)
     # Nor does the ITL SLO cap a step without decodes while the queue is overdue.
     clock = Clock()
     s3 = make(clock, target_s=0.031, slo_ttft_s=1.0)

@@ -13,6 +13,7 @@ import pytest
 from fake_runner import EOS, FakeRunner
 from tailserve.data.step import BlockedReason
 from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.step_time import queue_overdue, shared_step_cap
 from tailserve.engine.tenant_share import TENANT_PRESENCE_S
 from tailserve.errors import InvalidRequestError, QueueFullError
 from tailserve.request import SLO, Request
@@ -184,10 +185,10 @@ def test_one_tenants_overdue_queue_keeps_steps_capped_while_another_is_present()
             s.add_request(tenant_req("q0", "quiet", 8, clock.t))
             steps.append(timed_step(s, runner, clock))  # q0 in, then done (1 token)
         clock.t = 1.5
-        assert s._queue_overdue(clock.t) is not quiet
+        assert queue_overdue(s, clock.t) is not quiet
         steps.append(timed_step(s, runner, clock))
         clock.t = 1.4 + TENANT_PRESENCE_S + 0.01
-        assert s._queue_overdue(clock.t)
+        assert queue_overdue(s, clock.t)
         steps.append(timed_step(s, runner, clock))
         return steps
 
@@ -223,7 +224,7 @@ def test_while_two_tenants_are_present_a_step_is_capped_at_the_shared_cap() -> N
     assert timed_step(s, runner, clock) == [("f0", 512)]
     s.add_request(treq("q0", "quiet", 8, arrival=clock.t))
     assert timed_step(s, runner, clock) == [("q0", 8)]  # alone: f0 would not complete
-    assert s.shared_step_cap() == pytest.approx(0.084)
+    assert shared_step_cap(s) == pytest.approx(0.084)
     assert timed_step(s, runner, clock) == [("f0", 64)]
     clock.t += TENANT_PRESENCE_S + 0.01
     assert timed_step(s, runner, clock) == [("f0", 424)]  # the rest, one tenant again

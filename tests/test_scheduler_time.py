@@ -17,6 +17,7 @@ from tailserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from tailserve.engine.calibrate import PLAN
 from tailserve.engine.latency import SLACK_FLOOR_S, chunk_under_load, time_limited_chunk
 from tailserve.engine.scheduler import MIN_PREFILL_CHUNK, PREFILL_ALIGN, Scheduler
+from tailserve.engine.step_time import prefill_step_cap
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.request import SLO, Request
 from tailserve.sampling_params import SamplingParams
@@ -122,7 +123,7 @@ def test_a_step_without_decodes_is_capped_by_the_itl_slo() -> None:
     clock = Clock()
     s = make(clock, target_s=0.096, max_num_batched_tokens=256)
     runner = FakeRunner()
-    assert s.prefill_step_cap() == pytest.approx(0.096)
+    assert prefill_step_cap(s) == pytest.approx(0.096)
     s.add_request(req("long", 600, 0.0))
     assert step(s, runner, clock) == [("long", 64)]
     arrived = clock.t - 0.050  # mid-step
@@ -132,12 +133,12 @@ def test_a_step_without_decodes_is_capped_by_the_itl_slo() -> None:
     assert all(s.step_model.predict(s.shape_of(o)) <= 0.096 + 1e-12 for o in runner.steps)
     # Never more than a budget-sized first chunk (266 ms); a running request's own, tighter
     # ITL SLO caps it too; no ITL SLO, no cap.
-    assert make(Clock(), max_num_batched_tokens=256,
-                target_s=5.0).prefill_step_cap() == pytest.approx(0.266)
+    assert prefill_step_cap(make(Clock(), max_num_batched_tokens=256,
+                                 target_s=5.0)) == pytest.approx(0.266)
     tight = make(Clock(), target_s=5.0)
     tight.running.append(req("t", 8, 0.0, slo_itl_s=0.030 + MARGIN))
-    assert tight.prefill_step_cap() == pytest.approx(0.030)
-    assert make(Clock()).prefill_step_cap() is None
+    assert prefill_step_cap(tight) == pytest.approx(0.030)
+    assert prefill_step_cap(make(Clock())) is None
 
 
 def test_prefill_progresses_when_decodes_alone_fill_the_target() -> None:
@@ -200,7 +201,7 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     s.step_model = StepTimeModel(coef)
     runner = FakeRunner()
     s.add_request(req("long", 1000, 0.0))
-    cap = s.prefill_step_cap()
+    cap = prefill_step_cap(s)
     assert cap == pytest.approx(0.010 + 0.064 + 3 * 0.002080)
     chunks = []
     while sum(chunks) < 1000:
@@ -228,7 +229,7 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     clock = Clock()
     s = make(clock, max_num_batched_tokens=64)
     s.step_model = StepTimeModel(coef)
-    assert s.prefill_step_cap() is None
+    assert prefill_step_cap(s) is None
     s.add_request(req("long", 1000, 0.0))
     assert [step(s, runner, clock) for _ in range(3)] == [[("long", 64)]] * 3
 

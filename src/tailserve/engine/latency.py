@@ -103,7 +103,7 @@ def chunk_under_load(model: StepTimeModel, budget: int, step_budget_s: float | N
                      decode: StepShape, prefill_cap_s: float | None = None) -> int:
     """The prefill tokens a step carries next to ``decode`` (as ``schedule`` sizes them, for
     a chunk at the start of a prompt), ``step_budget_s`` the step's budget with ``decode``;
-    with no decodes, ``prefill_cap_s`` (``Scheduler.prefill_step_cap``)."""
+    with no decodes, ``prefill_cap_s`` (``step_time.prefill_step_cap``)."""
     left = max(budget - decode.decode_seqs, 1)
     target = step_budget_s if decode.decode_seqs else prefill_cap_s
     if target is None:

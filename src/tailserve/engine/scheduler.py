@@ -6,12 +6,13 @@ One ``schedule()`` call runs the phases of ``engine/step_phases.py`` over one ``
 
 1. **Running decodes first**, in admission order, so a decode never waits behind anyone's
    prefill. Each decode's next token is due at its last token + its ITL SLO.
-2. **The step's time budget**: the smallest slack among those decodes less a margin from
-   the step-time model's error (``latency.step_time_budget``); prefill takes all of it. With
-   no decode, the tightest ITL SLO caps the step (``prefill_step_cap``) and prefill takes the
-   whole token budget within it (a prompt that completes may take it to twice the cap).
-   Neither binds while the queue is overdue (``_queue_overdue``): prefill then takes the
-   whole token budget.
+2. **The step's time budget** (``engine/step_time.py``): the smallest slack among those
+   decodes less a margin from the step-time model's error (``latency.step_time_budget``);
+   prefill takes all of it. With no decode, the tightest ITL SLO caps the step
+   (``prefill_step_cap``) and prefill takes the whole token budget within it (a prompt that
+   completes may take it to twice the cap). Neither binds while the queue is overdue
+   (``queue_overdue``): prefill then takes the whole token budget. While more than one
+   tenant is present, the shared cap (``shared_step_cap``) binds too.
 3. **Partial prefills and admissions** in the waiting policy's ``prefill_key`` order
    (``engine/waiting_queue.py``: earliest deadline first under ``deadline``, the default;
    SRPT with aging or arrival order under ``fcfs``; priority first under ``priority``), each
@@ -58,8 +59,9 @@ from tailserve.engine.latency import (
 )
 from tailserve.engine.step_budget import StepBudget
 from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
+from tailserve.engine.step_time import prefill_step_cap, step_time_target
 from tailserve.engine.tenant_share import TenantShares
-from tailserve.engine.waiting_queue import WaitingQueue, late_yield_s, make_waiting_queue
+from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
 from tailserve.errors import InvalidRequestError
 from tailserve.kv.manager import KVCacheManager, cdiv
 from tailserve.request import (
@@ -72,11 +74,6 @@ from tailserve.request import (
 from tailserve.stepcost import StepShape, StepTimeModel
 
 __all__ = ["MIN_PREFILL_CHUNK", "PREFILL_ALIGN", "Scheduler", "WaitingQueue"]
-
-# While more than one tenant is present a step takes at most SHARED_STEP_SCALE times the
-# predicted step of a SHARED_STEP_TOKENS-token prompt alone (Scheduler.shared_step_cap).
-SHARED_STEP_TOKENS = 32
-SHARED_STEP_SCALE = 2.0
 
 
 class Scheduler:
@@ -180,25 +177,7 @@ class Scheduler:
         budget = (step_time_budget(self.step_model, min(itl))
                   if itl and self.config.enable_chunked_prefill else None)
         return predict_ttft(self.step_model, self.config.max_num_batched_tokens, budget,
-                            self.running, ahead, req, self.prefill_step_cap())
-
-    def prefill_step_cap(self) -> float | None:
-        """The time a step with no decode may take: the tightest ITL SLO among the running
-        requests and the server's (less the margin), never more than a chunk of the whole
-        token budget at a prompt's start is predicted to take. It is what a decode would allow
-        right after its token, and what a prompt that arrives meanwhile waits for: late
-        chunks of a long prompt read its whole context in attention, and a 512-token chunk
-        3,000 tokens in took 0.5-1.5 s here, so a short prompt arriving meanwhile waited for
-        all of it. Capped, such a chunk is cut to fewer tokens at about the same cost per
-        token. None when steps are not sized by time (no ITL SLO, or no chunking)."""
-        cfg = self.config
-        itl = [r.slo.itl_s for r in self.running if r.slo.itl_s is not None]
-        if cfg.slo_itl_s is not None:
-            itl.append(cfg.slo_itl_s)
-        if not (itl and cfg.enable_chunked_prefill):
-            return None
-        whole = self.step_model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
-        return min(whole, step_time_budget(self.step_model, min(itl)))
+                            self.running, ahead, req, prefill_step_cap(self))
 
     def _is_long(self, req: Request) -> bool:
         """A prompt that counts against ``max_long_partial_prefills``: longer than one step
@@ -260,77 +239,10 @@ class Scheduler:
         b.shared = len(self.tenants.present(
             itertools.chain(self.running, self.waiting), b.now)) > 1
         partials = schedule_decodes(self, b)
-        b.target_s = self._step_time_budget(b)
+        b.target_s = step_time_target(self, b)
         schedule_prefills(self, b, partials)
         finished, self._finished_ids = self._finished_ids, []
         return build_output(self, b, finished)
-
-    def _step_time_budget(self, b: StepBudget) -> float | None:
-        """The time the step may take, given the decodes it carries (``b.shape`` holds only
-        them yet): their smallest slack less the margin (``latency.step_time_budget``);
-        without decodes, ``prefill_step_cap``; neither while the queue is overdue. Only when
-        prompts may be split (without chunking a prompt is prefilled whole or not at all).
-        While more than one tenant is present, never more than ``shared_step_cap``."""
-        budget = self._slo_step_time_budget(b)
-        if b.shared and self.config.enable_chunked_prefill:
-            cap = self.shared_step_cap()
-            budget = cap if budget is None else min(budget, cap)
-        return budget
-
-    def shared_step_cap(self) -> float:
-        """The time a step may take while more than one tenant is present: twice a
-        ``SHARED_STEP_TOKENS``-token prompt's own step (by the step-time model, so it
-        scales with the model and the machine). A tenant's short prompt that arrives
-        meanwhile waits for the step in flight, then for its own: 89 ms steps (the ITL cap)
-        left a quiet tenant's P99 first token 1.8x its value with no flood; ~50 ms ones
-        cost the flood's prefill rate ~5% (the attention of late chunks dominates them)."""
-        return SHARED_STEP_SCALE * self.step_model.predict(
-            StepShape().plus_chunk(0, SHARED_STEP_TOKENS))
-
-    def _slo_step_time_budget(self, b: StepBudget) -> float | None:
-        if b.shape.decode_seqs:
-            self.min_decode_slack_s = b.min_slack_s
-        if not self.config.enable_chunked_prefill:
-            return None
-        if self._queue_overdue(b.now):
-            return None  # the queue goes first
-        if b.shape.decode_seqs:
-            if b.min_slack_s is None:
-                return None  # no decode holds an ITL SLO
-            self.itl_target_s = step_time_budget(self.step_model, b.min_slack_s)
-            return self.itl_target_s
-        return self.prefill_step_cap()
-
-    def _queue_overdue(self, now: float) -> bool:
-        """A request still waiting for its first token (queued or part-way through its
-        prompt) is past its TTFT deadline though its whole prompt alone would fit its SLO:
-        the queue, not its size, made it late. Then neither the decodes' slack nor the ITL
-        cap sizes the step: prefill takes the whole token budget, and an overloaded engine
-        serves its queue. Held to the ITL, a loaded host (steps 3-5x slower beside other
-        processes) admitted 5 requests at a time where the token budget admits 29, and first
-        tokens waited 24 s instead of 11 at the median (the mixed load at 0.5 req/s). So
-        does a request never scheduled by its starvation bound. Preempted requests do not
-        count: taking the whole budget for them would only preempt again. Nor does one tenant's
-        overdue queue while another tenant is present (``TenantShares.others_present``)."""
-        pending = [r for r in self.running if not is_decode(r)] + list(self.waiting)
-        late = {r.tenant for r in pending if self._overdue(r, now)}
-        # Across tenants, only while no other tenant is present (engine/tenant_share.py).
-        return bool(late) and not self.tenants.others_present(
-            late, itertools.chain(self.running, self.waiting), now)
-
-    def _overdue(self, r: Request, now: float) -> bool:
-        slo = r.slo.ttft_s
-        if slo is None or r.num_output_tokens or r.status == RequestStatus.PREEMPTED:
-            return False
-        waited = now - r.arrival_time
-        idle = self.idle_prefill_s(r)
-        # Past its starvation bound unscheduled (DeadlineQueue.starvation_bound: its SLO,
-        # then the larger of its SLO and its own prefill): late by its own size or not, it
-        # has had its best-effort window (on a host 4x slower than usual every 500-token
-        # prompt is "too long" for a 1 s SLO, and the queue would never drain).
-        if r.timestamps.first_scheduled is None and waited > slo + late_yield_s(r, idle):
-            return True
-        return waited > slo and idle <= slo
 
     def next_admit_seq(self) -> int:
         return next(self._admit_counter)

@@ -13,7 +13,7 @@ key's entry in ``--api-keys``).
   admitted beyond its weighted share of the pool (beyond the watermark); it keeps what it
   holds (no preemption for share), and the blocks its requests free go to the waiting one.
 - **Step length**: one tenant's overdue queue lifts the step's time cap (the scheduler's
-  ``_queue_overdue``) only while no other tenant is present (a request in the engine, or
+  ``step_time.queue_overdue``) only while no other tenant is present (a request in the engine, or
   one that arrived within ``TENANT_PRESENCE_S``): otherwise the other tenant's next prompt
   would wait for a whole-budget step in flight, 0.5-0.8 s each here under a flood of
   2,000-token prompts, where a capped step is ~90 ms. For the same reason a prompt's rest

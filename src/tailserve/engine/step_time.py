@@ -1,0 +1,115 @@
+"""How long a step may take: the time target the scheduler sizes its prefill chunks to
+(``step_time_target``), from the decodes' slack under their ITL SLO, the cap on a step with
+no decode (``prefill_step_cap``), the overdue queue that lifts both (``queue_overdue``) and,
+while more than one tenant is present, the shared cap (``shared_step_cap``). Functions of
+the scheduler's state; torch-free."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from tailserve.engine.latency import is_decode, step_time_budget
+from tailserve.engine.step_budget import StepBudget
+from tailserve.engine.waiting_queue import late_yield_s
+from tailserve.request import Request, RequestStatus
+from tailserve.stepcost import StepShape
+
+if TYPE_CHECKING:
+    from tailserve.engine.scheduler import Scheduler
+
+# While more than one tenant is present a step takes at most SHARED_STEP_SCALE times the
+# predicted step of a SHARED_STEP_TOKENS-token prompt alone (``shared_step_cap``).
+SHARED_STEP_TOKENS = 32
+SHARED_STEP_SCALE = 2.0
+
+
+def prefill_step_cap(s: Scheduler) -> float | None:
+    """The time a step with no decode may take: the tightest ITL SLO among the running
+    requests and the server's (less the margin), never more than a chunk of the whole
+    token budget at a prompt's start is predicted to take. It is what a decode would allow
+    right after its token, and what a prompt that arrives meanwhile waits for: late
+    chunks of a long prompt read its whole context in attention, and a 512-token chunk
+    3,000 tokens in took 0.5-1.5 s here, so a short prompt arriving meanwhile waited for
+    all of it. Capped, such a chunk is cut to fewer tokens at about the same cost per
+    token. None when steps are not sized by time (no ITL SLO, or no chunking)."""
+    cfg = s.config
+    itl = [r.slo.itl_s for r in s.running if r.slo.itl_s is not None]
+    if cfg.slo_itl_s is not None:
+        itl.append(cfg.slo_itl_s)
+    if not (itl and cfg.enable_chunked_prefill):
+        return None
+    whole = s.step_model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
+    return min(whole, step_time_budget(s.step_model, min(itl)))
+
+
+def step_time_target(s: Scheduler, b: StepBudget) -> float | None:
+    """The time the step may take, given the decodes it carries (``b.shape`` holds only
+    them yet): their smallest slack less the margin (``latency.step_time_budget``);
+    without decodes, ``prefill_step_cap``; neither while the queue is overdue. Only when
+    prompts may be split (without chunking a prompt is prefilled whole or not at all).
+    While more than one tenant is present, never more than ``shared_step_cap``."""
+    budget = _slo_target(s, b)
+    if b.shared and s.config.enable_chunked_prefill:
+        cap = shared_step_cap(s)
+        budget = cap if budget is None else min(budget, cap)
+    return budget
+
+
+def shared_step_cap(s: Scheduler) -> float:
+    """The time a step may take while more than one tenant is present: twice a
+    ``SHARED_STEP_TOKENS``-token prompt's own step (by the step-time model, so it
+    scales with the model and the machine). A tenant's short prompt that arrives
+    meanwhile waits for the step in flight, then for its own: 89 ms steps (the ITL cap)
+    left a quiet tenant's P99 first token 1.8x its value with no flood; ~50 ms ones
+    cost the flood's prefill rate ~5% (the attention of late chunks dominates them)."""
+    return SHARED_STEP_SCALE * s.step_model.predict(
+        StepShape().plus_chunk(0, SHARED_STEP_TOKENS))
+
+
+def _slo_target(s: Scheduler, b: StepBudget) -> float | None:
+    if b.shape.decode_seqs:
+        s.min_decode_slack_s = b.min_slack_s
+    if not s.config.enable_chunked_prefill:
+        return None
+    if queue_overdue(s, b.now):
+        return None  # the queue goes first
+    if b.shape.decode_seqs:
+        if b.min_slack_s is None:
+            return None  # no decode holds an ITL SLO
+        s.itl_target_s = step_time_budget(s.step_model, b.min_slack_s)
+        return s.itl_target_s
+    return prefill_step_cap(s)
+
+
+def queue_overdue(s: Scheduler, now: float) -> bool:
+    """A request still waiting for its first token (queued or part-way through its
+    prompt) is past its TTFT deadline though its whole prompt alone would fit its SLO:
+    the queue, not its size, made it late. Then neither the decodes' slack nor the ITL
+    cap sizes the step: prefill takes the whole token budget, and an overloaded engine
+    serves its queue. Held to the ITL, a loaded host (steps 3-5x slower beside other
+    processes) admitted 5 requests at a time where the token budget admits 29, and first
+    tokens waited 24 s instead of 11 at the median (the mixed load at 0.5 req/s). So
+    does a request never scheduled by its starvation bound. Preempted requests do not
+    count: taking the whole budget for them would only preempt again. Nor does one tenant's
+    overdue queue while another tenant is present (``TenantShares.others_present``)."""
+    pending = [r for r in s.running if not is_decode(r)] + list(s.waiting)
+    late = {r.tenant for r in pending if _overdue(s, r, now)}
+    # Across tenants, only while no other tenant is present (engine/tenant_share.py).
+    return bool(late) and not s.tenants.others_present(
+        late, itertools.chain(s.running, s.waiting), now)
+
+
+def _overdue(s: Scheduler, r: Request, now: float) -> bool:
+    slo = r.slo.ttft_s
+    if slo is None or r.num_output_tokens or r.status == RequestStatus.PREEMPTED:
+        return False
+    waited = now - r.arrival_time
+    idle = s.idle_prefill_s(r)
+    # Past its starvation bound unscheduled (DeadlineQueue.starvation_bound: its SLO,
+    # then the larger of its SLO and its own prefill): late by its own size or not, it
+    # has had its best-effort window (on a host 4x slower than usual every 500-token
+    # prompt is "too long" for a 1 s SLO, and the queue would never drain).
+    if r.timestamps.first_scheduled is None and waited > slo + late_yield_s(r, idle):
+        return True
+    return waited > slo and idle <= slo
