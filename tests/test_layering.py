@@ -84,6 +84,8 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.waiting_queue",
     "tailserve.engine.step_budget",
     "tailserve.engine.step_phases",
+    "tailserve.engine.step_time",
+    "tailserve.engine.tenant_share",
     "tailserve.engine.admission",
     "tailserve.engine.messages",
     "tailserve.engine.client",
