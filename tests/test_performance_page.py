@@ -176,3 +176,25 @@ def test_capacity_and_targets_are_read_off_the_runs(pp: ModuleType) -> None:
     # vLLM's capacity was below every rate tried: no ratio is claimed against it.
     assert "1.5x vLLM-CPU's" not in page
     assert len(page.splitlines()) <= 150
+
+
+def test_each_capacity_ratio_comes_from_the_peers_run_beside_tailserve(pp: ModuleType) -> None:
+    """A later sweep of tailserve and llama-server alone does not hide vLLM's earlier sweep
+    beside tailserve: each ratio is read off the run that measured both, and both tables are
+    shown."""
+    main = {**REPORT, "rows": [_row("tailserve", "mixed", p99_ttft_ms=900.0)]}
+    vllm_run = {**REPORT, "commit": "cap0001", "rows": [], "capacity": {
+        "tailserve": _cap({0.5: 0.95, 1.0: 0.5}, 0.5, 1.0, True),
+        "vllm": _cap({0.25: 0.95, 0.5: 0.6}, 0.25, 0.5, True)}}
+    llama_run = {**REPORT, "commit": "cap0002", "rows": [], "capacity": {
+        "tailserve": _cap({0.4: 0.95, 0.8: 0.5}, 0.4, 0.8, True),
+        "llama.cpp": _cap({0.1: 0.95, 0.2: 0.5}, 0.1, 0.2, True)}}
+    page = pp.render({"2026-12-04-a.json": vllm_run, "2026-12-04-b.json": llama_run,
+                      "2026-12-05.json": main})
+    assert ("| 29: capacity at SLO >= 1.5x vLLM-CPU's (req/s) | 0.500 | 0.250 | 2.00x | met |"
+            in page)
+    assert ("| 29: capacity at SLO >= 3x llama-server's (req/s) | 0.400 | 0.100 | 4.00x | met |"
+            in page)
+    tables = page.split("## Runs")[0]
+    assert "`2026-12-04-a.json`: commit cap0001" in tables
+    assert "`2026-12-04-b.json`: commit cap0002" in tables

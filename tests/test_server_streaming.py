@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from starlette.requests import ClientDisconnect
 
-from tailserve.server.serving import GenerationStream
+from tailserve.server.streaming import GenerationStream
 
 
 class RecordingGeneration:

@@ -1,7 +1,8 @@
 """InprocEngineClient: the engine's ``EngineLoop`` on a thread of this process, run by the same
 driver as the engine process (``engine/loop.py``'s ``drive``), messages passed as objects, not
 bytes; for tests and embedding. Everything else (request bookkeeping, dispatch, health) is the
-``EngineClient`` base's, shared with the engine process's ``MPEngineClient`` (``engine/client.py``).
+``EngineClient`` base's, shared with the engine process's ``MPEngineClient``
+(``engine/mp_client.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The engine process: load the model, then loop (inputs from ZMQ -> step -> messages out).
 
-Started by ``MPEngineClient`` with the ``spawn`` method. It connects a PULL socket for inputs
-and a PUSH socket for messages to IPC paths the API process bound in a private directory;
-only msgpack crosses them. It exits when told to, when its parent dies, or (non-zero) when
-the model fails.
+Started by ``MPEngineClient`` (``engine/mp_client.py``) with the ``spawn`` method. It
+connects a PULL socket for inputs and a PUSH socket for messages to IPC paths the API
+process bound in a private directory; only msgpack crosses them. It exits when told to, when
+its parent dies, or (non-zero) when the model fails.
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ key's entry in ``--api-keys``).
 - **KV pool**: while another tenant waits, a tenant that already holds blocks is not
   admitted beyond its weighted share of the pool (beyond the watermark); it keeps what it
   holds (no preemption for share), and the blocks its requests free go to the waiting one.
-- **Step length**: one tenant's overdue queue lifts the step's time cap (the scheduler's
-  ``step_time.queue_overdue``) only while no other tenant is present (a request in the engine, or
-  one that arrived within ``TENANT_PRESENCE_S``): otherwise the other tenant's next prompt
-  would wait for a whole-budget step in flight, 0.5-0.8 s each here under a flood of
-  2,000-token prompts, where a capped step is ~90 ms. For the same reason a prompt's rest
-  may take a step past the cap (to twice it) only while one tenant is present.
+- **Step length**: a prompt that arrives waits for the step in flight. While more than one
+  tenant is present (``present``: a request in the engine, or an arrival within
+  ``TENANT_PRESENCE_S``), steps stay within the shared cap (``step_time.shared_step_cap``,
+  ~50 ms here), one tenant's overdue queue does not lift the time cap
+  (``step_time.queue_overdue``), and no prompt's rest takes a step past the cap; under a
+  flood of 2,000-token prompts whole-budget steps took 0.5-0.8 s each. A chunk that
+  completes no prompt stays out of a step that completes another tenant's
+  (``step_phases``).
 - **Queue bound**: when ``max_queue_len`` is reached, a tenant within its weighted share of
   the queue is still queued, and the one over its share is refused (``queue_full``, naming
   the share), so a flood sheds the flooder, not its neighbours.
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 Keyed = tuple[tuple[float, ...], Request]
 # How long after its last arrival a tenant counts as present with nothing in the engine. A
 # tenant at 0.5 req/s leaves a gap this long once in ~20,000 arrivals; the cost to another
-# tenant's overdue flood meanwhile is capped steps (~7% of its prefill rate here).
+# tenant's flood meanwhile is shorter steps (~12% of its prefill rate here).
 TENANT_PRESENCE_S = 30.0
 
 

@@ -28,7 +28,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import tailserve
 from tailserve.config import EngineArgs
-from tailserve.engine.client import EngineClient, EngineStartupError, MPEngineClient
+from tailserve.engine.client import EngineClient, EngineStartupError
+from tailserve.engine.mp_client import MPEngineClient
 from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.obs.metrics import ServerMetrics
 from tailserve.obs.timeline import Timeline

@@ -33,7 +33,7 @@ from tailserve.server.responses import (
     text_part,
     usage,
 )
-from tailserve.server.serving import GenerationStream
+from tailserve.server.streaming import GenerationStream
 
 _FINAL_EVENT = {
     "completed": "response.completed", "incomplete": "response.incomplete",

@@ -8,14 +8,12 @@ endpoint's formatter (``formatting.py``), to the one path that answers in one bo
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tailserve.engine.client import EngineDeadError
 from tailserve.engine.input_processor import Prompt
@@ -23,7 +21,7 @@ from tailserve.errors import InvalidRequestError, QueueFullError, SLOUnattainabl
 from tailserve.request import SLO
 from tailserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from tailserve.server.context import ServerContext
-from tailserve.server.errors import APIError, bad_request, engine_error, error_body
+from tailserve.server.errors import APIError, bad_request, engine_error
 from tailserve.server.formatting import ChatFormatter, CompletionFormatter, OpenAIFormatter
 from tailserve.server.generation import Choice, ClientGone, Generation
 from tailserve.server.protocol import (
@@ -33,6 +31,7 @@ from tailserve.server.protocol import (
 )
 from tailserve.server.request_fields import Endpoint, check_fields
 from tailserve.server.slo import request_slo
+from tailserve.server.streaming import GenerationStream, chat_events
 from tailserve.server.structured import structured_outputs_of
 from tailserve.server.tenants import DEFAULT_TENANT, Tenant, tenant_salt
 from tailserve.server.tools import (
@@ -312,72 +311,8 @@ class OpenAIServing:
         # Wait for the first output before answering, so a rejection still gets its status.
         first = await self._next_outputs(gen, http)
 
-        async def events() -> AsyncIterator[str]:
-            changed = first
-            started: set[int] = set()
-            # Why the stream ended early, if it did: a client gone cancels this task (or
-            # closes the generator); anything else is a failure of ours.
-            reason = "server_error"
-            try:
-                while True:
-                    deltas = []
-                    for c in sorted(changed, key=lambda c: c.index):
-                        d = gen.delta(c, holdback=True)
-                        if d.text or d.finish_reason or c.index not in started:
-                            deltas.append(d)
-                    if deltas:
-                        chunk = fmt.chunk(rid, deltas, started)
-                        started.update(d.choice.index for d in deltas)
-                        if gen.done and not include_usage:
-                            chunk["tailserve_timing"] = gen.ordered_choices()[0].timing
-                        yield _sse(chunk)
-                    if gen.done:
-                        break
-                    changed = await gen.next_outputs()
-                if include_usage:
-                    yield _sse(fmt.usage_chunk(rid, chunk, gen))
-            except EngineDeadError as exc:
-                err = engine_error(f"the engine failed: {exc}")
-                yield _sse(error_body(err.message, err.type, None, err.code))
-            except (asyncio.CancelledError, GeneratorExit):
-                reason = "client_disconnect"
-                raise
-            finally:
-                # Client gone or any failure: free the blocks, and record why.
-                if not gen.done:
-                    gen.abort(reason)
-            yield "data: [DONE]\n\n"
-
-        return GenerationStream(
-            events(), gen, headers={"x-request-id": http.state.request_id,
-                                    "cache-control": "no-cache"},
-        )
-
-
-class GenerationStream(StreamingResponse):
-    """A generation's SSE response that aborts the generation whenever the response ends
-    before the generation did, including when its body never ran.
-
-    Starlette iterates the body only after sending the response start, so cleanup inside the
-    body generator is not enough: a server on ASGI spec 2.4 raises on sending to a client that
-    has gone (Starlette turns it into ``ClientDisconnect``) before the generator is entered,
-    and a generator never entered never runs its ``finally``; its engine requests would run
-    on to max_tokens for nobody. ``abort`` finishes only what is still unfinished, so the
-    body's own cleanup and this one never count a choice twice.
-    """
-
-    def __init__(
-        self, content: AsyncIterator[str], gen: Generation, headers: dict[str, str]
-    ) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.generation = gen
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.generation.done:
-                self.generation.abort("client_disconnect")
+        headers = {"x-request-id": http.state.request_id, "cache-control": "no-cache"}
+        return GenerationStream(chat_events(gen, first, rid, include_usage, fmt), gen, headers)
 
 
 def _check_common(body: _SamplingFields, endpoint: Endpoint) -> None:
@@ -401,7 +336,3 @@ def _completion_max_tokens(body: CompletionRequest) -> int | None:
 
 def _engine_id() -> str:
     return uuid.uuid4().hex
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

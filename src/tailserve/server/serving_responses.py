@@ -14,7 +14,8 @@ from tailserve.server.errors import APIError, bad_request
 from tailserve.server.request_fields import check_fields
 from tailserve.server.responses import PARAM_NAMES, ResponsesRequest, chat_request, from_chat
 from tailserve.server.responses_stream import response_stream
-from tailserve.server.serving import GenerationStream, OpenAIServing
+from tailserve.server.serving import OpenAIServing
+from tailserve.server.streaming import GenerationStream
 
 
 class OpenAIServingResponses:
