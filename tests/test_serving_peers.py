@@ -204,10 +204,12 @@ def test_capacity_sweep_against_a_fake_server(sp: ModuleType, tmp_path: Path,
     """The harness's rate sweep: each rate is one client run; a fake client whose requests
     all meet the SLOs up to 2 req/s and none above."""
     seen: list[tuple[float, int]] = []
+    sizes: list[int] = []
 
     def fake_client(client: str, args: Any, server: Any, w: Any, seed: int, out_dir: str,
                     tag: str) -> tuple[dict[str, Any], str]:
         seen.append((w.request_rate, seed))
+        sizes.append(w.num_prompts)
         ttft = 0.2 if w.request_rate <= 2.0 else 5.0
         n = w.num_prompts
         return {"errors": [""] * n, "ttfts": [ttft] * n, "itls": [[0.01]] * n,
@@ -225,7 +227,10 @@ def test_capacity_sweep_against_a_fake_server(sp: ModuleType, tmp_path: Path,
     assert (c90["capacity_req_s"], c90["lowest_missing_rate"]) == (
         2.0, pytest.approx(2 * 2 ** 0.25))
     assert [p["goodput_share"] for p in cap["points"]] == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert cap["points"][0]["request_goodput"] == pytest.approx(1.0)  # 10 good in 10 s
+    # At least --capacity-seconds (60) of arrivals a rate: 60 requests at 1 req/s, not 10.
+    assert sizes == [60, 120, 240, 170, 143]
+    assert cap["points"][0]["request_goodput"] == pytest.approx(6.0)  # 60 good in 10 s
+    assert cap["min_arrival_s"] == 60.0
     with pytest.raises(SystemExit):
         sp.parse_args(["--client", "tailserve", "--capacity", "single"])  # closed loop
 
