@@ -59,7 +59,7 @@ from tailserve.engine.latency import (
 )
 from tailserve.engine.step_budget import StepBudget
 from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
-from tailserve.engine.step_time import prefill_step_cap, step_time_target
+from tailserve.engine.step_time import prefill_step_cap, present_tenants, step_time_target
 from tailserve.engine.tenant_share import TenantShares
 from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
 from tailserve.errors import InvalidRequestError
@@ -236,8 +236,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step: the phases of ``engine/step_phases.py`` over one ``StepBudget``."""
         b = StepBudget(tokens=self.config.max_num_batched_tokens, now=self._clock())
-        b.shared = len(self.tenants.present(
-            itertools.chain(self.running, self.waiting), b.now)) > 1
+        b.present = present_tenants(self, b.now)
         partials = schedule_decodes(self, b)
         b.target_s = step_time_target(self, b)
         schedule_prefills(self, b, partials)

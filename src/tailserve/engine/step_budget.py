@@ -35,11 +35,16 @@ class StepBudget:
     # waiting requests may still be admitted (strict order keeps the aging bound).
     blocked_by: BlockedReason | None = None
     admitting: bool = True
-    # More than one tenant is present (``TenantShares.present``): another tenant's prompt
-    # may arrive into this step's time.
-    shared: bool = False
+    # The tenants present when the step began (``TenantShares.present``).
+    present: set[str | None] = field(default_factory=set)
     # Tenants whose prompt (or recompute) completes in this step: it gives them a token.
     completing_tenants: set[str | None] = field(default_factory=set)
+
+    @property
+    def shared(self) -> bool:
+        """More than one tenant is present: another tenant's prompt may arrive into this
+        step's time."""
+        return len(self.present) > 1
 
     def take_decode(self, request_id: str, context: int) -> None:
         """One decode token of a request whose context (computed tokens + 1) is ``context``."""

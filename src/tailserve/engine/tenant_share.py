@@ -77,12 +77,6 @@ class TenantShares:
         recent = {t for t, at in self._last_arrival.items() if now - at <= TENANT_PRESENCE_S}
         return recent | {r.tenant for r in in_engine}
 
-    def others_present(self, tenants: set[str | None], in_engine: Iterable[Request],
-                       now: float) -> bool:
-        """Whether a tenant outside ``tenants`` has a request in the engine
-        (``in_engine``) or arrived within ``TENANT_PRESENCE_S`` of ``now``."""
-        return bool(self.present(in_engine, now) - tenants)
-
     def sync(self, tenants: Iterable[str | None]) -> bool:
         """Start a step whose prefill candidates belong to ``tenants``: forget the others,
         start a newcomer at the least service among those pending (0); True when more
