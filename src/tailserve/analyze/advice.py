@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from tailserve.analyze.attribution import NONE_FACTOR, CauseShare, MetricTail, time_ranges
+from tailserve.analyze.contention import evidence as contention_evidence
+from tailserve.analyze.contention import intervals
 from tailserve.analyze.counters import signal_evidence
 from tailserve.analyze.data import BLOCKED_KV, RunData, Steps
 from tailserve.analyze.evidence import sentences
@@ -194,6 +196,12 @@ def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,
         c.advice = ("steps took far longer than their batch explains: look for GC pauses, "
                     "CPU contention (other processes, too many threads) or allocator stalls "
                     "at those times.")
+    elif c.cause == "cpu_contention":
+        a, b = intervals(s, run)
+        ev |= contention_evidence(run, a[mt.tail][hit], b[mt.tail][hit])
+        c.advice = ("other processes took the cores tailserve computes on (its kernels use "
+                    "every core they are given): move that work off this host, or give "
+                    "tailserve cores of its own (a cpuset, or taskset for the rest).")
     elif c.cause == "client_or_network":
         part = s.parts.get("client_or_network")
         if part is not None:

@@ -144,6 +144,8 @@ def signal_evidence(cause: str, run: RunData) -> dict[str, Any]:
             ev["max_kv_usage"] = round(float(np.nanmax(sr.value[key])), 4)
         if bound.any():
             ev["kv_bound_windows_s"] = time_ranges(sr.t[bound > 0], start)
+    if cause == "queueing":
+        ev |= slot_evidence(run.samples)
     if cause in ("queueing", "kv_cache_pressure") and sr.has("waiting"):
         w = sr.value["waiting"]
         ev["max_waiting"] = int(np.nanmax(w))
@@ -160,4 +162,23 @@ def signal_evidence(cause: str, run: RunData) -> dict[str, Any]:
         if tok > 0:
             ev["server_ms_per_1k_prompt_tokens"] = _ms(
                 float(sr.delta["prompt_seconds"][1:].sum()) / tok * 1000.0)
+    return ev
+
+
+def slot_evidence(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama-server's /slots at each sample (bench/observe.py): how often every slot was busy
+    (a request that arrives then waits for one), and how much of its context the fullest slot
+    held (a request past it fails or shifts its context: it never waits for KV)."""
+    views = [x["slots"] for x in samples if isinstance(x.get("slots"), list) and x["slots"]]
+    if not views:
+        return {}
+    busy = [sum(1 for s in v if s.get("is_processing")) for v in views]
+    use = [(float(s.get("n_prompt_tokens") or 0) + float(s.get("n_decoded") or 0))
+           / float(s["n_ctx"]) for v in views for s in v
+           if s.get("is_processing") and isinstance(s.get("n_ctx"), (int, float)) and s["n_ctx"]]
+    n = max(len(v) for v in views)
+    ev: dict[str, Any] = {"slots": n, "all_slots_busy_share": round(
+        sum(1 for b, v in zip(busy, views, strict=True) if b >= len(v)) / len(views), 4)}
+    if use:
+        ev["max_slot_context_use"] = round(max(use), 4)
     return ev

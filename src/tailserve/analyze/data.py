@@ -155,6 +155,10 @@ class RunData:
     # there is none when NVML could not be read.
     gpu_samples: list[dict[str, Any]] = field(default_factory=list)
     gpu_why_not: str | None = None
+    # The CPU time of the server's host, its process tree and the client at each sample
+    # (bench/host_cpu.py; analyze/contention.py), and why there is none.
+    host_cpu_samples: list[dict[str, Any]] = field(default_factory=list)
+    host_cpu_why_not: str | None = None
 
     @property
     def has_spans(self) -> bool:
@@ -288,6 +292,9 @@ def run_from_result(result: dict[str, Any],
     _identify(run, server, ts.get("environment") or result.get("environment"))
     run.gpu_samples = [x for x in server.get("gpu_samples") or [] if isinstance(x, dict)]
     run.gpu_why_not = server.get("gpu_why_not")
+    run.host_cpu_samples = [x for x in server.get("host_cpu_samples") or []
+                            if isinstance(x, dict)]
+    run.host_cpu_why_not = server.get("host_cpu_why_not")
     return run
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 from tailserve.analyze.advice import explain
 from tailserve.analyze.attribution import MetricTail, attribute
+from tailserve.analyze.contention import CAUSE as CONTENTION
+from tailserve.analyze.contention import carve_contention
 from tailserve.analyze.counters import counter_samples
 from tailserve.analyze.data import RunData
 from tailserve.analyze.gpu_memory import gpu_watermark
@@ -113,6 +115,9 @@ def diagnose(run: RunData, percentile: float = 99.0,
     if not run.has_timing and run.has_spans and apply_spans(run, samples):
         # vLLM's request spans: the server's own TTFT, so the client's time is judged too.
         judged = (*judged, "client_or_network")
+    judged = tuple(c for c in judged if c != CONTENTION)
+    if carve_contention(samples, run):  # the host's CPU, when bench ran beside the server
+        judged = (*judged, CONTENTION)
     cannot = [c for c in SERVER_CAUSES if c not in judged]
     tails: dict[str, MetricTail] = {}
     for m in METRICS:
@@ -153,6 +158,10 @@ def _judged_by_signals(run: RunData) -> tuple[str, ...]:
 def _why_not(run: RunData, cause: str) -> str:
     from tailserve.analyze.engines import OTHER
 
+    if cause == CONTENTION:
+        return run.host_cpu_why_not or (
+            "the bench recorded no CPU samples of the server's host (a result from before "
+            "bench read /proc, or --no-observe): run bench on the server's host")
     if run.has_timing:
         return "the result has no server step timeline (bench --no-observe, or no " \
             "/debug/timeline): record it, or pass --timeline"
@@ -199,9 +208,12 @@ def _diagnose_replicas(run: RunData, percentile: float) -> Diagnosis:
 
 def _findings(d: Diagnosis) -> list[str]:
     out = [] if d.slo is None else [d.slo.sentence()]
-    if d.cannot_judge:
-        whys = "; ".join(f"{c}: {d.cannot_why.get(c, 'not recorded')}" for c in d.cannot_judge)
-        out.append(f"Cannot judge {', '.join(d.cannot_judge)} from what "
+    # What the engine does not show comes first; the host's CPU is not the engine's to show
+    # (it takes bench on the server's host), so that one is said last.
+    engine_cannot = [c for c in d.cannot_judge if c != CONTENTION]
+    if engine_cannot:
+        whys = "; ".join(f"{c}: {d.cannot_why.get(c, 'not recorded')}" for c in engine_cannot)
+        out.append(f"Cannot judge {', '.join(engine_cannot)} from what "
                    f"{d.run.engine_label} exposed ({whys}).")
     for m, t in d.tails.items():
         top = t.causes[0] if t.causes else None
@@ -218,6 +230,8 @@ def _findings(d: Diagnosis) -> list[str]:
     for w in d.windows[:5]:
         out.append(f"P99 jump at {w['summary']}.")
     out += gpu_sentences(gpu_watermark(d.run))
+    if CONTENTION in d.cannot_judge:
+        out.append(f"Cannot judge {CONTENTION}: {d.cannot_why.get(CONTENTION, 'not recorded')}.")
     if d.errors:
         total = sum(d.errors.values())
         kinds = ", ".join(f"{k} ×{v}" for k, v in sorted(d.errors.items(), key=lambda x: -x[1]))

@@ -47,12 +47,27 @@ TEMPLATES: list[_Template] = [
     (("max_waiting", "max_waiting_at_s"),
      lambda e: f"Up to {e['max_waiting']} requests waited, at t={e['max_waiting_at_s']:g} s."),
     (("max_waiting",), lambda e: f"Up to {e['max_waiting']} requests waited at once."),
+    (("slots", "all_slots_busy_share"),
+     lambda e: f"All {e['slots']} slots were busy in {_pct(e['all_slots_busy_share'])} of the "
+               "samples of /slots."),
+    (("max_slot_context_use",),
+     lambda e: f"The fullest busy slot held {_pct(e['max_slot_context_use'])} of its context."),
     (("server_queue_mean_ms",),
      lambda e: f"The server's queue-time histogram says {_dur(e['server_queue_mean_ms'])} per "
                "request on average"
                + (f", {_dur(e['server_queue_worst_window_mean_ms'])} in the worst window "
                   f"(t={e['server_queue_worst_window_at_s']:g} s)."
                   if "server_queue_worst_window_mean_ms" in e else ".")),
+    # cpu_contention
+    (("other_cores_tail_mean", "host_cores", "other_cores_run_mean"),
+     lambda e: f"Other processes on the server's host used {e['other_cores_tail_mean']:g} of "
+               f"its {e['host_cores']} cores during the tail samples, against "
+               f"{e['other_cores_run_mean']:g} over the whole run."),
+    (("server_wait_share_tail",),
+     lambda e: f"The server's threads waited for a CPU {_pct(e['server_wait_share_tail'])} of "
+               "the time they were ready to run."),
+    (("other_cores_max", "other_cores_max_at_s"),
+     lambda e: f"At most {e['other_cores_max']:g} cores, at t={e['other_cores_max_at_s']:g} s."),
     # kv_cache_pressure
     (("steps_blocked_by_kv_cache", "share_of_steps"),
      lambda e: f"{e['steps_blocked_by_kv_cache']} steps ({_pct(e['share_of_steps'])}) held "

@@ -176,12 +176,15 @@ def bare_id(request_id: str) -> str:
 
 
 def match_spans(spans: list[RequestSpan], request_ids: list[str]) -> dict[str, RequestSpan]:
-    """request id -> its span (by id, or by id less vLLM's prefix); the last span wins when a
-    file holds one request twice (a collector that retried an export)."""
+    """request id -> its span (by id, or by id less vLLM's prefix and prompt index); the last
+    span wins when a file holds one request twice (a collector that retried an export)."""
     wanted = set(request_ids)
     out: dict[str, RequestSpan] = {}
     for s in spans:
-        for key in (s.request_id, bare_id(s.request_id)):
+        bare = bare_id(s.request_id)
+        # /v1/completions takes a list of prompts, so vLLM 0.32 names each one's request
+        # ``cmpl-<X-Request-Id>-<prompt index>`` (a real server's spans: cmpl-bench-…-0-0-0).
+        for key in (s.request_id, bare, bare.rsplit("-", 1)[0]):
             if key in wanted:
                 out[key] = s
                 break

@@ -25,7 +25,7 @@ from tailserve.analyze.stepmodel import StepModel, WindowSums, nonneg_lstsq
 # this much slack keeps a request's last step inside its window.
 SLACK_S = 1e-3
 SERVER_CAUSES = ("queueing", "prefill_interference", "own_prefill", "preemption",
-                 "kv_cache_pressure", "engine_stall", "client_or_network")
+                 "kv_cache_pressure", "engine_stall", "client_or_network", "cpu_contention")
 CLIENT_CAUSES = ("queueing", "own_prefill", "prefill_interference")
 
 
@@ -161,6 +161,24 @@ def _server_itl(run: RunData, qs: list[Req], ri: np.ndarray, preempted: np.ndarr
     })
 
 
+# Sends this close are one burst: the server sees them in whatever order its sockets give.
+SAME_SEND_S = 2e-3
+
+
+def queue_ahead(send: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Per request, the queue ahead of it: requests sent no later than it (within
+    ``SAME_SEND_S``) that were still waiting when it was sent and got their first token
+    before it did. With distinct send times that is the requests it found waiting, served
+    first (FCFS); in a burst sent all at once, where the server's arrival order is not the
+    client's, it is how many of the burst were served before it."""
+    out = np.zeros(len(send))
+    for i0 in range(0, len(send), 512):  # 512 x n booleans at a time
+        s, f = send[i0:i0 + 512, None], first[i0:i0 + 512, None]
+        ahead = (send[None, :] <= s + SAME_SEND_S) & (first[None, :] > s) & (first[None, :] < f)
+        out[i0:i0 + 512] = ahead.sum(axis=1)
+    return out
+
+
 def client_samples(run: RunData) -> dict[str, Samples]:
     """Another server: what the client's own clock supports, by regression."""
     idx = [i for i, q in enumerate(run.requests) if q.ok and q.ttft_s is not None]
@@ -171,13 +189,7 @@ def client_samples(run: RunData) -> dict[str, Samples]:
     send = _arr([q.send_t for q in qs])
     timed = bool(len(qs)) and not np.isnan(send).any()
     first = send + ttft if timed else np.full(len(qs), np.nan)
-    # Requests sent earlier that had not yet seen a first token: the queue ahead of this one.
-    ahead = np.zeros(len(qs))
-    if timed:
-        order = np.sort(first)
-        ahead = (np.searchsorted(np.sort(send), send, side="left")
-                 - np.searchsorted(order, send, side="right")).astype(float)
-        ahead = np.maximum(ahead, 0.0)
+    ahead = queue_ahead(send, first) if timed else np.zeros(len(qs))
     x = np.column_stack([np.ones_like(plen), plen, plen * plen / 1000.0, ahead])
     coef = nonneg_lstsq(x, ttft) if len(qs) > x.shape[1] else np.zeros(4)
     own = coef[1] * plen + coef[2] * plen * plen / 1000.0

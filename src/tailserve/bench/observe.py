@@ -13,22 +13,28 @@ JSON over a pipe when the step ends.
 
 With the "before", every "during" and the "after" sample the observer also reads this host's
 GPU memory through NVML when it can (bench/gpu.py: ``gpu_samples``, and ``gpu_why_not`` when
-it cannot), so the seeds' memory watermark shares the time window.
+it cannot), so the seeds' memory watermark shares the time window; and, when the server is on
+this host, the CPU time the host gave to other work (bench/host_cpu.py: ``host_cpu_samples``,
+else ``host_cpu_why_not``), for diagnose's ``cpu_contention``.
 
 Against a server without these routes the parts are simply absent; other engines' gauges,
 counters and histogram sums and counts are sampled too when present (``vllm:``, ``sglang:``,
-``llamacpp:``): analyze/engines/ reads them as per-window deltas.
+``llamacpp:``): analyze/engines/ reads them as per-window deltas. llama-server's ``/slots``
+(each slot's context size, whether it is busy, the tokens it holds) goes with each of its
+samples as ``slots``.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 from tailserve.bench.gpu import GpuWatermark
+from tailserve.bench.host_cpu import HostCpu
 
 GAUGES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -99,6 +105,17 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def available_gauges(text: str) -> list[str]:
     return sorted(parse_metrics(text))
+
+
+def slot_numbers(slot: dict[str, Any]) -> dict[str, Any]:
+    """One /slots entry of llama-server, kept to what diagnose reads: the tokens a slot
+    holds are its prompt's plus those decoded so far."""
+    nxt = slot.get("next_token")
+    decoded = nxt[0].get("n_decoded") if isinstance(nxt, list) and nxt and \
+        isinstance(nxt[0], dict) else None
+    return {"id": slot.get("id"), "n_ctx": slot.get("n_ctx"),
+            "is_processing": bool(slot.get("is_processing")),
+            "n_prompt_tokens": slot.get("n_prompt_tokens"), "n_decoded": decoded}
 
 
 def timeline_key(record: dict[str, Any]) -> tuple[Any, ...]:
@@ -180,6 +197,7 @@ class _Target:
         self.errors: list[str] = []
         self.start = start
         self.since = start - TIMELINE_OVERLAP_S
+        self.slots: bool | None = None  # None: not known yet whether /slots is there
 
     def sample(self, phase: str) -> None:
         from tailserve.bench import BenchError
@@ -202,7 +220,30 @@ class _Target:
         if status != 200:
             self.samples.append({"t": t, "phase": phase, "error": f"HTTP {status}"})
             return
-        self.samples.append({"t": t, "phase": phase, "values": parse_metrics(raw.decode())})
+        values = parse_metrics(raw.decode())
+        sample: dict[str, Any] = {"t": t, "phase": phase, "values": values}
+        if self.slots is None:  # first sample: is it llama-server, whose /slots says more?
+            self.slots = any(k.startswith("llamacpp:") for k in values)
+        if self.slots:
+            sample["slots"] = self._slots()
+        self.samples.append(sample)
+
+    def _slots(self) -> list[dict[str, Any]] | None:
+        """llama-server's /slots, the numbers only (each slot's context size, whether it is
+        busy and the tokens it holds; not the prompt and text it also returns)."""
+        from tailserve.bench import BenchError
+
+        try:
+            status, body = self.http.get_json("/slots")
+        except BenchError as exc:
+            self.errors.append(f"/slots: {exc}")
+            self.slots = False
+            return None
+        if status != 200 or not isinstance(body, list):
+            self.errors.append(f"/slots: HTTP {status} (llama-server --no-slots?)")
+            self.slots = False
+            return None
+        return [slot_numbers(x) for x in body if isinstance(x, dict)]
 
     def poll_timeline(self) -> None:
         from tailserve.bench import BenchError
@@ -264,10 +305,16 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
     start = time.time()
     watched = [_Target(url, headers, m, t, h, start) for url, m, t, h in targets]
     g = _Gpu(gpu)
-    sampled = any(w.metrics or w.health for w in watched) or g.reader is not None
+    # The host's CPU (bench/host_cpu.py) goes with the main server's observation, like the GPU.
+    # The observer's parent is the bench process: the client whose CPU is not "other work".
+    hc = HostCpu(targets[0][0], os.getppid()) if targets and not targets[0][3] else None
+    sampled = any(w.metrics or w.health for w in watched) or g.reader is not None or (
+        hc is not None and hc.server_pid is not None)
     for w in watched:
         w.sample("before")
     g.sample("before")
+    if hc is not None:
+        hc.sample("before")
     conn.send_bytes(b"ready")
     next_sample = time.monotonic() + interval_s
     next_poll = time.monotonic() + TIMELINE_POLL_S
@@ -281,6 +328,8 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
             for w in watched:
                 w.sample("during")
             g.sample("during")
+            if hc is not None:
+                hc.sample("during")
             next_sample += interval_s
             if next_sample < now:  # a slow scrape: skip the missed ticks, don't burst
                 next_sample = now + interval_s
@@ -292,7 +341,11 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
         w.sample("after")
         w.poll_timeline()
     g.sample("after")
+    if hc is not None:
+        hc.sample("after")
     results = [w.result() for w in watched]
     if results and g.reader is not None:
         results[0] |= g.result()  # ObserverProcess puts the main server first
+    if results and hc is not None:
+        results[0] |= hc.result()
     conn.send_bytes(json.dumps(results).encode())

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tailserve.analyze.engines import llamacpp, sglang, tailserve, vllm
-from tailserve.analyze.engines.base import Engine, Series, build_series
+from tailserve.analyze.engines.base import CONTENTION_BASIS, Engine, Series, build_series
 
 __all__ = ["FAMILIES", "OTHER", "Engine", "Series", "build_series", "identify"]
 
@@ -20,7 +20,8 @@ FAMILIES: tuple[Engine, ...] = (tailserve.ENGINE, vllm.ENGINE, sglang.ENGINE, ll
 _NO_METRICS = "the server's /metrics was not recorded (or the engine is unknown)"
 OTHER = Engine(
     family="other", name="an OpenAI-compatible server", prefix="",
-    basis={"queueing": "TTFT against the requests still waiting for a first token (client "
+    basis={"cpu_contention": CONTENTION_BASIS,
+           "queueing": "TTFT against the requests still waiting for a first token (client "
                        "clock)",
            "own_prefill": "TTFT against prompt length (client clock)",
            "prefill_interference": "ITL gaps that hold other requests' first tokens (client "
@@ -32,7 +33,9 @@ OTHER = Engine(
              "client_or_network": "no per-request server timing; tailserve_timing or "
                                   "request traces would let it be judged"},
     # Flag-free: the engine is unknown, so no flag of any engine is named.
-    advice={"queueing": "offered load exceeds what the server completes at this mix: add "
+    advice={"cpu_contention": "other processes took the cores the server computes on: move "
+                              "that work off this host, or give the server cores of its own.",
+            "queueing": "offered load exceeds what the server completes at this mix: add "
                         "capacity or replicas, or shed load before it queues.",
             "queueing_burst": "requests wait for admission in bursts: smooth the arrivals or "
                               "add headroom (more concurrent sequences, if memory allows).",

@@ -20,6 +20,11 @@ from typing import Any
 
 import numpy as np
 
+# Every engine's cpu_contention rests on the host, not on the engine (analyze/contention.py).
+CONTENTION_BASIS = ("the CPU the server's host gave to other processes (bench on the server's "
+                    "host reads /proc: the host's busy time less the server's process tree "
+                    "and the client's)")
+
 # How a metric is read: a gauge's value at the sample, or a counter's increase since the
 # previous sample (histogram ``_sum`` / ``_count`` series are counters too).
 GAUGE, COUNTER, FRACTION = "gauge", "counter", "fraction"

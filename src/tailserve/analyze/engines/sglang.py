@@ -7,7 +7,14 @@ preemption) are not exported as a counter, and there are no step durations.
 
 from __future__ import annotations
 
-from tailserve.analyze.engines.base import COUNTER, FRACTION, GAUGE, Engine, Signal
+from tailserve.analyze.engines.base import (
+    CONTENTION_BASIS,
+    COUNTER,
+    FRACTION,
+    GAUGE,
+    Engine,
+    Signal,
+)
 
 ENGINE = Engine(
     family="sglang", name="SGLang", prefix="sglang:", owned_by=("sglang",),
@@ -24,6 +31,7 @@ ENGINE = Engine(
         "prompt_tokens": Signal("sglang:prompt_tokens_total", COUNTER),
     },
     basis={
+        "cpu_contention": CONTENTION_BASIS,
         "queueing": "TTFT against the requests still waiting for a first token, with "
                     "sglang:num_queue_reqs and the sglang:queue_time_seconds histogram",
         "kv_cache_pressure": "the wait spent while sglang:num_queue_reqs > 0 with "
@@ -39,6 +47,9 @@ ENGINE = Engine(
         "client_or_network": "SGLang has no per-request server timing in its responses",
     },
     advice={
+        "cpu_contention": ("other processes took the cores SGLang computes on: "
+                           "move that work off this host, or run SGLang on cores of its own "
+                           "(a cpuset, or taskset for the rest)."),
         "queueing": "offered load exceeds what SGLang serves at this mix: add replicas or "
                     "raise --max-running-requests if the KV pool allows; shed load at the "
                     "router.",

@@ -7,11 +7,12 @@ reads the run's own step sizing (``--slo-itl-ms``).
 
 from __future__ import annotations
 
-from tailserve.analyze.engines.base import Engine
+from tailserve.analyze.engines.base import CONTENTION_BASIS, Engine
 
 ENGINE = Engine(
     family="tailserve", name="tailserve", prefix="tailserve:", owned_by=("tailserve",),
     basis={
+        "cpu_contention": CONTENTION_BASIS,
         "queueing": "each request's queue_s from tailserve_timing, while admission was held "
                     "by --max-num-seqs or the token budget (the timeline's admission_blocked_by)",
         "kv_cache_pressure": "queue_s while the timeline's steps were blocked by free KV blocks",

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tailserve.analyze.engines.base import COUNTER, FRACTION, GAUGE, Engine, Signal
+from tailserve.analyze.engines.base import (
+    CONTENTION_BASIS,
+    COUNTER,
+    FRACTION,
+    GAUGE,
+    Engine,
+    Signal,
+)
 
 ENGINE = Engine(
     family="vllm", name="vLLM", prefix="vllm:", owned_by=("vllm",),
@@ -33,6 +40,7 @@ ENGINE = Engine(
         "prompt_tokens": Signal("vllm:prompt_tokens_total", COUNTER),
     },
     basis={
+        "cpu_contention": CONTENTION_BASIS,
         "queueing": "TTFT against the requests still waiting for a first token, with "
                     "vllm:num_requests_waiting and the vllm:request_queue_time_seconds "
                     "histogram's per-window deltas",
@@ -53,6 +61,10 @@ ENGINE = Engine(
                              "time",
     },
     advice={
+        "cpu_contention": ("other processes took the cores vLLM computes on: move "
+                           "that work off this host, or give vLLM's OpenMP threads cores of "
+                           "their own (VLLM_CPU_OMP_THREADS_BIND, with "
+                           "VLLM_CPU_NUM_OF_RESERVED_CPU left for its serving process)."),
         "queueing": "offered load exceeds what vLLM serves at this mix: add replicas, or "
                     "raise --max-num-seqs / --max-num-batched-tokens if KV memory allows; "
                     "vLLM has no queue bound, so shed load at the router.",
