@@ -42,12 +42,12 @@ from tailserve.model.transforms.gguf_linear import GGUFLinear
 from test_cpu_decode import decode_batch
 from test_engine_parity import hf_greedy, ts_greedy
 from test_gguf_packed import TINY_RTOL, make_runner
-from tiny_models import build_tiny_mistral, build_tiny_phi3, build_tiny_qwen3
+from tiny_models import build_tiny_llama, build_tiny_mistral, build_tiny_phi3, build_tiny_qwen3
 
 Q = gguf.GGMLQuantizationType
 NEW_TOKENS = 64
 ARCHS = {"Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3, "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
-         "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA}
+         "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA, "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA}
 
 
 def prompts_for(lengths: list[int]) -> list[list[int]]:
@@ -102,7 +102,7 @@ def write_gguf(path: Path, hf: Any, qtype: Any, *, permute: bool | None = None,
         writer.add_value_length(head_dim)
     if arch == gguf.MODEL_ARCH.PHI3:  # Phi3MiniModel writes the window always, 0 for none
         writer.add_sliding_window(c.sliding_window or 0)
-    elif c.sliding_window is not None:  # a converter that writes Mistral's window
+    elif getattr(c, "sliding_window", None) is not None:  # a converter that writes Mistral's window
         writer.add_sliding_window(c.sliding_window)
     for key, value in (metadata or {}).items():
         writer.add_key_value(key, value[0], value[1])
@@ -191,6 +191,50 @@ def test_gguf_family_matches_transformers(tmp_path: Path, builder: Any, qtype: A
                    slo_itl_ms=None, scheduling_policy="fcfs")
     assert ts_greedy(small, prompts, NEW_TOKENS) == want
     assert small.engine.scheduler.num_preemptions_total > 0
+
+
+# Llama 3.1's rope scaling, with a pre-training context small enough that the tiny model's
+# 8 rotation frequencies fall in all three bands (kept, blended, stretched 8x).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def test_llama31_rope_freqs_match_transformers_llama3_scaling(tmp_path: Path) -> None:
+    """llama.cpp's converter writes Llama 3.1's rope scaling as ``rope_freqs.weight``: per
+    rotation frequency, the divisor that turns the plain frequency into the scaled one (and
+    no scaling metadata). tailserve divides by it, as llama.cpp does; greedy tokens equal
+    transformers' with the llama3 rope_scaling dict, prompts past the 32-token context."""
+    folder = build_tiny_llama(tmp_path / "hf", max_position_embeddings=2048,
+                              rope_scaling=LLAMA3_ROPE)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # transformers' own scaled frequencies, against the plain ones of the same base.
+    scaled = hf.model.rotary_emb.inv_freq.float()
+    c = hf.config
+    theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
+    dim = c.hidden_size // c.num_attention_heads
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2).float() / dim))
+    factors = (plain / scaled).numpy().astype(np.float32)
+    assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(8.0)
+    assert ((factors > 1.01) & (factors < 7.99)).any()  # the blended band too
+    path = tmp_path / "l31.gguf"
+    hf.load_state_dict(write_gguf(path, hf, Q.Q8_0, extra={"rope_freqs.weight": factors}),
+                       strict=True)
+    f = read_gguf(str(path))
+    cfg = gguf_model_config(f)
+    assert cfg.rope_scaling == {"rope_type": "freq_factors",
+                                "freq_factors": [float(x) for x in factors]}
+    assert "rope_freqs.weight" not in load_gguf_weights(f, cfg)
+    prompts = prompts_for([5, 40, 300])
+    want = hf_greedy(hf, prompts, NEW_TOKENS)
+    llm = served(str(path), num_kv_blocks=200, max_num_batched_tokens=64, slo_itl_ms=None,
+                 scheduling_policy="fcfs")
+    assert ts_greedy(llm, prompts, NEW_TOKENS) == want
+    # Without the factors the same weights are another model past the short context.
+    plain_path = tmp_path / "plain.gguf"
+    write_gguf(plain_path, hf, Q.Q8_0)
+    other = served(str(plain_path), num_kv_blocks=200, max_num_batched_tokens=64,
+                   slo_itl_ms=None, scheduling_policy="fcfs")
+    assert ts_greedy(other, prompts, NEW_TOKENS) != want
 
 
 def test_qwen3_q_k_are_not_permuted(tmp_path: Path) -> None:

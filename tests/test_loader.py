@@ -401,15 +401,19 @@ def test_gguf_truncated_mid_tensor_or_mid_header(tmp_path: Path) -> None:
         load_model(str(tmp_path / "head.gguf"))
 
 
-def test_llama31_gguf_rope_freqs_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("factors", [np.array([1.0, -2.0, 4.0, 8.0]),
+                                     np.array([1.0, np.inf, 4.0, 8.0]), np.ones((2, 2))])
+def test_a_bad_llama31_rope_freqs_tensor_is_refused(tmp_path: Path, factors: Any) -> None:
+    # Served since it is read (test_gguf_families.py): these cannot be rope factors.
     writer = gguf.GGUFWriter(tmp_path / "l31.gguf", "llama")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))
+    writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="rope_freqs"):
+    with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight must be one positive, finite "
+                                             "factor per pair of rotated dimensions"):
         load_model(str(tmp_path / "l31.gguf"))
 
 

@@ -86,8 +86,11 @@ SCENARIOS: dict[str, Scenario] = {
                                                 "--max-model-len", "512"),
                                   _load(12, 224, 64, "--request-rate", "inf"),
                                   # tailserve admits optimistically (--admission-policy):
-                                  # the starved pool preempts, before first tokens too.
-                                  {"ttft": "preemption", "itl": "preemption"}),
+                                  # the starved pool preempts, before first tokens too. (The
+                                  # ITL tail is the victims' gaps and the recompute prefills
+                                  # in their neighbours' gaps: preemption or interference
+                                  # first, run to run.)
+                                  {"ttft": "preemption"}),
     # Whole prompts in one step, with no ITL SLO to size the steps: what vLLM does by default.
     "tailserve-interference": Scenario("tailserve", ("--no-enable-chunked-prefill",
                                                      "--slo-itl-ms", "none"), _INTERFERE,

@@ -22,7 +22,9 @@ from tailserve.model_features import (
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# freq_factors: llama.cpp's per-dimension divisors of the rope frequencies (a Llama 3.1+
+# GGUF's rope_freqs tensor, model/gguf.py), under "freq_factors".
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,10 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                 gguf.GGMLQuantizationType.BF16)
 
 
+# llama.cpp's Llama 3.1+ rope scaling, as per-dimension factors (``_rope_freqs``).
+ROPE_FREQS = "rope_freqs.weight"
+
+
 @dataclass(frozen=True)
 class StringArray:
     """A metadata array of strings that was counted but not read (see ``_MAX_STRING_ARRAY``)."""
@@ -211,13 +215,7 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
 
     if "token_embd.weight" not in f.tensors:
         raise ModelLoadError(f"{f.path} has no token_embd.weight tensor")
-    if "rope_freqs.weight" in f.tensors:
-        # llama.cpp writes Llama 3.1-style rope scaling as per-dimension factors with no
-        # parameters; the llama3 rope_scaling dict cannot be recovered from them exactly.
-        raise ModelLoadError(
-            f"{f.path} stores rope scaling as a rope_freqs tensor (Llama 3.1+ GGUF), which is not "
-            "supported; load the model's Hugging Face folder instead"
-        )
+    freq_factors = _rope_freqs(f)
     longrope = sorted(n for n in ("rope_factors_long.weight", "rope_factors_short.weight")
                       if n in f.tensors)
     if longrope:
@@ -264,7 +262,7 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         "max_position_embeddings": int(md.get(f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
-        "rope_scaling": rope_scaling(md, arch),
+        "rope_scaling": _with_factors(f.path, rope_scaling(md, arch), freq_factors),
         **sliding_window(f.path, f.metadata, arch),
         "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
         "attn_logit_softcapping": md.get(f"{arch}.attn_logit_softcapping"),
@@ -288,6 +286,35 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         return ModelConfig.from_hf(hf)
     except ModelLoadError as exc:  # what the file asks that is not served: name the file
         raise ModelLoadError(f"{f.path}: {exc}") from None
+
+
+def _rope_freqs(f: GGUFFile) -> list[float] | None:
+    """The per-dimension rope factors llama.cpp's converter writes for Llama 3.1+ rope scaling
+    (``rope_freqs.weight``: head_dim / 2 divisors of the inverse frequencies, no parameters;
+    llama.cpp divides each rotation frequency by its factor, and so does tailserve)."""
+    info = f.tensors.get(ROPE_FREQS)
+    if info is None:
+        return None
+    factors = f.dequantize(ROPE_FREQS)
+    if factors.dim() != 1 or not bool(torch.isfinite(factors).all()) or \
+            bool((factors <= 0).any()):
+        raise ModelLoadError(
+            f"{f.path}: {ROPE_FREQS} must be one positive, finite factor per pair of rotated "
+            f"dimensions; it has shape {list(info.shape)}"
+            + ("" if factors.dim() != 1 else f" and values {factors.min().item():g} to "
+               f"{factors.max().item():g}"))
+    return [float(x) for x in factors]
+
+
+def _with_factors(path: str, scaling: dict[str, Any] | None, factors: list[float] | None
+                  ) -> dict[str, Any] | None:
+    if factors is None:
+        return scaling
+    if scaling is not None:
+        raise ModelLoadError(
+            f"{path} has both a {ROPE_FREQS} tensor and rope scaling metadata "
+            f"({scaling.get('rope_type')}): one rope, two scalings; not served")
+    return {"rope_type": "freq_factors", "freq_factors": factors}
 
 
 def _kept_packed(info: Any) -> bool:
@@ -317,7 +344,9 @@ def load_gguf_weights(
     matrix of another quantized type is dequantized, with a warning naming it)."""
     family = GGUF_FAMILIES[f.architecture]  # gguf_model_config checked it
     # From the header, before seconds of dequantizing and before a tensor is allocated.
-    names = check_tensor_table(f.path, {n: i.shape for n, i in f.tensors.items()}, config,
+    # rope_freqs is the rope's configuration (ModelConfig.rope_scaling), not a weight.
+    names = check_tensor_table(f.path, {n: i.shape for n, i in f.tensors.items()
+                                        if n != ROPE_FREQS}, config,
                                family)
     split = fused_splitter(config)
     weights: dict[str, torch.Tensor] = {}

@@ -98,11 +98,18 @@ GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies for rope types default, linear and llama3 (float32, [head_dim/2])."""
+    """Inverse frequencies for rope types default, linear, llama3 and freq_factors (float32,
+    [head_dim/2])."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "default" or scaling is None:
         return inv_freq
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs: each frequency over its factor
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{len(factors)} rope frequency factors for a head of {head_dim} "
+                             f"dimensions (want {head_dim // 2})")
+        return inv_freq / factors
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return inv_freq / factor
