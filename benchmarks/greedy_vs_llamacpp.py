@@ -10,7 +10,8 @@ may go either way, and after a divergence the continuations are unrelated: at th
 divergence the top-2 logit margin (logprob 1 - logprob 2, the same difference in logits) is
 shown from both sides (the first engine named / the second).
 
-    PYTHONPATH=src python benchmarks/greedy_vs_llamacpp.py [--threads 1] [--json out.json]
+    PYTHONPATH=src python benchmarks/greedy_vs_llamacpp.py [--threads 1] [--gguf PATH]
+        [--json out.json]
 
 Starts llama-server through benchmarks/peers/start_llamacpp.sh (installed by
 install_llamacpp.sh; shared/PEERS.md) on the GGUF tailserve loads by default, or uses one
@@ -52,11 +53,11 @@ PROMPTS = [
 ]
 
 
-def tailserve_runs(prompts: list[list[int]], tokens: int, gguf_weights: str
+def tailserve_runs(prompts: list[list[int]], tokens: int, gguf_weights: str, model: str
                    ) -> list[dict[str, Any]]:
     from tailserve import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory=0.25, max_model_len=512, gguf_weights=gguf_weights)
+    llm = LLM(model, kv_cache_memory=0.25, max_model_len=512, gguf_weights=gguf_weights)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     runs = []
@@ -125,14 +126,25 @@ def main() -> int:
     ap.add_argument("--gguf-weights", default="packed",
                     help="tailserve's --gguf-weights, comma-separated to run several: packed "
                     "(the default, the blocks as stored) and/or dequantize (float32 reference)")
+    ap.add_argument("--gguf", default=None,
+                    help="another GGUF (default: the bundled SmolLM2); e.g. the Gemma 3 270M of "
+                    "tests/gemma3_gguf.py")
     ap.add_argument("--json", default=None, help="write the comparison here")
     args = ap.parse_args()
 
-    from tailserve.model.loader import default_model_path, load_tokenizer
+    from tailserve.model.gguf import read_gguf
+    from tailserve.model.loader import default_model_path
+    from tailserve.model.tokenizer import load_gguf_tokenizer
 
-    gguf = default_model_path()
-    tok = load_tokenizer(None)
+    gguf = args.gguf or default_model_path()
+    tok = load_gguf_tokenizer(gguf)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    # Both engines get ids, and neither adds BOS to ids: a model trained with BOS first
+    # (Gemma; the file's tokenizer.ggml.add_bos_token) gets it here, for both alike.
+    md = read_gguf(gguf).metadata
+    if md.get("tokenizer.ggml.add_bos_token") and md.get("tokenizer.ggml.bos_token_id") \
+            is not None:
+        ids = [[int(md["tokenizer.ggml.bos_token_id"]), *p] for p in ids]
     proc = None
     url = args.llama_url
     if url is None:
@@ -158,7 +170,7 @@ def main() -> int:
     results = {}
     runs = {}
     for choice in args.gguf_weights.split(","):
-        ts = runs[choice] = tailserve_runs(ids, args.tokens, choice)
+        ts = runs[choice] = tailserve_runs(ids, args.tokens, choice, gguf)
         result = results[f"{choice} vs llama.cpp"] = compare(PROMPTS, ts, lc, args.tokens)
         result["tailserve_weights"] = ts[0]["weights"]
     if len(runs) == 2:  # tailserve against itself: what the packed kernels' rounding does
