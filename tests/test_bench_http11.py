@@ -287,6 +287,40 @@ def test_keep_alive_reuse_and_connection_close() -> None:
     assert first.endswith(b'\r\n\r\n{"prompt": "x"}') and b"Content-Length: 15\r\n" in first
 
 
+def test_a_server_that_closes_after_each_response_loses_no_request() -> None:
+    # llama-server: its head says keep-alive, then it closes once the stream ends. The next
+    # request, already written to that connection, is sent once more on a new one.
+    body = chunk(cmpl_chunk("a", "length") + DONE) + b"0\r\n\r\n"
+
+    async def answer(i: int, w: asyncio.StreamWriter) -> bool:
+        w.write(SSE_HEAD + b"Transfer-Encoding: chunked\r\nKeep-Alive: timeout=5\r\n\r\n"
+                + body)
+        await w.drain()
+        return False
+
+    with RawServer(answer) as srv:
+        results = send_all(lambda _: LeanStreamClient(srv.url + "/x", {}, 5.0), n=6)
+        assert len(srv.requests) == 6 and srv.connections == 6  # each answered once
+    assert all(r.success and r.text == "a" and r.send_s is not None for r in results)
+
+
+def test_a_reused_connection_that_answered_something_is_not_retried() -> None:
+    async def answer(i: int, w: asyncio.StreamWriter) -> bool:
+        if i == 0:
+            w.write(SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+                    + chunk(cmpl_chunk("a", "length") + DONE) + b"0\r\n\r\n")
+            await w.drain()
+            return True
+        w.write(b"HTTP/1.1 200 OK\r\nContent-")  # then the connection closes
+        await w.drain()
+        return False
+
+    with RawServer(answer) as srv:
+        first, second = send_all(lambda _: LeanStreamClient(srv.url + "/x", {}, 5.0), n=2)
+        assert len(srv.requests) == 2  # the second was read, half answered: not sent again
+    assert first.success and second.error_type == "server_disconnected"
+
+
 def test_timeout_matches_aiohttp() -> None:
     with FakeServer({("POST", "/x"): sse([cmpl_chunk("a"), 1.0, DONE])}) as srv:
         [lean], [aio] = both(srv.url + "/x", timeout=0.3)

@@ -59,6 +59,7 @@ class Http11Connection(asyncio.Protocol):
         self.in_trailers = False
         self.error_body: bytearray | None = None
         self.reason = ""
+        self.received = False  # any byte of this exchange's response (http11.py's one retry)
 
     # ---- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -75,6 +76,7 @@ class Http11Connection(asyncio.Protocol):
             # Bytes on an idle connection (or after a failure): not ours to interpret.
             self.drop()
             return
+        self.received = True
         try:
             self._receive(data, now)
         except Exception as exc:  # every failure goes to the waiting send()
@@ -111,6 +113,7 @@ class Http11Connection(asyncio.Protocol):
         self.error_body = None
         self.in_trailers = False
         self.chunk_left = 0
+        self.received = False
         return sse
 
     def _receive(self, data: bytes, now: float) -> None:
