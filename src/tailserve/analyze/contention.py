@@ -12,9 +12,9 @@ run and run-queue wait times (bench/host_cpu.py). Per window between two samples
 A server that computes on every core keeps ``1 − f`` of them, so a latency L measured over a
 window with share f would have been L·(1 − f) alone: f·L of it is lost. But a server whose
 threads spin while they wait for each other (OpenMP's barriers, tailserve's work pool) keeps
-most of its CPU time under contention and only gets slower, so f understates what it lost;
-its threads' wait share does not (measured here: 8 busy loops beside vLLM on 2 cores left it
-1.4 cores of CPU time, f = 0.3, while its TTFT grew 10x). Where others took at least
+most of its CPU time under contention and only gets slower, so f understates what it lost
+(measured here: 8 busy loops beside vLLM on 2 cores left it 1.4 cores of CPU time, f = 0.3,
+while its TTFT grew 9x), and its threads' wait share less so. Where others took at least
 ``MIN_OTHER`` of the host, the lost share is the larger of f and g less g's level in the
 run's quiet windows (the server's threads also wait for each other's cores, others or not);
 in a quiet window it is none.
@@ -24,7 +24,8 @@ E2EL, first token to finish for TPOT).
 
 Neither share is the slowdown itself: a pool of threads that meet at a barrier every layer
 progresses only while all of them hold a core, so losing a third of its CPU time can make it
-several times slower (the same vLLM kept 1.4 of 2 cores and its ITL grew 15x). So where the
+several times slower (beside 16 loops vLLM's wait share went only from 0.37 to 0.55 while its
+ITL grew 15x). So where the
 run has quiet samples of the metric (at least ``MIN_QUIET_SAMPLES`` whose intervals saw no
 contended window), the part is at least the counterfactual: the sample's excess over the
 quiet samples' median, for the share of its interval that was contended.
