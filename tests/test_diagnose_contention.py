@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from diagnose_sim import T0, Sim, simulate, without_server
-from tailserve.analyze.contention import lost_share, mean_share, other_share
+from tailserve.analyze.contention import host_windows, lost_share, mean_share
 from tailserve.analyze.data import run_from_result
 from tailserve.analyze.diagnose import diagnose
-from tailserve.bench.host_cpu import HostCpu, is_local, pid_listening, tree_ticks
+from tailserve.bench.host_cpu import HostCpu, is_local, pid_listening, trees
 
 LINUX = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc on this host")
 
@@ -77,9 +77,9 @@ def _fake_proc(root: Path, procs: dict[int, tuple[int, int]]) -> str:
 def test_a_tree_counts_every_descendant_and_nothing_else(tmp_path: Path) -> None:
     proc = _fake_proc(tmp_path, {1: (0, 5), 100: (1, 10), 101: (100, 20), 102: (101, 40),
                                  200: (1, 1000), 300: (200, 7)})
-    assert tree_ticks([100, 200, 999], proc) == [70, 1007, 0]
+    assert [t for t, _ in trees([100, 200, 999], proc)] == [70, 1007, 0]
     # The server (101) started by the client (100): counted once, as the server's.
-    assert tree_ticks([101, 100], proc) == [60, 10]
+    assert [t for t, _ in trees([101, 100], proc)] == [60, 10]
 
 
 def _host(t: float, busy: float, server: float, client: float = 0.0,
@@ -92,9 +92,10 @@ def test_other_share_per_window() -> None:
     xs = [_host(0, 0, 0), _host(1, 2.0, 0.5, 0.1), _host(2, 2.5, 1.0, 0.1),
           # a worker of the server exited: its ticks leave the sum, not the host's
           _host(3, 3.0, 0.2, 0.1), _host(4, 3.0, 0.2, 0.1), {"t": 5, "phase": "during"}]
-    t0, t1, f = other_share(xs)
+    t0, t1, f, g = host_windows(xs)
     assert list(t0) == [0, 1, 2, 3] and list(t1) == [1, 2, 3, 4]
     assert f == pytest.approx([0.7, 0.0, 0.25, 0.0])
+    assert np.isnan(g).all()  # no schedstat in these samples
     # Time-weighted over an interval; a point takes its window's share.
     got = mean_share(t0, t1, f, np.array([0.5, 2.0, 0.2, 9.0]), np.array([1.5, 3.0, 0.2, 10.0]))
     assert got == pytest.approx([0.35, 0.25, 0.7, 0.0])

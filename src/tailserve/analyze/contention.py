@@ -59,18 +59,12 @@ MIN_QUIET_SAMPLES = 5
 TAKES_FROM = ("engine_stall", "client_or_network")
 
 
-def other_share(samples: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per window between consecutive host samples: (start, end, share of the host's CPU that
-    other work used), share in [0, 1]. Empty arrays with fewer than two samples."""
-    t0, t1, f, _ = host_windows(samples)
-    return t0, t1, f
-
-
 def host_windows(samples: list[dict[str, Any]]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(start, end, others' share of the host, the server's wait share) per window; the wait
-    share is the time its threads waited runnable for a CPU over the time they were runnable
-    (NaN where the samples carry no schedstat)."""
+    """Per window between consecutive host samples: (start, end, others' share of the host's
+    CPU in [0, 1], the server's wait share); the wait share is the time its threads waited
+    runnable for a CPU over the time they were runnable (NaN where the samples carry no
+    schedstat). Empty arrays with fewer than two samples."""
     xs = sorted((x for x in samples if _complete(x)), key=lambda x: float(x["t"]))
     t0, t1, f, g = [], [], [], []
     for a, b in itertools.pairwise(xs):

@@ -134,11 +134,6 @@ def trees(roots: list[int], proc: str = "/proc") -> list[tuple[int, list[int]]]:
     return out
 
 
-def tree_ticks(roots: list[int], proc: str = "/proc") -> list[int]:
-    """The CPU ticks of each root and all its descendants."""
-    return [t for t, _ in trees(roots, proc)]
-
-
 def run_and_wait_s(pids: list[int], proc: str = "/proc") -> tuple[float, float] | None:
     """Seconds the threads of ``pids`` ran, and waited runnable for a CPU (the scheduler's
     run-queue delay, ``/proc/PID/task/TID/schedstat``); None where the kernel keeps no
@@ -203,6 +198,11 @@ class HostCpu:
             self.why_not = (f"no process of this user listens on port {port} here (a "
                             "container or another user's server): its CPU time is not "
                             "readable")
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to sample (the server was found on this host)."""
+        return self.server_pid is not None
 
     def sample(self, phase: str) -> None:
         if self.server_pid is None:

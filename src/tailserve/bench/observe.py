@@ -283,6 +283,10 @@ class _Gpu:
         self.reader = (GpuWatermark() if gpu is True else gpu) or None
         self.samples: list[dict[str, Any]] = []
 
+    @property
+    def active(self) -> bool:
+        return self.reader is not None
+
     def sample(self, phase: str) -> None:
         devices = self.reader.read() if self.reader is not None else None
         if devices:
@@ -305,16 +309,17 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
     start = time.time()
     watched = [_Target(url, headers, m, t, h, start) for url, m, t, h in targets]
     g = _Gpu(gpu)
-    # The host's CPU (bench/host_cpu.py) goes with the main server's observation, like the GPU.
-    # The observer's parent is the bench process: the client whose CPU is not "other work".
-    hc = HostCpu(targets[0][0], os.getppid()) if targets and not targets[0][3] else None
-    sampled = any(w.metrics or w.health for w in watched) or g.reader is not None or (
-        hc is not None and hc.server_pid is not None)
+    # This host's readings go with the main server's observation: its GPU memory and, when the
+    # server runs here, its CPU (bench/host_cpu.py; the observer's parent is the bench
+    # process: the client, whose CPU is not "other work").
+    hosts: list[_Gpu | HostCpu] = [g]
+    if targets and not targets[0][3]:
+        hosts.append(HostCpu(targets[0][0], os.getppid()))
+    sampled = any(w.metrics or w.health for w in watched) or any(h.active for h in hosts)
     for w in watched:
         w.sample("before")
-    g.sample("before")
-    if hc is not None:
-        hc.sample("before")
+    for h in hosts:
+        h.sample("before")
     conn.send_bytes(b"ready")
     next_sample = time.monotonic() + interval_s
     next_poll = time.monotonic() + TIMELINE_POLL_S
@@ -327,9 +332,8 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
         if sampled and now >= next_sample:
             for w in watched:
                 w.sample("during")
-            g.sample("during")
-            if hc is not None:
-                hc.sample("during")
+            for h in hosts:
+                h.sample("during")
             next_sample += interval_s
             if next_sample < now:  # a slow scrape: skip the missed ticks, don't burst
                 next_sample = now + interval_s
@@ -340,12 +344,10 @@ def _observer_main(conn: Connection, targets: list[tuple[str, bool, bool, bool]]
     for w in watched:
         w.sample("after")
         w.poll_timeline()
-    g.sample("after")
-    if hc is not None:
-        hc.sample("after")
+    for h in hosts:
+        h.sample("after")
     results = [w.result() for w in watched]
-    if results and g.reader is not None:
-        results[0] |= g.result()  # ObserverProcess puts the main server first
-    if results and hc is not None:
-        results[0] |= hc.result()
+    for h in hosts:
+        if results:
+            results[0] |= h.result()  # ObserverProcess puts the main server first
     conn.send_bytes(json.dumps(results).encode())
