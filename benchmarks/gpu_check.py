@@ -183,14 +183,13 @@ def check_parity() -> None:
         same = sum(a == b for a, b in zip(got, expected, strict=True))
         emit("parity:transformers_cuda_float32", same == len(prompts), enforce_eager=eager,
              prompts_identical=same, prompts=len(prompts))
-        del llm
-        torch.cuda.empty_cache()
+        llm.close()  # its KV pool goes now: the next engine sizes its own from what is free
     # The CPU path's tokens are the same with or without its compiled kernels (tested); skip
     # compiling them on the GPU host.
     os.environ["TAILSERVE_CPU_KERNELS"] = "0"
     cpu = LLM.from_loaded(loaded, device="cpu", dtype="float32")
     cpu_tokens = _greedy(cpu, prompts, new)
-    del cpu
+    cpu.close()
     same = sum(a == b for a, b in zip(cpu_tokens, expected, strict=True))
     emit("parity:cpu_path_vs_transformers", same == len(prompts), prompts_identical=same)
     llm = LLM.from_loaded(loaded, device="cuda", gpu_memory_utilization=0.5)  # default: bf16
@@ -274,8 +273,40 @@ def check_decode() -> None:
                  hbm_fraction=round(achieved / bandwidth, 3),
                  roofline_ms=round(roofline_s * 1e3, 3),
                  x_roofline=round(step_s / roofline_s, 2), steps=len(steps))
-        del llm
-        torch.cuda.empty_cache()
+        del runner, profile  # the runner holds the KV pool: no reference may outlive close()
+        llm.close()
+
+
+def check_profile() -> None:
+    """Where a batch-1 decode step's time goes, CUDA graphs on: the step's wall time, the
+    device's busy time inside it (kernels and copies, from torch.profiler) and the host
+    functions that take the rest, so the gap to the HBM roofline is attributed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tailserve import LLM, SamplingParams
+    from tailserve.model.loader import load_model
+
+    loaded = load_model(None)
+    llm = LLM.from_loaded(loaded, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3)
+    prompt = {"prompt_token_ids": list(range(100, 228))}
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(max_tokens=8))  # warm
+    llm.step_stats.clear()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, sp)
+    steps = [s for s in llm.step_stats if s.num_prefill_tokens == 0]
+    step_ms = statistics.median(s.step_s for s in steps) * 1e3 if steps else math.nan
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    top_device = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
+    top_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
+    emit("profile:decode_batch1", bool(steps), step_ms=round(step_ms, 3),
+         steps=len(steps), device_ms_per_step=round(device_us / 1e3 / max(len(steps), 1), 3),
+         top_device=[f"{e.key[:60]} {e.self_device_time_total / 1e3:.2f} ms x{e.count}"
+                     for e in top_device],
+         top_host=[f"{e.key[:60]} {e.self_cpu_time_total / 1e3:.2f} ms x{e.count}"
+                   for e in top_host])
+    llm.close()
 
 
 # ------------------------------------------------------------------------------ memory
@@ -385,7 +416,7 @@ def check_nvml() -> None:
 
 PARTS: dict[str, Callable[[], None]] = {
     "kernels": check_kernels, "parity": check_parity, "decode": check_decode,
-    "memory": check_memory, "nvml": check_nvml,
+    "memory": check_memory, "nvml": check_nvml, "profile": check_profile,
 }
 
 

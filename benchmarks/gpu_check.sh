@@ -25,7 +25,7 @@ set -u -o pipefail
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 OUT=${OUT:-gpu_check_out}
-PARTS=${PARTS:-"kernels parity decode memory nvml"}
+PARTS=${PARTS:-"kernels parity decode memory nvml profile"}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.jsonl"
 : > "$LOG"
@@ -90,7 +90,7 @@ PYEOF
 limit() {
     case "$1" in
         kernels) echo 60 ;; parity) echo 110 ;; decode) echo 180 ;; memory) echo 80 ;;
-        nvml) echo 20 ;; *) echo 60 ;;
+        nvml) echo 20 ;; profile) echo 60 ;; *) echo 60 ;;
     esac
 }
 

@@ -223,3 +223,19 @@ def test_cli_generate_and_help() -> None:
                           "--model", "/nonexistent/model"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "/nonexistent/model" in bad.stderr
+
+
+def test_close_releases_the_engine_at_once_and_refuses_after():
+    """A second engine in the same process sizes its KV pool from the memory free when it is
+    built (on CUDA the first one's pool would still be held until the garbage collector found
+    its cycles): close() frees it deterministically."""
+    import weakref
+
+    with LLM(max_model_len=256, num_kv_blocks=32) as llm:
+        out = llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 2
+        engine = weakref.ref(llm.engine)
+    assert engine() is None
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Hi")
+    llm.close()  # twice is harmless

@@ -436,3 +436,23 @@ def test_the_engines_model_follows_a_throttled_runner() -> None:
     # chases step-to-step ratios, so the structure of the fit wobbles a little around it).
     assert max(before) < 0.05 and surprise > 0.4, (before, surprise)
     assert max(after) < 0.15 and sorted(after)[len(after) // 2] < 0.06, after
+
+
+@pytest.mark.parametrize("max_seqs", [1, 2, 8, 64])
+def test_calibration_steps_never_exceed_max_num_seqs(max_seqs: int) -> None:
+    """A CUDA runner's step buffers and graphs are sized by max_num_seqs and refuse a wider
+    step (found on an H200: max_num_seqs=8 failed at start-up on the plan's 16-decode step)."""
+    from tailserve.data.step import RunnerOutput, SchedulerOutput
+    from tailserve.engine.calibrate import calibrate
+
+    widths: list[int] = []
+
+    class Rows:
+        def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+            widths.append(len(sched.scheduled))
+            return RunnerOutput({})
+
+    timed = calibrate(Rows(), StepTimeModel(), block_size=16, num_blocks=4096,
+                      max_tokens=2048, max_model_len=4096, max_seqs=max_seqs, budget_s=10.0)
+    assert widths and max(widths) <= max_seqs
+    assert timed == sum(1 for d, _, c, _ in PLAN if d + (c > 0) <= max_seqs)

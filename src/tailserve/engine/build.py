@@ -152,7 +152,7 @@ class EngineBuilder:
                 sc = config.scheduler
                 calibrate(runner, scheduler.step_model, config.cache.block_size,
                           config.cache.num_kv_blocks, sc.max_num_batched_tokens,
-                          sc.max_model_len)
+                          sc.max_model_len, sc.max_num_seqs)
             except BaseException:
                 if kv_events is not None:
                     kv_events.close()

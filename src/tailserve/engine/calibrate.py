@@ -71,14 +71,17 @@ def _batch(decodes: int, context: int, chunk: int, start: int, block_size: int,
 
 
 def calibrate(runner: _Runner, model: StepTimeModel, block_size: int, num_blocks: int,
-              max_tokens: int, max_model_len: int, budget_s: float = CALIBRATION_BUDGET_S) -> int:
+              max_tokens: int, max_model_len: int, max_seqs: int,
+              budget_s: float = CALIBRATION_BUDGET_S) -> int:
     """Seed ``model`` with timed steps of ``PLAN`` (those that fit the pool, the token budget
-    ``max_tokens`` and ``max_model_len``); returns how many were timed."""
+    ``max_tokens``, ``max_model_len`` and ``max_seqs`` rows: a CUDA runner's step buffers and
+    graphs are sized by max_num_seqs and refuse a wider step); returns how many were timed."""
     shapes: list[StepShape] = []
     times: list[float] = []
     t_warm = time.perf_counter()
     small = min(16, max_model_len)
-    for warm in (_batch(1, small, small, 0, block_size, num_blocks),
+    mixed = 1 if max_seqs >= 2 else 0  # a decode beside the chunk only where two rows fit
+    for warm in (_batch(mixed, small, small, 0, block_size, num_blocks),
                  _batch(1, small, 0, 0, block_size, num_blocks)):
         if warm is not None:
             runner.execute(warm)
@@ -86,7 +89,8 @@ def calibrate(runner: _Runner, model: StepTimeModel, block_size: int, num_blocks
     for decodes, context, chunk, start in PLAN:
         if len(shapes) >= MIN_STEPS and time.perf_counter() - t_start > budget_s:
             break
-        if decodes + chunk > max_tokens or max(context, start + chunk) > max_model_len:
+        if (decodes + chunk > max_tokens or max(context, start + chunk) > max_model_len
+                or decodes + (chunk > 0) > max_seqs):
             continue
         sched = _batch(decodes, context, chunk, start, block_size, num_blocks)
         if sched is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import typing
 from collections import deque
@@ -48,7 +49,8 @@ class LLM:
     def _setup(self, args: EngineArgs, loaded: LoadedModel | None,
                keep_checkpoint: bool = False) -> None:
         self.engine_args = args
-        self.engine = EngineCore.from_args(args, loaded, keep_checkpoint=keep_checkpoint)
+        self._engine: EngineCore | None = EngineCore.from_args(
+            args, loaded, keep_checkpoint=keep_checkpoint)
         tokenizer = self.engine.loaded.tokenizer
         if tokenizer is None:
             raise ValueError("LLM needs a tokenizer: load the model with with_tokenizer=True")
@@ -58,6 +60,36 @@ class LLM:
         self._ids = itertools.count()
         # Recent per-step statistics, for tools that want to look at what the engine did.
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
+
+    @property
+    def engine(self) -> EngineCore:
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed: build a new one to generate again")
+        return self._engine
+
+    def close(self) -> None:
+        """Release the engine's memory now (the KV pool, weights, CUDA graphs) rather than
+        when the garbage collector finds its reference cycles: a second engine built in the
+        same process sizes its KV pool from the memory free at that moment, so without this
+        it would see the first one's pool still held."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        device = engine.config.runner.device
+        engine.close()
+        del engine
+        self.step_stats.clear()
+        gc.collect()
+        if device.startswith("cuda"):
+            import torch  # only here: the offline API imports no torch at module level
+
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
