@@ -35,8 +35,11 @@ def test_the_level_in_use_is_the_one_set(auto_after: None) -> None:
     best = set_quant_isa("auto")
     info = isa_info()
     assert (info.level, info.best) == (best, best)
-    if {"avx512_bf16", "avx512_vnni", "avx512bw"} <= FLAGS:  # bf16 is there, and opt-in
+    if info.amx_permitted:  # AMX's products are VNNI's bit for bit: auto chooses them
+        assert (best, info.supported) == ("amx", "amx")
+    elif {"avx512_bf16", "avx512_vnni", "avx512bw"} <= FLAGS:  # bf16 is there, and opt-in
         assert (best, info.supported) == ("avx512vnni", "avx512bf16")
+    if {"avx512_bf16", "avx512_vnni", "avx512bw"} <= FLAGS:
         assert set_quant_isa("avx512bf16") == "avx512bf16"
         assert isa_info().level == "avx512bf16"
     assert QUANT_ISAS[info.supported] >= QUANT_ISAS[best]
@@ -76,10 +79,11 @@ def test_the_reason_is_logged(caplog: pytest.LogCaptureFixture) -> None:
 def test_amx_probe_on_an_amx_cpu(auto_after: None) -> None:
     info = isa_info()
     assert info.amx_cpu and info.amx_bf16 == ("amx_bf16" in FLAGS)
-    if info.amx_permitted:  # no tile kernel ships: the level is refused with that reason
+    if info.amx_permitted:  # the tile products serve, and auto chooses them
         assert info.amx_os and info.amx_reason is None
-        with pytest.raises(RuntimeError, match="no AMX tile kernels are built"):
-            set_quant_isa("amx")
+        assert set_quant_isa("avx512vnni") == "avx512vnni"
+        assert set_quant_isa("amx") == "amx" and isa_info().level == "amx"
+        assert set_quant_isa("auto") == "amx"
     else:  # the OS or Linux's permission said no, and the reason says which
         assert info.amx_reason is not None
         assert "XCR0" in info.amx_reason or "arch_prctl" in info.amx_reason
@@ -96,14 +100,16 @@ PROMPT = ("Write a short history of the lighthouse keepers of the northern coast
 def test_greedy_output_is_the_same_at_every_level_here(auto_after: None) -> None:
     """The bundled model's greedy tokens after a ~900-token prompt (prefilled in 512-token
     steps: the many-row products and the prefill attention over earlier chunks' keys) at the
-    levels that serve by default here and at AVX2: the products' integer sums and their float
-    sequence are the same at every level, the attention is float32 at each. (The opt-in
+    levels that serve by default here and at AVX2 (AMX's tile products included where the CPU
+    has them): the products' integer sums and their float sequence are the same at every level,
+    the attention is float32 at each. (The opt-in
     avx512bf16 level is not among them: its bf16 rounding moved the 6th of these 24 tokens, a
     digit, 38 -> 39.)"""
     from tailserve import LLM, SamplingParams
 
     best = set_quant_isa("auto")
-    levels = [lv for lv in ("avx512vnni", "avx2") if QUANT_ISAS[lv] <= QUANT_ISAS[best]]
+    levels = [lv for lv in ("amx", "avx512vnni", "avx2") if QUANT_ISAS[lv] <= QUANT_ISAS[best]
+              and (lv != "amx" or best == "amx")]
     llm = LLM(None, enable_prefix_caching=False, max_num_batched_tokens=512,
               slo_itl_ms=None)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -63,7 +63,7 @@ def isa_levels() -> list[str]:
     return [name for name, level in QUANT_ISAS.items() if 0 <= level <= QUANT_ISAS[best]]
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512", "avx512vnni"])
+@pytest.fixture(params=["scalar", "avx2", "avx512", "avx512vnni", "amx"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param not in isa_levels():
         pytest.skip(f"this CPU has no {request.param} (best: {set_quant_isa('auto')})")

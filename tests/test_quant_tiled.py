@@ -98,8 +98,8 @@ def test_tiled_linear_at_the_bounds_of_its_integer_sums(fmt: BlockFormat, sign: 
     scale_bytes = {b for offset, _ in _SCALES[fmt.name] for b in (offset, offset + 1)}
     values = [b for b in range(fmt.type_size) if b not in scale_bytes]
     w[..., values] = 0x80 if fmt.name == "Q8_0" else 0xFF
-    x = torch.full((4, 4 * 32), sign)
-    for rows in (1, 2, 3, 4):
+    x = torch.full((17, 4 * 32), sign)
+    for rows in (1, 2, 3, 4, 17):  # 17: one AMX tile group and a row after it
         got = ops.quant_linear(x[:rows], tile_blocks(w), None).double()
         want = emulated_linear(x[:rows], w)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -108,10 +108,11 @@ def test_tiled_linear_at_the_bounds_of_its_integer_sums(fmt: BlockFormat, sign: 
 @pytest.mark.parametrize("fmt", TILED, ids=TILED_IDS)
 def test_every_isa_gives_the_same_bits(fmt: BlockFormat) -> None:
     t = tile_blocks(random_blocks(fmt, 64, 9 * 32, seed=4))
-    x = torch.randn(13, 9 * 32, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(37, 9 * 32, generator=torch.Generator().manual_seed(4))
     outs = {}
-    # 1-2 rows take AVX2's one-pass kernel, 3 its two-pass one, 13 the GEMM passes.
-    counts = (1, 2, 3, 13)
+    # 1-2 rows take AVX2's one-pass kernel, 3 its two-pass one, 13 the GEMM passes; at the
+    # AMX level 16 is one tile group and 37 two groups and 5 rows on VNNI's GEMM passes.
+    counts = (1, 2, 3, 13, 16, 37)
     for name in isa_levels():
         set_quant_isa(name)
         outs[name] = [ops.quant_linear(x[:rows], t, None) for rows in counts]

@@ -232,8 +232,9 @@ def cpu_ops_error() -> str | None:
     return _result.error if _result is not None else None
 
 
-# TAILSERVE_QUANT_ISA names -> the levels of csrc/isa.h (set_quant_isa). "amx" is refused with
-# the reason (isa_info().amx_reason): no tile kernel ships, as none has run on AMX hardware.
+# TAILSERVE_QUANT_ISA names -> the levels of csrc/isa.h (set_quant_isa). "amx" (what "auto"
+# chooses where the CPU, Linux and the build allow it): VNNI's kernels with the tiled GGUF
+# products on AMX int8 tiles, bit for bit VNNI's answers; refused with the reason elsewhere.
 # avx512bf16 (opt-in, never "auto"): the VNNI products, with the prefill attention's QK^T and PV
 # on vdpbf16ps (1.2-1.3x the attention; its rounding moves near-tied greedy tokens).
 QUANT_ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512bf16": 4,
@@ -281,8 +282,8 @@ def isa_info() -> IsaInfo:
 
 def _log_isa() -> None:
     info = isa_info()
-    amx = ("AMX tiles permitted, no tile kernels built" if info.amx_permitted
-           else f"no AMX: {info.amx_reason}")
+    amx = ("AMX tile products" + ("" if info.level == "amx" else " available, not in use")
+           if info.supported == "amx" else f"no AMX: {info.amx_reason or 'not built'}")
     log.info("tailserve CPU kernels: level %s (auto %s, up to %s), AVX512-BF16 16-bit dots %s; "
              "%s", info.level, info.best, info.supported, "on" if info.avx512bf16 else "off", amx)
 

@@ -31,6 +31,7 @@ TORCH_LIBRARY(tailserve, m) {
   m.def("set_quant_isa(int isa) -> int");
   m.def("isa_info() -> (int, int, int, bool, bool, bool, bool, bool, str)");
   m.def("set_decode_split_tokens(int tokens) -> int");
+  m.def("amx_peak(bool bf16, int iterations) -> float");
 }
 
 // No tensor arguments: registered for every backend.
@@ -40,6 +41,7 @@ TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
   m.impl("set_quant_isa", &tailserve_cpu::set_quant_isa);
   m.impl("isa_info", &tailserve_cpu::isa_info);
   m.impl("set_decode_split_tokens", &tailserve_cpu::set_decode_split_tokens);
+  m.impl("amx_peak", &tailserve_cpu::amx_peak);
 }
 
 TORCH_LIBRARY_IMPL(tailserve, CPU, m) {

@@ -84,5 +84,8 @@ std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, std::string>
 // 3 AVX512-VNNI; isa.h); the prefill attention follows it too, so TAILSERVE_QUANT_ISA=avx2 tests
 // the AVX2 paths on an AVX512 machine.
 int quant_isa();
+// Ops/s of AMX tile instructions (int8 TDPBSSD or bf16 TDPBF16PS) run back to back on registers
+// by every thread torch uses, `iterations` x 4 each: the tile unit's peak (quant_amx.cpp).
+double amx_peak(bool bf16, int64_t iterations);
 
 }  // namespace tailserve_cpu

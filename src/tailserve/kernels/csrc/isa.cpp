@@ -76,8 +76,8 @@ AmxStatus probe_amx() {
 
 }  // namespace
 
-// The highest level this CPU and build run, the opt-in bf16 one included.
-int supported() {
+// The highest vector level this CPU and build run, the opt-in bf16 one included.
+int vector_supported() {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512bf16")) {
@@ -96,7 +96,21 @@ int supported() {
   return kScalar;
 }
 
-int best() { return std::min<int>(supported(), kAvx512Vnni); }
+// AMX: the tile products of quant_amx.cpp, where this build has them and Linux granted the tile
+// state. Above the bf16 level in number only: it adds the tile products to VNNI's and keeps
+// float32 attention (kAvx512Bf16's bf16 attention stays that level's alone).
+bool amx_usable() { return amx_kernels_built() && amx_status().permitted; }
+
+int supported() {
+  const int top = vector_supported();
+  return top >= kAvx512Vnni && amx_usable() ? kAmx : top;
+}
+
+// The best level bit-identical to VNNI's answers: AMX's integer sums are VNNI's exactly.
+int best() {
+  const int top = supported();
+  return top == kAmx ? kAmx : std::min<int>(top, kAvx512Vnni);
+}
 
 int current() {
   int level = g_level.load(std::memory_order_relaxed);
@@ -114,12 +128,16 @@ int set(int level) {
               "4 (AVX512-BF16) or 5 (AMX)");
   if (level == kAmx) {
     const AmxStatus& amx = amx_status();
-    TORCH_CHECK(false, "set_quant_isa: AMX asked, not available: ",
-                amx.permitted ? std::string("no AMX tile kernels are built (they were never run "
-                                            "on AMX hardware)")
-                              : amx.reason);
+    TORCH_CHECK(top == kAmx, "set_quant_isa: AMX asked, not available: ",
+                !amx.permitted ? amx.reason
+                : !amx_kernels_built() ? std::string("this build has no AMX tile kernels (the compiler "
+                                             "did not target AMX-TILE and AMX-INT8)")
+                               : std::string("AMX needs AVX512-VNNI for its other kernels"));
+    g_level.store(kAmx, std::memory_order_relaxed);
+    return kAmx;
   }
-  TORCH_CHECK(level <= top, "set_quant_isa: level ", level, " asked, this CPU/build has ", top);
+  TORCH_CHECK(level <= vector_supported(), "set_quant_isa: level ", level,
+              " asked, this CPU/build has ", vector_supported());
   const int chosen = level < 0 ? best() : level;
   g_level.store(chosen, std::memory_order_relaxed);
   return chosen;

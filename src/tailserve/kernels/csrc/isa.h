@@ -7,8 +7,9 @@
 // (AMX-TILE, AMX-INT8, AMX-BF16), the OS's XCR0 tile state, then Linux's permission request
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile
 // instruction kills the process). Where any step fails the reason is kept and reported
-// (tailserve.kernels.isa_info); no tile kernel ships yet, so AMX is never a level the
-// products run at (kAmx is refused with that reason too).
+// (tailserve.kernels.isa_info) and kAmx is refused with it. Where it succeeds and the build has
+// the tile kernels (quant_amx.cpp), kAmx is what "auto" chooses: its integer sums are VNNI's,
+// so its answers are VNNI's bit for bit.
 
 #pragma once
 
@@ -22,13 +23,19 @@ namespace isa {
 // with AVX512-BF16 has VNNI); below it the attention runs float32 FMAs. Opt-in, never best():
 // rounding q, K, p and V to bf16 moves near-tied greedy tokens (the VNNI level's answers are
 // the float32 attention's; tests/test_isa.py), for 1.2-1.3x the attention's speed.
+// kAmx: VNNI's kernels with the tiled GGUF products of 16+ rows of x on AMX int8 tiles; the
+// attention stays float32 (the bf16 level's rounding is that level's alone). Not an order
+// above kAvx512Bf16: the two are alternatives, numbered apart.
 enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kAmx = 5 };
 
-// The level "auto" chooses: the best this CPU and build run up to kAvx512Vnni (kAvx512Bf16 is
-// opt-in; never kAmx: no tile kernels are built).
+// The level "auto" chooses: kAmx where usable, else the best this CPU and build run up to
+// kAvx512Vnni (kAvx512Bf16 is opt-in).
 int best();
-// The highest level set() accepts here (kAvx512Bf16 where the CPU has AVX512-BF16).
+// The highest level set() accepts here (kAmx where usable; else kAvx512Bf16 where the CPU has
+// AVX512-BF16).
 int supported();
+// Whether this build has the AMX tile kernels (quant_amx.cpp: the compiler targeted AMX).
+bool amx_kernels_built();
 // The level in use (best() until set).
 int current();
 // Force a level (-1: best()); returns the level chosen. A level above supported() is an error

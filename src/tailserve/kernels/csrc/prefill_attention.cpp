@@ -522,7 +522,7 @@ void prefill_dispatch(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
                       int64_t first_seq, int64_t num_seqs, float scale) {
   const int isa = quant_isa();
 #ifdef TS_PREFILL_BF16
-  if (isa >= isa::kAvx512Bf16) {
+  if (isa == isa::kAvx512Bf16) {  // opt-in only: the AMX level keeps float32 attention
     return prefill_impl<Vec512, T, true>(out, q, kv_cache, block_tables, lens, qsl, first_seq,
                                          num_seqs, scale);
   }

@@ -135,9 +135,18 @@ void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::T
   // The products' paths stop at VNNI (the bf16 level adds nothing to them).
   const int isa = std::min<int>(tailserve_cpu::isa::current(), kAvx512Vnni);
   float* yp = y.data_ptr<float>();
-  if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp)
-    tiled_linear(isa, p.type_size, p.data, N, K, M, xq.data(), dx.data(), xs32.data(),
-                 xi32.data(), yp, bp);
+  if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp; AMX: quant_amx.cpp)
+    const int64_t done =
+        tailserve_cpu::isa::current() == tailserve_cpu::isa::kAmx
+            ? tiled_linear_amx(p.type_size, p.data, N, K, M, xq.data(), dx.data(), xs32.data(),
+                               xi32.data(), yp, bp)
+            : 0;
+    const int64_t nb = K / 32;
+    if (done < M) {
+      tiled_linear(isa, p.type_size, p.data, N, K, M - done, xq.data() + done * K,
+                   dx.data() + done * nb, xs32.data() + done * nb, xi32.data() + done * nb,
+                   yp + done * N, bp);
+    }
     return;
   }
 #ifdef TS_AVX2

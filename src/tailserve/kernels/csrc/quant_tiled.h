@@ -16,6 +16,13 @@ void tiled_linear(int isa, int64_t type_size, const uint8_t* w, int64_t N, int64
                   const int8_t* xq, const float* dx, const float* xs32, const int32_t* xi32,
                   float* y, const float* bias);
 
+// The same product on AMX int8 tiles (quant_amx.cpp) for the first 16 * (M / 16) rows of x,
+// bit for bit tiled_linear's; returns how many rows it computed (0 where AMX is not built or
+// not permitted: the caller runs tiled_linear on the rest).
+int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t K, int64_t M,
+                         const int8_t* xq, const float* dx, const float* xs32,
+                         const int32_t* xi32, float* y, const float* bias);
+
 // Row n of a tiled table, dequantized into out [K] (the values gguf's dequantizer gives).
 void tiled_row(int64_t type_size, const uint8_t* w, int64_t K, int64_t n, float* out);
 

@@ -1,0 +1,292 @@
+// quant_linear on tiled GGUF blocks (quant_tiled.h's layout) with AMX int8 tiles, for prompt
+// chunks and wide batches: 16 rows of x at a time.
+//
+// Per block of 32 values the integer dot of every (row of x, output row) pair is one TDPBSUD
+// (x signed, the weight's nibbles unsigned; Q8_0: TDPBSSD, both signed) of a 16 x 32-byte tile
+// of x against an 8 x 64-byte tile of the weight, a 16 x 16 int32 result. The tiled layout
+// already holds the weight in AMX's B order: chunk j's 64 bytes are, per output row, the four
+// bytes of values 4j..4j+3 (low nibbles) and 16+4j.. (high nibbles), so splitting the nibbles
+// gives B's rows j and 4 + j, and Q8_0's chunks are B as stored. The integer sums are the
+// VNNI path's exactly (its zero point comes off as there: Q4_0 / Q5_0 subtract zero * sum of
+// x's integers; Q8_0's signed product needs no correction, where VNNI took 128 off), and the
+// float epilogue is VNNI's per lane, in the same block order, with the same operations — so
+// the outputs are bit for bit quant_tiled.cpp's (tests/test_amx.py).
+//
+// What limits it: the per-block scales. Each 16 x 16 x 32 block product (one tile
+// instruction) needs its int32 tile stored and 16 rows of convert + scale + FMA, ~80 vector
+// operations, where VNNI spent ~130 dpbusd on it plus the same epilogue.
+
+#include <c10/util/Half.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "quant_tiled.h"
+#include "work_pool.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__)
+#include <immintrin.h>
+#define TS_AMX 1
+#endif
+
+namespace tailserve_cpu {
+
+#ifdef TS_AMX
+namespace {
+
+template <int TS>
+struct AmxLayout {
+  static constexpr bool kMin = TS == 20 || TS == 24;   // Q4_1, Q5_1: fp16 offsets m
+  static constexpr bool kHigh = TS == 22 || TS == 24;  // Q5_0, Q5_1: fifth bits
+  static constexpr bool kQ8 = TS == 34;
+  static constexpr int kH = kMin ? 64 : 32;
+  static constexpr int kQs = 32 + (kMin ? 32 : 0) + (kHigh ? 64 : 0);
+  static constexpr int kBytes = 16 * TS;
+  static constexpr int kZero = TS == 18 ? 8 : TS == 22 ? 16 : 0;
+};
+
+// Palette 1: tmm0 / tmm1 the int32 results (alternate blocks, so a block's epilogue overlaps
+// the next block's tile product), tmm2 / tmm3 x's 16 x 32 bytes, tmm4 / tmm5 the weight's B.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void load_tile_config() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t : {0, 1}) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  for (int t : {2, 3}) { cfg.rows[t] = 16; cfg.colsb[t] = 32; }
+  for (int t : {4, 5}) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }
+  // GCC 12 does not see ldtilecfg read the struct and drops the stores above (found here: it
+  // wrote the palette byte alone and ldtilecfg faulted): the barrier makes them land.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// The weight's B tiles of one output tile, every block: 8 rows of 64 bytes each (Q8_0 reads its
+// blocks in place and never calls this).
+template <int TS>
+void unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* b) {
+  using L = AmxLayout<TS>;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  for (int64_t g = 0; g < nb; ++g) {
+    const uint8_t* blk = tile + g * L::kBytes;
+    uint8_t* out = b + g * 512;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(blk + L::kQs + 64 * j);
+      __m512i lo = _mm512_and_si512(v, low4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (L::kHigh) {
+        uint64_t m0, m1;
+        std::memcpy(&m0, blk + L::kH + 8 * j, 8);
+        std::memcpy(&m1, blk + L::kH + 8 * (j + 4), 8);
+        lo = _mm512_mask_add_epi8(lo, m0, lo, bit4);
+        hi = _mm512_mask_add_epi8(hi, m1, hi, bit4);
+      }
+      _mm512_store_si512(out + 64 * j, lo);
+      _mm512_store_si512(out + 64 * (4 + j), hi);
+    }
+  }
+}
+
+// VNNI's epilogue (quant_tiled.cpp tile_vnni), lane for lane: acc[r] += (C[r] - zero * xi) *
+// (d * dx) (+ m * xs32) for the 16 rows of x of this group, block g.
+template <int TS>
+inline void epilogue(const int32_t* c, const uint8_t* blk, int64_t g, int64_t nb,
+                     const float* dx, const float* xs32, const int32_t* xi32, __m512* acc) {
+  using L = AmxLayout<TS>;
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  __m512 mv = _mm512_setzero_ps();
+  if constexpr (L::kMin) {
+    mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  }
+  for (int r = 0; r < 16; ++r) {
+    __m512i a = _mm512_load_si512(c + 16 * r);
+    if constexpr (L::kZero != 0) {
+      a = _mm512_sub_epi32(a, _mm512_set1_epi32(L::kZero * xi32[r * nb + g]));
+    }
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + g])),
+                             acc[r]);
+    if constexpr (L::kMin) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs32[r * nb + g]), acc[r]);
+  }
+}
+
+// One output tile (16 rows of W) against 16 rows of x: y[r][0..15].
+template <int TS>
+void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, const int8_t* xq,
+                const float* dx, const float* xs32, const int32_t* xi32, float* y, int64_t N,
+                const float* bias) {
+  using L = AmxLayout<TS>;
+  alignas(64) int32_t c[2][256];
+  __m512 acc[16];
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < 16; ++r) acc[r] = b0;
+  // B of block g: Q8_0's stored chunks (signed), else the unpacked nibbles.
+  auto bptr = [&](int64_t g) -> const void* {
+    if constexpr (L::kQ8) return tile + g * L::kBytes + L::kQs;
+    return b + g * 512;
+  };
+  int64_t g = 0;
+  for (; g + 1 < nb; g += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, xq + g * 32, K);
+    _tile_loadd(4, bptr(g), 64);
+    _tile_loadd(3, xq + (g + 1) * 32, K);
+    _tile_loadd(5, bptr(g + 1), 64);
+    if constexpr (L::kQ8) {
+      _tile_dpbssd(0, 2, 4);
+      _tile_dpbssd(1, 3, 5);
+    } else {
+      _tile_dpbsud(0, 2, 4);
+      _tile_dpbsud(1, 3, 5);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    epilogue<TS>(c[0], tile + g * L::kBytes, g, nb, dx, xs32, xi32, acc);
+    epilogue<TS>(c[1], tile + (g + 1) * L::kBytes, g + 1, nb, dx, xs32, xi32, acc);
+  }
+  if (g < nb) {
+    _tile_zero(0);
+    _tile_loadd(2, xq + g * 32, K);
+    _tile_loadd(4, bptr(g), 64);
+    if constexpr (L::kQ8) {
+      _tile_dpbssd(0, 2, 4);
+    } else {
+      _tile_dpbsud(0, 2, 4);
+    }
+    _tile_stored(0, c[0], 64);
+    epilogue<TS>(c[0], tile + g * L::kBytes, g, nb, dx, xs32, xi32, acc);
+  }
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+template <int TS>
+void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const int8_t* xq,
+                   const float* dx, const float* xs32, const int32_t* xi32, float* y,
+                   const float* bias) {
+  using L = AmxLayout<TS>;
+  const int64_t nb = K / 32, tiles = N / 16;
+  const int64_t tile_bytes = nb * L::kBytes;
+  const int64_t per_item = std::max<int64_t>(
+      1, tiles / (runs_per_thread(false) * at::get_num_threads()));
+  parallel_dynamic((tiles + per_item - 1) / per_item, [&](int64_t item) {
+    load_tile_config();  // per thread state; cheap beside an item's work
+    thread_local std::vector<uint8_t> storage;  // the unpacked B tiles, kept between calls
+    if (!L::kQ8 && storage.size() < static_cast<size_t>(nb * 512 + 64)) {
+      storage.resize(nb * 512 + 64);
+    }
+    uint8_t* b = reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    const int64_t t1 = std::min(tiles, (item + 1) * per_item);
+    for (int64_t t = item * per_item; t < t1; ++t) {
+      const uint8_t* tile = w + t * tile_bytes;
+      if constexpr (!L::kQ8) unpack_tile<TS>(tile, nb, b);
+      for (int64_t m = 0; m < groups; ++m) {
+        tile_group<TS>(tile, b, nb, K, xq + 16 * m * K, dx + 16 * m * nb, xs32 + 16 * m * nb,
+                       xi32 + 16 * m * nb, y + 16 * m * N + t * 16, N,
+                       bias ? bias + t * 16 : nullptr);
+      }
+    }
+    _tile_release();
+  });
+}
+
+// Tile instructions back to back on registers (no memory operand in the loop): the peak the
+// tile unit gives one thread. Four independent accumulators hide the instruction's latency.
+double tile_peak_loop(bool bf16, int64_t iterations) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+  alignas(64) uint8_t zeros[1024] = {};
+  _tile_loadd(4, zeros, 64);  // tile numbers are immediates: one statement each
+  _tile_loadd(5, zeros, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < iterations; ++i) {
+    if (bf16) {
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 5);
+    } else {
+      _tile_dpbssd(0, 4, 5);
+      _tile_dpbssd(1, 4, 5);
+      _tile_dpbssd(2, 4, 5);
+      _tile_dpbssd(3, 4, 5);
+    }
+  }
+  alignas(64) int32_t sink[256];
+  _tile_stored(0, sink, 64);
+  _tile_release();
+  // One instruction: 16 x 16 outputs, each a dot of 64 int8 (or 32 bf16) pairs; 2 ops a pair.
+  return 4.0 * static_cast<double>(iterations) * 16 * 16 * (bf16 ? 32 : 64) * 2 + sink[0] * 0.0;
+}
+
+}  // namespace
+#endif
+
+double amx_peak(bool bf16, int64_t iterations) {
+#ifdef TS_AMX
+  TORCH_CHECK(isa::amx_status().permitted, "amx_peak: ", isa::amx_status().reason);
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> ops(threads, 0.0);
+  const auto t0 = std::chrono::steady_clock::now();
+  parallel_dynamic(threads, [&](int64_t item) { ops[item] = tile_peak_loop(bf16, iterations); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double total = 0.0;
+  for (double o : ops) total += o;
+  return total / s;
+#else
+  (void)bf16, (void)iterations;
+  TORCH_CHECK(false, "amx_peak: this build has no AMX tile kernels");
+  return 0.0;
+#endif
+}
+
+int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t K, int64_t M,
+                         const int8_t* xq, const float* dx, const float* xs32,
+                         const int32_t* xi32, float* y, const float* bias) {
+#ifdef TS_AMX
+  const int64_t groups = M / 16;
+  if (groups == 0 || !isa::amx_status().permitted) return 0;
+  switch (type_size) {
+    case 18: linear_amx_as<18>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
+    case 20: linear_amx_as<20>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
+    case 22: linear_amx_as<22>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
+    case 24: linear_amx_as<24>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
+    default: linear_amx_as<34>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
+  }
+  return 16 * groups;
+#else
+  (void)type_size, (void)w, (void)N, (void)K, (void)M, (void)xq, (void)dx, (void)xs32,
+      (void)xi32, (void)y, (void)bias;
+  return 0;
+#endif
+}
+
+namespace isa {
+bool amx_kernels_built() {
+#ifdef TS_AMX
+  return true;
+#else
+  return false;
+#endif
+}
+}  // namespace isa
+
+}  // namespace tailserve_cpu
