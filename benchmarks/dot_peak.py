@@ -171,6 +171,33 @@ def silicon(iters: int) -> list[dict[str, object]]:
             print(f"{name:38s} per core {' '.join(f'{r / 1e9:6.0f}' for r in per_core)} "
                   f"GOP/s  peak {sum(per_core) / 1e9:6.0f}  all cores at once "
                   f"{together / 1e9:6.0f}", flush=True)
+    return rows + amx_silicon(iters)
+
+
+def amx_silicon(iters: int) -> list[dict[str, object]]:
+    """AMX's tile instructions back to back on registers (the kernels' ``amx_peak``: four
+    independent int32 / float32 accumulator tiles), on one thread and on every core at once.
+    One TDPBSSD is 16 x 16 dots of 64 int8 pairs (32,768 ops), one TDPBF16PS of 32 bf16 pairs."""
+    from tailserve.kernels import cpu_ops_available, isa_info
+
+    if not cpu_ops_available() or isa_info().supported != "amx":
+        reason = "no kernels" if not cpu_ops_available() else isa_info().amx_reason
+        print(f"AMX tiles: not measured ({reason or 'this build has no tile kernels'})")
+        return []
+    rows: list[dict[str, object]] = []
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    for bf16, name in ((False, "int8 AMX tdpbssd"), (True, "bf16 AMX tdpbf16ps")):
+        n = max(iters // 64, 1 << 16)
+        torch.set_num_threads(1)
+        one = max(float(torch.ops.tailserve.amx_peak(bf16, n)) for _ in range(3))
+        torch.set_num_threads(cores)
+        together = max(float(torch.ops.tailserve.amx_peak(bf16, n)) for _ in range(3))
+        torch.set_num_threads(threads)
+        rows.append({"part": "silicon", "kernel": name, "per_core_ops_s": [one],
+                     "peak_ops_s": one * cores, "all_cores_at_once_ops_s": together})
+        print(f"{name:38s} one thread {one / 1e9:6.0f} GOP/s  peak {one * cores / 1e9:6.0f}  "
+              f"all cores at once {together / 1e9:6.0f}", flush=True)
     return rows
 
 
@@ -182,7 +209,8 @@ def torch_rates(rows_list: list[int], repeats: int) -> list[dict[str, object]]:
     sys.path.insert(0, os.path.dirname(__file__))
     from decode_products import random_blocks
     from roofline import best_seconds  # first call untimed, then the best of `repeats`
-    from tailserve.kernels import cpu_ops_available
+    from tailserve.kernels import cpu_ops_available, isa_info, set_quant_isa
+    from tailserve.model.quant.formats import tile_blocks
 
     have_kernels = cpu_ops_available()
     out: list[dict[str, object]] = []
@@ -200,11 +228,18 @@ def torch_rates(rows_list: list[int], repeats: int) -> list[dict[str, object]]:
                 "torch._int_mm": functools.partial(torch._int_mm, xi, wi),
                 "fp32 matmul": functools.partial(torch.matmul, x, wf.t()),
             }
-            if have_kernels:
-                wq = random_blocks(n, k, 20)
-                ways = {"Q4_1 quant_linear": functools.partial(
-                    torch.ops.tailserve.quant_linear, x, wq, None), **ways}
-            rates = {name: ops / best_seconds(fn, repeats) for name, fn in ways.items()}
+            rates: dict[str, float] = {}
+            if have_kernels:  # tiled as the runner serves them (AMX at 16+ rows where usable)
+                wq = tile_blocks(random_blocks(n, k, 20))
+                levels = ["amx", "avx512vnni"] if isa_info().supported == "amx" else [None]
+                for level in levels:
+                    if level:
+                        set_quant_isa(level)
+                    fn = functools.partial(torch.ops.tailserve.quant_linear, x, wq, None)
+                    rates[f"Q4_1 quant_linear{' ' + level if level else ''}"] = (
+                        ops / best_seconds(fn, repeats))
+                set_quant_isa("auto")
+            rates.update({name: ops / best_seconds(fn, repeats) for name, fn in ways.items()})
             out.append({"part": "torch", "rows": m, "n": n, "k": k, "ops_s": rates})
             print(f"{m:5d} x {n:4d} x {k:4d}  " + "  ".join(
                 f"{name} {r / 1e9:5.0f}" for name, r in rates.items()) + "  GOP/s", flush=True)
@@ -275,8 +310,8 @@ def prefill(lengths: list[int], repeats: int, peak: float | None, clock: str,
         frac = ""
         if peak:
             row["fraction_of_peak"] = rate / peak
-            frac = (f"  {rate / peak:5.1%} of the int8 VNNI peak of "
-                    f"{torch.get_num_threads()} core(s)")
+            frac = (f"  {rate / peak:5.1%} of the int8 peak (AMX where it serves, else VNNI) "
+                    f"of {torch.get_num_threads()} core(s)")
         rows.append(row)
         print(f"{n:5d} tokens in {min(steps)}-{max(steps)} steps: TTFT median "
               f"{med * 1e3:7.1f} ms (min {times[0] * 1e3:.1f})  "
@@ -291,8 +326,8 @@ def main() -> None:
     ap.add_argument("--rows", default="128,512,2048")
     ap.add_argument("--lengths", default="128,512,1000,2000")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--peak", type=float, default=None, help="int8 VNNI peak ops/s (else the "
-                    "silicon part's, when it runs)")
+    ap.add_argument("--peak", type=float, default=None, help="int8 peak ops/s (else the "
+                    "silicon part's, when it runs: AMX's where the CPU has it, else VNNI's)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (torch and "
                     "prefill parts)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -310,8 +345,9 @@ def main() -> None:
         found = silicon(args.iters)
         rows += found
         vnni = [r for r in found if str(r["kernel"]).startswith("int8 vpdpbusd")]
-        if vnni and peak is None:
-            peak = float(vnni[0]["peak_ops_s"])  # type: ignore[arg-type]
+        amx = [r for r in found if str(r["kernel"]).startswith("int8 AMX")]
+        if peak is None and (amx or vnni):  # the int8 instruction the products run on
+            peak = float((amx or vnni)[0]["peak_ops_s"])  # type: ignore[arg-type]
     if "torch" in parts:
         rows += torch_rates([int(m) for m in args.rows.split(",")], args.repeats)
     if "prefill" in parts:

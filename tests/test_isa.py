@@ -51,7 +51,7 @@ def test_the_level_in_use_is_the_one_set(auto_after: None) -> None:
         # forced below AVX512, the 16-bit dots leave vdpbf16ps too: one switch for every kernel
         assert (info.level, info.best, info.avx512bf16) == ("avx2", best, False)
     with pytest.raises(RuntimeError, match="is not -1"):
-        torch.ops.tailserve.set_quant_isa(6)
+        torch.ops.tailserve.set_quant_isa(7)
 
 
 @pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX (amx_tile, amx_int8 in /proc/cpuinfo)")

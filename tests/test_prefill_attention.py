@@ -28,17 +28,22 @@ BF16_TOL = {"rtol": 2e-2, "atol": 6e-2}
 
 def tol() -> dict[str, float]:
     """The tolerance of the level in use."""
-    return BF16_TOL if isa_info().level == "avx512bf16" else FLOAT32_TOL
+    return BF16_TOL if isa_info().level in ("avx512bf16", "amx-bf16") else FLOAT32_TOL
 
 
-@pytest.fixture(params=["auto", "avx512bf16", "avx512vnni", "avx2", "scalar"])
+@pytest.fixture(params=["auto", "amx-bf16", "avx512bf16", "avx512vnni", "avx2", "scalar"])
 def isa(cpu_kernels: None, request: pytest.FixtureRequest) -> Iterator[str]:
     """The kernel's vector paths, chosen at run time: the best this CPU has ("auto": float32
-    FMAs), the opt-in bf16 dots, AVX512's float32 FMAs (avx512vnni: the same attention as
-    avx512), the AVX2 baseline and the scalar one, forced as TAILSERVE_QUANT_ISA would."""
+    FMAs), the opt-in AMX bf16 tiles, the opt-in bf16 dots, AVX512's float32 FMAs
+    (avx512vnni: the same attention as avx512), the AVX2 baseline and the scalar one, forced
+    as TAILSERVE_QUANT_ISA would."""
     set_quant_isa("auto")
     top = isa_info().supported
-    if QUANT_ISAS[request.param] > QUANT_ISAS[top]:
+    if request.param == "amx-bf16":  # beside the order: AMX's tiles with AMX-BF16
+        if top != "amx" or not isa_info().amx_bf16:
+            pytest.skip(f"needs AMX-BF16 tiles (this CPU/build: {top}, "
+                        f"{isa_info().amx_reason or 'no AMX-BF16'})")
+    elif QUANT_ISAS[request.param] > QUANT_ISAS[top]:
         pytest.skip(f"this CPU's highest level is {top}")
     set_quant_isa(request.param)
     yield request.param

@@ -123,9 +123,19 @@ int current() {
 
 int set(int level) {
   const int top = supported();
-  TORCH_CHECK(level >= -1 && level <= kAmx, "set_quant_isa: ", level,
+  TORCH_CHECK(level >= -1 && level <= kAmxBf16, "set_quant_isa: ", level,
               " is not -1 (best), 0 (scalar), 1 (AVX2), 2 (AVX512), 3 (AVX512-VNNI), "
-              "4 (AVX512-BF16) or 5 (AMX)");
+              "4 (AVX512-BF16), 5 (AMX) or 6 (AMX-BF16)");
+  if (level == kAmxBf16) {
+    const AmxStatus& amx = amx_status();
+    TORCH_CHECK(top == kAmx && amx.bf16 && vector_supported() >= kAvx512Bf16,
+                "set_quant_isa: AMX-BF16 asked, not available: ",
+                top != kAmx ? (amx.permitted ? std::string("this build has no AMX tile kernels")
+                                             : amx.reason)
+                            : std::string("the CPU has no AMX-BF16 or no AVX512-BF16"));
+    g_level.store(kAmxBf16, std::memory_order_relaxed);
+    return kAmxBf16;
+  }
   if (level == kAmx) {
     const AmxStatus& amx = amx_status();
     TORCH_CHECK(top == kAmx, "set_quant_isa: AMX asked, not available: ",

@@ -26,7 +26,12 @@ namespace isa {
 // kAmx: VNNI's kernels with the tiled GGUF products of 16+ rows of x on AMX int8 tiles; the
 // attention stays float32 (the bf16 level's rounding is that level's alone). Not an order
 // above kAvx512Bf16: the two are alternatives, numbered apart.
-enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kAmx = 5 };
+// kAmxBf16: opt-in, never best(): the tiled products of 16+ rows on AMX bf16 tiles (weights
+// dequantized to bf16 per call, x rounded to bf16, float32 sums over all of K) and the prefill
+// attention on kAvx512Bf16's bf16 dots — the fastest prompts, not VNNI's answers.
+enum Level : int {
+  kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kAmx = 5, kAmxBf16 = 6
+};
 
 // The level "auto" chooses: kAmx where usable, else the best this CPU and build run up to
 // kAvx512Vnni (kAvx512Bf16 is opt-in).

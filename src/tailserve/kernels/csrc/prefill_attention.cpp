@@ -49,6 +49,7 @@
 
 #include "cpu_ops.h"
 #include "isa.h"
+#include "prefill_amx.h"
 #include "simd.h"
 #include "simd16.h"
 #include "prefill_vec.h"
@@ -521,8 +522,12 @@ void prefill_dispatch(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
                       const at::Tensor& block_tables, const int64_t* lens, const int64_t* qsl,
                       int64_t first_seq, int64_t num_seqs, float scale) {
   const int isa = quant_isa();
+  if (isa == isa::kAmxBf16 &&
+      prefill_amx<T>(out, q, kv_cache, block_tables, lens, qsl, first_seq, num_seqs, scale)) {
+    return;
+  }
 #ifdef TS_PREFILL_BF16
-  if (isa == isa::kAvx512Bf16) {  // opt-in only: the AMX level keeps float32 attention
+  if (isa == isa::kAvx512Bf16) {  // opt-in; the AMX levels keep float32 or their tiles
     return prefill_impl<Vec512, T, true>(out, q, kv_cache, block_tables, lens, qsl, first_seq,
                                          num_seqs, scale);
   }

@@ -29,11 +29,7 @@
 #include "quant_tiled.h"
 #include "work_pool.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && \
-    defined(__AVX512DQ__)
-#include <immintrin.h>
-#define TS_AMX 1
-#endif
+#include "amx_tiles.h"
 
 namespace tailserve_cpu {
 
@@ -41,36 +37,16 @@ namespace tailserve_cpu {
 namespace {
 
 template <int TS>
-struct AmxLayout {
-  static constexpr bool kMin = TS == 20 || TS == 24;   // Q4_1, Q5_1: fp16 offsets m
-  static constexpr bool kHigh = TS == 22 || TS == 24;  // Q5_0, Q5_1: fifth bits
-  static constexpr bool kQ8 = TS == 34;
-  static constexpr int kH = kMin ? 64 : 32;
-  static constexpr int kQs = 32 + (kMin ? 32 : 0) + (kHigh ? 64 : 0);
-  static constexpr int kBytes = 16 * TS;
-  static constexpr int kZero = TS == 18 ? 8 : TS == 22 ? 16 : 0;
-};
+using AmxLayout = TiledLayout<TS>;
 
-// Palette 1: tmm0 / tmm1 the int32 results (alternate blocks, so a block's epilogue overlaps
-// the next block's tile product), tmm2 / tmm3 x's 16 x 32 bytes, tmm4 / tmm5 the weight's B.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
+// Palette 1: tmm0 / tmm1 the int32 results, tmm2 / tmm3 x's 16 x 32 bytes, tmm4 / tmm5 the
+// weight's B.
 void load_tile_config() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
+  amx::TileConfig cfg{};
   for (int t : {0, 1}) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   for (int t : {2, 3}) { cfg.rows[t] = 16; cfg.colsb[t] = 32; }
   for (int t : {4, 5}) { cfg.rows[t] = 8; cfg.colsb[t] = 64; }
-  // GCC 12 does not see ldtilecfg read the struct and drops the stores above (found here: it
-  // wrote the palette byte alone and ldtilecfg faulted): the barrier makes them land.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  amx::load_config(cfg);
 }
 
 // The weight's B tiles of one output tile, every block: 8 rows of 64 bytes each (Q8_0 reads its
@@ -212,11 +188,9 @@ void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const
 // Tile instructions back to back on registers (no memory operand in the loop): the peak the
 // tile unit gives one thread. Four independent accumulators hide the instruction's latency.
 double tile_peak_loop(bool bf16, int64_t iterations) {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
+  amx::TileConfig cfg{};
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  amx::load_config(cfg);
   alignas(64) uint8_t zeros[1024] = {};
   _tile_loadd(4, zeros, 64);  // tile numbers are immediates: one statement each
   _tile_loadd(5, zeros, 64);

@@ -111,20 +111,9 @@ void check_x(const Packed& p, const at::Tensor& x) {
   TORCH_CHECK(x.size(1) == p.K, "quant_linear: x has ", x.size(1), " features, the weight ", p.K);
 }
 
-// y = x W^T (+ bias) into y [M, N]; x and y checked by the callers.
-void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                 at::Tensor& y) {
-  const at::Tensor xc = x.contiguous();
+// y = x W^T on int8 activations: the tiles (VNNI, AMX int8), or the stored-block paths.
+void int8_rows(const Packed& p, const at::Tensor& xc, const float* bp, float* yp) {
   const int64_t M = xc.size(0), K = p.K, N = p.N;
-  at::Tensor bc;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
-                "quant_linear: bias must be float32 [", N, "]");
-    bc = bias->contiguous();
-    bp = bc.data_ptr<float>();
-  }
-  if (M == 0 || N == 0) return;
   // x in int8: xq [M, K], dx [M, K/32], xs [M, K/16] (and per 32: xs32)
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * (K / 32)), xs(M * (K / 16)), xs32(M * (K / 32));
@@ -134,7 +123,6 @@ void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::T
   const QuantizedRows xr{M, xq.data(), dx.data(), xs.data(), xs32.data()};
   // The products' paths stop at VNNI (the bf16 level adds nothing to them).
   const int isa = std::min<int>(tailserve_cpu::isa::current(), kAvx512Vnni);
-  float* yp = y.data_ptr<float>();
   if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp; AMX: quant_amx.cpp)
     const int64_t done =
         tailserve_cpu::isa::current() == tailserve_cpu::isa::kAmx
@@ -170,6 +158,32 @@ void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::T
   // Everything else: the scalar level (every AVX2 level takes one of the paths above at any
   // row count), or a build without AVX2.
   unpacked_linear(isa, p, xr, yp, bp);
+}
+
+// y = x W^T (+ bias) into y [M, N]; x and y checked by the callers.
+void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& y) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = p.K, N = p.N;
+  at::Tensor bc;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
+                "quant_linear: bias must be float32 [", N, "]");
+    bc = bias->contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return;
+  float* yp = y.data_ptr<float>();
+  if (p.tiled && tailserve_cpu::isa::current() == tailserve_cpu::isa::kAmxBf16) {
+    // The opt-in bf16 tiles take whole groups of 16 rows; the rest below, as at VNNI.
+    const int64_t done = tiled_linear_amx_bf16(p.type_size, p.data, N, K, M,
+                                               xc.data_ptr<float>(), yp, bp);
+    if (done == M) return;
+    // Rows of a contiguous x are contiguous: the remaining ones start at row `done`.
+    if (done > 0) return int8_rows(p, xc.narrow(0, done, M - done), bp, yp + done * N);
+  }
+  int8_rows(p, xc, bp, yp);
 }
 
 }  // namespace

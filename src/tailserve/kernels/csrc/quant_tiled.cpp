@@ -37,15 +37,7 @@ namespace tailserve_cpu {
 namespace {
 
 template <int TS>
-struct Layout {
-  static constexpr bool kMin = TS == 20 || TS == 24;   // Q4_1, Q5_1: fp16 offsets m
-  static constexpr bool kHigh = TS == 22 || TS == 24;  // Q5_0, Q5_1: fifth bits
-  static constexpr bool kQ8 = TS == 34;
-  static constexpr int kH = kMin ? 64 : 32;
-  static constexpr int kQs = 32 + (kMin ? 32 : 0) + (kHigh ? 64 : 0);
-  static constexpr int kBytes = 16 * TS;
-  static constexpr int kZero = TS == 18 ? 8 : TS == 22 ? 16 : 0;  // q - zero (Q8_0: signed)
-};
+using Layout = TiledLayout<TS>;
 
 // Tiles are read this far ahead at decode rows (quant_linear.cpp's kPrefetchBytes: one
 // core's prefetchers alone keep too few lines in flight for DRAM).

@@ -8,6 +8,20 @@
 
 namespace tailserve_cpu {
 
+// One tile block's byte layout per format (type_size TS): scales at 0, offsets m at 32 (Q4_1,
+// Q5_1), fifth-bit masks at kH (Q5_0, Q5_1), the values' chunks at kQs; kZero is the value
+// subtracted from the stored integer (Q8_0: signed, none).
+template <int TS>
+struct TiledLayout {
+  static constexpr bool kMin = TS == 20 || TS == 24;   // Q4_1, Q5_1: fp16 offsets m
+  static constexpr bool kHigh = TS == 22 || TS == 24;  // Q5_0, Q5_1: fifth bits
+  static constexpr bool kQ8 = TS == 34;
+  static constexpr int kH = kMin ? 64 : 32;
+  static constexpr int kQs = 32 + (kMin ? 32 : 0) + (kHigh ? 64 : 0);
+  static constexpr int kBytes = 16 * TS;
+  static constexpr int kZero = TS == 18 ? 8 : TS == 22 ? 16 : 0;  // q - zero (Q8_0: signed)
+};
+
 // y [M, N] (rows N apart) = x W^T (+ bias) on tiled blocks w [N / 16, K / 32, 16, type_size].
 // x arrives quantized as quant_linear quantizes it: xq [M, K] int8, dx [M, K / 32] the block
 // scales, xs32 [M, K / 32] = dx * (sum of xq over the block), xi32 the same sums as integers.
@@ -22,6 +36,13 @@ void tiled_linear(int isa, int64_t type_size, const uint8_t* w, int64_t N, int64
 int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t K, int64_t M,
                          const int8_t* xq, const float* dx, const float* xs32,
                          const int32_t* xi32, float* y, const float* bias);
+
+// The same product on AMX bf16 tiles (quant_amx_bf16.cpp; the opt-in amx-bf16 level): each
+// 16-row tile dequantized to bf16 once per call, x rounded to bf16, float32 sums over all of K
+// (no per-block epilogue). Not VNNI's answers: bf16 rounds weights and x. Rows as
+// tiled_linear_amx (the first 16 * (M / 16)); x float32 [M, K].
+int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, int64_t K,
+                              int64_t M, const float* x, float* y, const float* bias);
 
 // Row n of a tiled table, dequantized into out [K] (the values gguf's dequantizer gives).
 void tiled_row(int64_t type_size, const uint8_t* w, int64_t K, int64_t n, float* out);

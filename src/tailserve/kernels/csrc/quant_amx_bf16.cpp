@@ -1,0 +1,224 @@
+// quant_linear on tiled GGUF blocks with AMX bf16 tiles: the opt-in amx-bf16 level (isa.h).
+//
+// Why a second AMX product: the int8 one (quant_amx.cpp) keeps VNNI's answers, so each block
+// of 32 values ends in its own int32 tile, stored and scaled into float32 — the tile unit idles
+// behind those stores and epilogues (~1.4x VNNI, under 10% of the tile peak). Here each tile of
+// 16 weight rows is dequantized once per call to bf16 (d * q + m, rounded to nearest even) in
+// AMX's B order, x is rounded to bf16, and TDPBF16PS sums all of K in float32 inside the tile
+// registers: 2 x 2 result tiles (32 rows of x by 32 weight rows) per pass, one store at the end.
+// The weights are read as stored, every call; the bf16 copy of a tile lives in one thread's
+// buffer while the rows of x pass.
+//
+// Numerics: not VNNI's. x keeps 8 significant bits (VNNI: int8 per block of 32, about the
+// same), and each weight is rounded to 8 bits where d * q + m was exact in float32. The tests
+// bound the error against float64 (tests/test_amx.py); greedy tokens may move on near ties,
+// which is why the level is opt-in, as avx512bf16 is.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "isa.h"
+#include "quant_tiled.h"
+#include "work_pool.h"
+
+namespace tailserve_cpu {
+
+#ifdef TS_AMX
+namespace {
+
+// 64 values (16 rows x 4 consecutive k, byte 4r + i) as integers -> B rows p0 and p0 + 1 of
+// one block: row p holds, for each of the 16 rows r, (w(r, 2p), w(r, 2p + 1)) in bf16.
+template <bool kSigned, int kZero, bool kMin>
+inline void emit_pairs(__m512i bytes, const __m512* dq, const __m512* mq, uint16_t* row_even,
+                       uint16_t* row_odd) {
+  __m512 f[4];
+  const __m128i p0 = _mm512_castsi512_si128(bytes);
+  const __m128i p1 = _mm512_extracti32x4_epi32(bytes, 1);
+  const __m128i p2 = _mm512_extracti32x4_epi32(bytes, 2);
+  const __m128i p3 = _mm512_extracti32x4_epi32(bytes, 3);
+  const __m128i parts[4] = {p0, p1, p2, p3};
+  for (int q = 0; q < 4; ++q) {
+    __m512i v = kSigned ? _mm512_cvtepi8_epi32(parts[q]) : _mm512_cvtepu8_epi32(parts[q]);
+    if constexpr (kZero != 0) v = _mm512_sub_epi32(v, _mm512_set1_epi32(kZero));
+    const __m512 vf = _mm512_cvtepi32_ps(v);
+    f[q] = kMin ? _mm512_fmadd_ps(vf, dq[q], mq[q]) : _mm512_mul_ps(vf, dq[q]);
+  }
+  // Rows 0-7's pairs, then rows 8-15's: dwords P(r, 0), P(r, 1) for r in order.
+  const __m512i lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+  const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  _mm512_store_si512(row_even, _mm512_permutex2var_epi32(lo, even, hi));
+  _mm512_store_si512(row_odd, _mm512_permutex2var_epi32(lo, odd, hi));
+}
+
+// One tile of 16 weight rows -> b: per block of 32 values, 16 B rows of 32 bf16 (1 KiB).
+template <int TS>
+void dequant_tile(const uint8_t* tile, int64_t nb, uint16_t* b) {
+  using L = TiledLayout<TS>;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  __m512i quarter[4];  // lane i of quarter q reads row 4q + i / 4
+  for (int q = 0; q < 4; ++q) {
+    alignas(64) int32_t idx[16];
+    for (int i = 0; i < 16; ++i) idx[i] = 4 * q + i / 4;
+    quarter[q] = _mm512_load_si512(idx);
+  }
+  for (int64_t g = 0; g < nb; ++g) {
+    const uint8_t* blk = tile + g * L::kBytes;
+    uint16_t* out = b + g * 512;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (L::kMin) {
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    }
+    __m512 dq[4], mq[4];
+    for (int q = 0; q < 4; ++q) {
+      dq[q] = _mm512_permutexvar_ps(quarter[q], d);
+      mq[q] = _mm512_permutexvar_ps(quarter[q], m);
+    }
+    if constexpr (L::kQ8) {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + L::kQs + 64 * c);
+        emit_pairs<true, 0, false>(v, dq, mq, out + 64 * c, out + 64 * c + 32);
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(blk + L::kQs + 64 * j);
+        __m512i lo = _mm512_and_si512(v, low4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (L::kHigh) {
+          uint64_t m0, m1;
+          std::memcpy(&m0, blk + L::kH + 8 * j, 8);
+          std::memcpy(&m1, blk + L::kH + 8 * (j + 4), 8);
+          lo = _mm512_mask_add_epi8(lo, m0, lo, bit4);
+          hi = _mm512_mask_add_epi8(hi, m1, hi, bit4);
+        }
+        // lo: values 4j..4j+3 -> B rows 2j, 2j + 1; hi: 16 + 4j.. -> rows 8 + 2j, 9 + 2j
+        emit_pairs<false, L::kZero, L::kMin>(lo, dq, mq, out + 64 * j, out + 64 * j + 32);
+        emit_pairs<false, L::kZero, L::kMin>(hi, dq, mq, out + 256 + 64 * j,
+                                             out + 256 + 64 * j + 32);
+      }
+    }
+  }
+}
+
+// MT groups of 16 rows of x against NT tiles of 16 weight rows, all of K: tmm0-3 the results
+// (m, n), tmm4-5 x's rows, tmm6-7 the weights' B. Results go straight to y.
+template <int MT, int NT>
+void tile_pass(const uint16_t* xb, int64_t K, const uint16_t* b0, const uint16_t* b1, int64_t nb,
+               float* y, int64_t N) {
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (MT == 2) _tile_zero(2);
+  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  const int64_t xstride = K * 2;
+  for (int64_t g = 0; g < nb; ++g) {
+    _tile_loadd(4, xb + g * 32, xstride);
+    _tile_loadd(6, b0 + g * 512, 64);
+    if constexpr (MT == 2) _tile_loadd(5, xb + 16 * K + g * 32, xstride);
+    if constexpr (NT == 2) _tile_loadd(7, b1 + g * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  const int64_t ystride = N * 4;
+  _tile_stored(0, y, ystride);
+  if constexpr (NT == 2) _tile_stored(1, y + 16, ystride);
+  if constexpr (MT == 2) _tile_stored(2, y + 16 * N, ystride);
+  if constexpr (MT == 2 && NT == 2) _tile_stored(3, y + 16 * N + 16, ystride);
+}
+
+template <int TS>
+void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const uint16_t* xb,
+                    float* y, const float* bias) {
+  using L = TiledLayout<TS>;
+  const int64_t nb = K / 32, tiles = N / 16, pairs = (tiles + 1) / 2;
+  const int64_t tile_bytes = nb * L::kBytes;
+  parallel_dynamic(pairs, [&](int64_t pair) {
+    amx::TileConfig cfg{};
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    amx::load_config(cfg);
+    thread_local std::vector<uint16_t> storage;  // two tiles' B, kept between calls
+    const size_t need = static_cast<size_t>(2 * nb * 512 + 32);
+    if (storage.size() < need) storage.resize(need);
+    uint16_t* b0 = reinterpret_cast<uint16_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    uint16_t* b1 = b0 + nb * 512;
+    const int64_t t0 = 2 * pair;
+    const bool two = t0 + 1 < tiles;
+    dequant_tile<TS>(w + t0 * tile_bytes, nb, b0);
+    if (two) dequant_tile<TS>(w + (t0 + 1) * tile_bytes, nb, b1);
+    int64_t m = 0;
+    for (; m + 1 < groups; m += 2) {
+      float* yt = y + 16 * m * N + 16 * t0;
+      const uint16_t* xt = xb + 16 * m * K;
+      if (two) {
+        tile_pass<2, 2>(xt, K, b0, b1, nb, yt, N);
+      } else {
+        tile_pass<2, 1>(xt, K, b0, b1, nb, yt, N);
+      }
+    }
+    if (m < groups) {
+      float* yt = y + 16 * m * N + 16 * t0;
+      const uint16_t* xt = xb + 16 * m * K;
+      if (two) {
+        tile_pass<1, 2>(xt, K, b0, b1, nb, yt, N);
+      } else {
+        tile_pass<1, 1>(xt, K, b0, b1, nb, yt, N);
+      }
+    }
+    _tile_release();
+    if (bias) {
+      const int64_t cols = two ? 32 : 16;
+      for (int64_t r = 0; r < 16 * groups; ++r) {
+        for (int64_t c = 0; c < cols; c += 16) {
+          float* yr = y + r * N + 16 * t0 + c;
+          _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr),
+                                             _mm512_loadu_ps(bias + 16 * t0 + c)));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, int64_t K,
+                              int64_t M, const float* x, float* y, const float* bias) {
+#ifdef TS_AMX
+  const int64_t groups = M / 16;
+  if (groups == 0 || !isa::amx_status().permitted || !isa::amx_status().bf16) return 0;
+  const int64_t rows = 16 * groups;
+  // x to bf16 (nearest even), 32 values at a time (K is a multiple of 32).
+  std::vector<uint16_t> xb(rows * K);
+  parallel_dynamic((rows + 15) / 16, [&](int64_t item) {
+    const int64_t r1 = std::min(rows, item * 16 + 16);
+    for (int64_t r = item * 16; r < r1; ++r) {
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * K + k + 16),
+                                               _mm512_loadu_ps(x + r * K + k));
+        _mm512_storeu_si512(xb.data() + r * K + k, reinterpret_cast<__m512i>(v));
+      }
+    }
+  });
+  switch (type_size) {
+    case 18: linear_bf16_as<18>(w, N, K, groups, xb.data(), y, bias); break;
+    case 20: linear_bf16_as<20>(w, N, K, groups, xb.data(), y, bias); break;
+    case 22: linear_bf16_as<22>(w, N, K, groups, xb.data(), y, bias); break;
+    case 24: linear_bf16_as<24>(w, N, K, groups, xb.data(), y, bias); break;
+    default: linear_bf16_as<34>(w, N, K, groups, xb.data(), y, bias); break;
+  }
+  return rows;
+#else
+  (void)type_size, (void)w, (void)N, (void)K, (void)M, (void)x, (void)y, (void)bias;
+  return 0;
+#endif
+}
+
+}  // namespace tailserve_cpu
