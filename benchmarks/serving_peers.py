@@ -172,11 +172,14 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class Variant:
     """One tailserve configuration: ``LABEL[@TREE]=ARGS`` (TREE: another checkout's root,
-    e.g. an older commit from ``git archive``; ARGS: extra serve arguments, space-separated)."""
+    e.g. an older commit from ``git archive``; ARGS: extra serve arguments, space-separated;
+    an argument ``TAILSERVE_NAME=VALUE`` sets that environment switch of the server instead,
+    e.g. ``TAILSERVE_QUANT_ISA=amx-bf16``)."""
 
     label: str
     tree: str | None
     args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -184,7 +187,12 @@ class Variant:
         label, _, tree = head.partition("@")
         if not label:
             raise ValueError(f"--variant {text!r}: LABEL[@TREE]=ARGS")
-        return cls(label, os.path.abspath(tree) if tree else None, tuple(args.split()))
+        words = args.split()
+        env = tuple(tuple(w.split("=", 1)) for w in words
+                    if w.startswith("TAILSERVE_") and "=" in w)
+        return cls(label, os.path.abspath(tree) if tree else None,
+                   tuple(w for w in words if not (w.startswith("TAILSERVE_") and "=" in w)),
+                   env)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -254,6 +262,7 @@ def server_for(name: str, extra: list[str], peers_home: str, llama_threads: int 
         env["PYTHONPATH"] = os.path.join(REPO, "src")
         if variant is not None:
             cmd += list(variant.args)
+            env.update(dict(variant.env))
             if variant.tree is not None:
                 # The kernel cache is shared: builds are keyed by the sources' bytes, flags,
                 # torch, compiler and CPU, never by the checkout's path (kernels/__init__.py).

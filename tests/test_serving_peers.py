@@ -96,6 +96,10 @@ def test_variant_parsing(sp: ModuleType) -> None:
     assert "TAILSERVE_KERNEL_CACHE" not in s.env  # builds are keyed by source bytes: shared
     with pytest.raises(ValueError, match="LABEL"):
         sp.Variant.parse("=--x")
+    tiles = sp.Variant.parse("bf16=TAILSERVE_QUANT_ISA=amx-bf16 --slo-itl-ms none")
+    assert tiles.args == ("--slo-itl-ms", "none")
+    s = sp.server_for("tailserve", [], "/peers", None, tiles)
+    assert s.env["TAILSERVE_QUANT_ISA"] == "amx-bf16" and "TAILSERVE_QUANT_ISA" not in s.cmd[-1]
 
 
 def test_per_workload_rate_and_prompts(sp: ModuleType) -> None:

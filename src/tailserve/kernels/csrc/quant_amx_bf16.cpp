@@ -108,18 +108,21 @@ void dequant_tile(const uint8_t* tile, int64_t nb, uint16_t* b) {
 
 // MT groups of 16 rows of x against NT tiles of 16 weight rows, all of K: tmm0-3 the results
 // (m, n), tmm4-5 x's rows, tmm6-7 the weights' B. Results go straight to y.
+// xb: x packed as [K / 32][rows][32] bf16, so each A tile is 1 KiB in one run (rows of x apart
+// by K put every tile row in its own page region: 0.6 -> 0.5 ms a 512-row product); `xb` points
+// at the group's first row in block 0, `rows` is the packed row count.
 template <int MT, int NT>
-void tile_pass(const uint16_t* xb, int64_t K, const uint16_t* b0, const uint16_t* b1, int64_t nb,
-               float* y, int64_t N) {
+void tile_pass(const uint16_t* xb, int64_t rows, const uint16_t* b0, const uint16_t* b1,
+               int64_t nb, float* y, int64_t N) {
   _tile_zero(0);
   if constexpr (NT == 2) _tile_zero(1);
   if constexpr (MT == 2) _tile_zero(2);
   if constexpr (MT == 2 && NT == 2) _tile_zero(3);
-  const int64_t xstride = K * 2;
   for (int64_t g = 0; g < nb; ++g) {
-    _tile_loadd(4, xb + g * 32, xstride);
+    const uint16_t* a = xb + g * rows * 32;
+    _tile_loadd(4, a, 64);
     _tile_loadd(6, b0 + g * 512, 64);
-    if constexpr (MT == 2) _tile_loadd(5, xb + 16 * K + g * 32, xstride);
+    if constexpr (MT == 2) _tile_loadd(5, a + 16 * 32, 64);
     if constexpr (NT == 2) _tile_loadd(7, b1 + g * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
@@ -153,23 +156,24 @@ void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, cons
     const bool two = t0 + 1 < tiles;
     dequant_tile<TS>(w + t0 * tile_bytes, nb, b0);
     if (two) dequant_tile<TS>(w + (t0 + 1) * tile_bytes, nb, b1);
+    const int64_t rows = 16 * groups;
     int64_t m = 0;
     for (; m + 1 < groups; m += 2) {
       float* yt = y + 16 * m * N + 16 * t0;
-      const uint16_t* xt = xb + 16 * m * K;
+      const uint16_t* xt = xb + 16 * m * 32;
       if (two) {
-        tile_pass<2, 2>(xt, K, b0, b1, nb, yt, N);
+        tile_pass<2, 2>(xt, rows, b0, b1, nb, yt, N);
       } else {
-        tile_pass<2, 1>(xt, K, b0, b1, nb, yt, N);
+        tile_pass<2, 1>(xt, rows, b0, b1, nb, yt, N);
       }
     }
     if (m < groups) {
       float* yt = y + 16 * m * N + 16 * t0;
-      const uint16_t* xt = xb + 16 * m * K;
+      const uint16_t* xt = xb + 16 * m * 32;
       if (two) {
-        tile_pass<1, 2>(xt, K, b0, b1, nb, yt, N);
+        tile_pass<1, 2>(xt, rows, b0, b1, nb, yt, N);
       } else {
-        tile_pass<1, 1>(xt, K, b0, b1, nb, yt, N);
+        tile_pass<1, 1>(xt, rows, b0, b1, nb, yt, N);
       }
     }
     _tile_release();
@@ -195,24 +199,26 @@ int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, in
   const int64_t groups = M / 16;
   if (groups == 0 || !isa::amx_status().permitted || !isa::amx_status().bf16) return 0;
   const int64_t rows = 16 * groups;
-  // x to bf16 (nearest even), 32 values at a time (K is a multiple of 32).
-  std::vector<uint16_t> xb(rows * K);
+  // x to bf16 (nearest even), packed [K / 32][rows][32] (tile_pass).
+  std::vector<uint16_t> xb(rows * K + 32);
+  uint16_t* xp = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(xb.data()) + 63) & ~uintptr_t{63});
   parallel_dynamic((rows + 15) / 16, [&](int64_t item) {
     const int64_t r1 = std::min(rows, item * 16 + 16);
     for (int64_t r = item * 16; r < r1; ++r) {
       for (int64_t k = 0; k < K; k += 32) {
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * K + k + 16),
                                                _mm512_loadu_ps(x + r * K + k));
-        _mm512_storeu_si512(xb.data() + r * K + k, reinterpret_cast<__m512i>(v));
+        _mm512_store_si512(xp + ((k / 32) * rows + r) * 32, reinterpret_cast<__m512i>(v));
       }
     }
   });
   switch (type_size) {
-    case 18: linear_bf16_as<18>(w, N, K, groups, xb.data(), y, bias); break;
-    case 20: linear_bf16_as<20>(w, N, K, groups, xb.data(), y, bias); break;
-    case 22: linear_bf16_as<22>(w, N, K, groups, xb.data(), y, bias); break;
-    case 24: linear_bf16_as<24>(w, N, K, groups, xb.data(), y, bias); break;
-    default: linear_bf16_as<34>(w, N, K, groups, xb.data(), y, bias); break;
+    case 18: linear_bf16_as<18>(w, N, K, groups, xp, y, bias); break;
+    case 20: linear_bf16_as<20>(w, N, K, groups, xp, y, bias); break;
+    case 22: linear_bf16_as<22>(w, N, K, groups, xp, y, bias); break;
+    case 24: linear_bf16_as<24>(w, N, K, groups, xp, y, bias); break;
+    default: linear_bf16_as<34>(w, N, K, groups, xp, y, bias); break;
   }
   return rows;
 #else
