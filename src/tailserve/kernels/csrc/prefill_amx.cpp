@@ -93,8 +93,8 @@ void compute(const float* q, int64_t q_s0, float* out, int64_t o_s0, const Stage
              int64_t ctx, int64_t p0, int64_t i0, int64_t i1, float scale) {
   const int64_t rows = i1 - i0, halves = D / 32, slices = D / 16;
   alignas(64) uint16_t qb[16 * 256];  // [16][D] bf16, D <= 256
-  alignas(64) float s[16][32];
-  alignas(64) uint16_t p[16][32];
+  alignas(64) float s[16][64];
+  alignas(64) uint16_t p[16][64];
   alignas(64) float o[16 * 256];
   float m[16], l[16];
   for (int64_t r = 0; r < 16; ++r) {
@@ -111,39 +111,52 @@ void compute(const float* q, int64_t q_s0, float* out, int64_t o_s0, const Stage
   std::memset(o, 0, sizeof(float) * 16 * D);
   const int64_t last = p0 + i1 - 1;  // the last row's position: keys [0, last] are read
   const int64_t kend = std::min(ctx, last + 1);
-  for (int64_t kb = 0; kb < kend; kb += 32) {
-    // Scores: tmm0 keys kb..+15, tmm1 kb+16..+31.
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t h = 0; h < halves; ++h) {
-      _tile_loadd(2, qb + 32 * h, D * 2);
-      _tile_loadd(4, st.kt + ((kb / 16) * halves + h) * 256, 64);
-      _tile_dpbf16ps(0, 2, 4);
-      if (kb + 16 < kend) {
-        _tile_loadd(5, st.kt + ((kb / 16 + 1) * halves + h) * 256, 64);
-        _tile_dpbf16ps(1, 2, 5);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // 64 keys per softmax step (two staged blocks of 32): half the per-row reductions and
+  // output rescales of 32-key steps (a 512-token prompt: 314 -> 356 GFLOPS, 1,000: 377 -> 435).
+  for (int64_t kb = 0; kb < kend; kb += 64) {
+    const bool second = kb + 32 < kend;
+    for (int64_t hh = 0; hh < (second ? 2 : 1); ++hh) {
+      const int64_t k32 = kb + 32 * hh;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t h = 0; h < halves; ++h) {
+        _tile_loadd(2, qb + 32 * h, D * 2);
+        _tile_loadd(4, st.kt + ((k32 / 16) * halves + h) * 256, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        if (k32 + 16 < kend) {
+          _tile_loadd(5, st.kt + ((k32 / 16 + 1) * halves + h) * 256, 64);
+          _tile_dpbf16ps(1, 2, 5);
+        }
       }
+      _tile_stored(0, s[0] + 32 * hh, 256);
+      _tile_stored(1, s[0] + 32 * hh + 16, 256);
     }
-    _tile_stored(0, s[0], 128);
-    _tile_stored(1, s[0] + 16, 128);
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t pos = p0 + i0 + std::min(r, rows - 1);
-      const int64_t valid = std::min(pos + 1, ctx) - kb;  // keys of this block the row reads
-      const __mmask16 k0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(valid, 0)) - 1);
-      const __mmask16 k1 = valid >= 32 ? 0xFFFF
-                           : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
-      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      const __m512 a = _mm512_mask_mov_ps(ninf, k0, _mm512_load_ps(s[r]));
-      const __m512 b = _mm512_mask_mov_ps(ninf, k1, _mm512_load_ps(s[r] + 16));
-      const float mnew = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+      const int64_t valid = std::min(pos + 1, ctx) - kb;  // keys of this step the row reads
+      __mmask16 keep[4];
+      __m512 v[4];
+      __m512 mx = ninf;
+      for (int c = 0; c < 4; ++c) {
+        const int64_t n = valid - 16 * c;
+        keep[c] = n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+        v[c] = _mm512_mask_mov_ps(ninf, keep[c], _mm512_load_ps(s[r] + 16 * c));
+        mx = _mm512_max_ps(mx, v[c]);
+      }
+      const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx));
       const __m512 mv = _mm512_set1_ps(mnew);
-      const __m512 pa = _mm512_maskz_mov_ps(k0, exp_neg512(_mm512_sub_ps(a, mv)));
-      const __m512 pb = _mm512_maskz_mov_ps(k1, exp_neg512(_mm512_sub_ps(b, mv)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        v[c] = _mm512_maskz_mov_ps(keep[c], exp_neg512(_mm512_sub_ps(v[c], mv)));
+        sum = _mm512_add_ps(sum, v[c]);
+      }
       const float alpha = m[r] == -std::numeric_limits<float>::infinity()
                               ? 0.f : std::exp(m[r] - mnew);
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
       m[r] = mnew;
-      _mm512_store_si512(p[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(pb, pa)));
+      _mm512_store_si512(p[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0])));
+      _mm512_store_si512(p[r] + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[3], v[2])));
       if (alpha != 1.f) {
         const __m512 al = _mm512_set1_ps(alpha);
         for (int64_t k = 0; k < D; k += 16) {
@@ -151,11 +164,16 @@ void compute(const float* q, int64_t q_s0, float* out, int64_t o_s0, const Stage
         }
       }
     }
-    _tile_loadd(3, p[0], 64);
+    _tile_loadd(3, p[0], 128);
+    if (second) _tile_loadd(2, p[0] + 32, 128);
     for (int64_t j = 0; j < slices; ++j) {
       _tile_loadd(7, o + 16 * j, D * 4);
       _tile_loadd(6, st.v + ((kb / 32) * slices + j) * 256, 64);
       _tile_dpbf16ps(7, 3, 6);
+      if (second) {
+        _tile_loadd(4, st.v + ((kb / 32 + 1) * slices + j) * 256, 64);
+        _tile_dpbf16ps(7, 2, 4);
+      }
       _tile_stored(7, o + 16 * j, D * 4);
     }
   }
