@@ -231,7 +231,11 @@ def torch_rates(rows_list: list[int], repeats: int) -> list[dict[str, object]]:
             rates: dict[str, float] = {}
             if have_kernels:  # tiled as the runner serves them (AMX at 16+ rows where usable)
                 wq = tile_blocks(random_blocks(n, k, 20))
-                levels = ["amx", "avx512vnni"] if isa_info().supported == "amx" else [None]
+                info = isa_info()
+                levels: list[str | None] = [None]
+                if info.supported == "amx":
+                    levels = ["amx", "amx-bf16", "avx512vnni"] if info.amx_bf16 else [
+                        "amx", "avx512vnni"]
                 for level in levels:
                     if level:
                         set_quant_isa(level)

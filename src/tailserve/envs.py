@@ -76,9 +76,11 @@ TAILSERVE_QUANT_ISA: EnvSwitch[str] = EnvSwitch(
     "(kernels/csrc/isa.h): auto (amx where the CPU, Linux and the build allow it, else the "
     "best this CPU has up to avx512vnni), amx (VNNI's kernels with the tiled GGUF products of "
     "16+ rows on AMX int8 tiles, bit for bit VNNI's answers; refused with the reason where "
-    "unavailable), avx512bf16 (opt-in: the prefill attention on bf16 dots, 1.2-1.3x faster, "
-    "near-tied greedy tokens may move), avx512vnni, avx512, avx2 or scalar (to compare paths, "
-    "or to test the AVX2 one on an AVX512 machine)",
+    "unavailable), amx-bf16 (opt-in: those products and the prefill attention on AMX bf16 "
+    "tiles, ~2x each, not VNNI's answers: near-tied greedy tokens may move), avx512bf16 "
+    "(opt-in: the prefill attention on bf16 dots, 1.2-1.3x faster on Zen 4, near-tied greedy "
+    "tokens may move), avx512vnni, avx512, avx2 or scalar (to compare paths, or to test the "
+    "AVX2 one on an AVX512 machine)",
 )
 CUDA_VISIBLE_DEVICES: EnvSwitch[str | None] = EnvSwitch(
     "CUDA_VISIBLE_DEVICES", None, str,

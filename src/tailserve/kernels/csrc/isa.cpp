@@ -140,9 +140,10 @@ int set(int level) {
     const AmxStatus& amx = amx_status();
     TORCH_CHECK(top == kAmx, "set_quant_isa: AMX asked, not available: ",
                 !amx.permitted ? amx.reason
-                : !amx_kernels_built() ? std::string("this build has no AMX tile kernels (the compiler "
-                                             "did not target AMX-TILE and AMX-INT8)")
-                               : std::string("AMX needs AVX512-VNNI for its other kernels"));
+                : !amx_kernels_built()
+                    ? std::string("this build has no AMX tile kernels (the compiler did not "
+                                  "target AMX-TILE, AMX-INT8 and AMX-BF16)")
+                    : std::string("AMX needs AVX512-VNNI for its other kernels"));
     g_level.store(kAmx, std::memory_order_relaxed);
     return kAmx;
   }

@@ -28,7 +28,7 @@ namespace isa {
 // above kAvx512Bf16: the two are alternatives, numbered apart.
 // kAmxBf16: opt-in, never best(): the tiled products of 16+ rows on AMX bf16 tiles (weights
 // dequantized to bf16 per call, x rounded to bf16, float32 sums over all of K) and the prefill
-// attention on kAvx512Bf16's bf16 dots — the fastest prompts, not VNNI's answers.
+// attention on AMX bf16 tiles (prefill_amx.cpp): the fastest prompts, not VNNI's answers.
 enum Level : int {
   kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kAmx = 5, kAmxBf16 = 6
 };

@@ -13,10 +13,11 @@
 // the outputs are bit for bit quant_tiled.cpp's (tests/test_amx.py).
 //
 // What limits it: the per-block scales. Each 16 x 16 x 32 block product (one tile
-// instruction) needs its int32 tile stored and 16 rows of convert + scale + FMA, ~80 vector
-// operations, where VNNI spent ~130 dpbusd on it plus the same epilogue.
-
-#include <c10/util/Half.h>
+// instruction, 16 cycles) needs its int32 tile stored and 16 rows of convert + scale + FMA,
+// ~80 vector operations, where VNNI spent ~130 dpbusd on it plus the same epilogue. Measured
+// (benchmarks/notes/cpu_kernels.md): 1.2-1.6x VNNI at 512 rows; without the epilogue the tile
+// loads and the 1 KiB store alone take ~45 cycles a block. The opt-in bf16 tiles
+// (quant_amx_bf16.cpp) drop the per-block epilogue, and VNNI's answers with it.
 
 #include <ATen/ATen.h>
 
@@ -25,11 +26,10 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "isa.h"
 #include "quant_tiled.h"
 #include "work_pool.h"
-
-#include "amx_tiles.h"
 
 namespace tailserve_cpu {
 
