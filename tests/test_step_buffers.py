@@ -330,7 +330,7 @@ def test_gpu_check_refuses_clearly_without_cuda(
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    assert sorted(gpu_check.PARTS) == ["decode", "kernels", "memory", "nvml", "parity"]
+    assert sorted(gpu_check.PARTS) == ["decode", "kernels", "memory", "nvml", "parity", "profile"]
     for part in gpu_check.PARTS:
         monkeypatch.setattr(sys, "argv", ["gpu_check.py", part])
         with pytest.raises(SystemExit) as exit_info:
