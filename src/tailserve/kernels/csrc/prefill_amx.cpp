@@ -8,8 +8,8 @@
 // sums, the rescale of the output) runs in float32 on AVX512 as in the float32 path; the
 // probabilities, rounded to bf16, are one A tile, and PV is D / 16 TDPBF16PS accumulated onto
 // the output rows loaded from memory. Rounding q (scaled), K, p and V to bf16 is the only
-// difference from the float32 path (tests/test_amx.py states the tolerance), which is why
-// the level is opt-in.
+// difference from the float32 path (tests/test_prefill_attention.py states the tolerance),
+// which is why the level is opt-in.
 //
 // Why not the float32 kernel's vdpbf16ps route on this level: on the Intel core measured here
 // vdpbf16ps issues at half the rate of the FMAs it replaces, and the avx512bf16 level's
