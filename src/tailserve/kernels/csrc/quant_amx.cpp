@@ -54,21 +54,12 @@ void load_tile_config() {
 template <int TS>
 void unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* b) {
   using L = AmxLayout<TS>;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   for (int64_t g = 0; g < nb; ++g) {
     const uint8_t* blk = tile + g * L::kBytes;
     uint8_t* out = b + g * 512;
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(blk + L::kQs + 64 * j);
-      __m512i lo = _mm512_and_si512(v, low4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (L::kHigh) {
-        uint64_t m0, m1;
-        std::memcpy(&m0, blk + L::kH + 8 * j, 8);
-        std::memcpy(&m1, blk + L::kH + 8 * (j + 4), 8);
-        lo = _mm512_mask_add_epi8(lo, m0, lo, bit4);
-        hi = _mm512_mask_add_epi8(hi, m1, hi, bit4);
-      }
+      __m512i lo, hi;
+      split_chunk512<TS>(blk, j, lo, hi);
       _mm512_store_si512(out + 64 * j, lo);
       _mm512_store_si512(out + 64 * (4 + j), hi);
     }

@@ -60,7 +60,6 @@ inline void emit_pairs(__m512i bytes, const __m512* dq, const __m512* mq, uint16
 template <int TS>
 void dequant_tile(const uint8_t* tile, int64_t nb, uint16_t* b) {
   using L = TiledLayout<TS>;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   __m512i quarter[4];  // lane i of quarter q reads row 4q + i / 4
   for (int q = 0; q < 4; ++q) {
     alignas(64) int32_t idx[16];
@@ -87,16 +86,8 @@ void dequant_tile(const uint8_t* tile, int64_t nb, uint16_t* b) {
       }
     } else {
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(blk + L::kQs + 64 * j);
-        __m512i lo = _mm512_and_si512(v, low4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (L::kHigh) {
-          uint64_t m0, m1;
-          std::memcpy(&m0, blk + L::kH + 8 * j, 8);
-          std::memcpy(&m1, blk + L::kH + 8 * (j + 4), 8);
-          lo = _mm512_mask_add_epi8(lo, m0, lo, bit4);
-          hi = _mm512_mask_add_epi8(hi, m1, hi, bit4);
-        }
+        __m512i lo, hi;
+        split_chunk512<TS>(blk, j, lo, hi);
         // lo: values 4j..4j+3 -> B rows 2j, 2j + 1; hi: 16 + 4j.. -> rows 8 + 2j, 9 + 2j
         emit_pairs<false, L::kZero, L::kMin>(lo, dq, mq, out + 64 * j, out + 64 * j + 32);
         emit_pairs<false, L::kZero, L::kMin>(hi, dq, mq, out + 256 + 64 * j,
@@ -157,24 +148,15 @@ void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, cons
     dequant_tile<TS>(w + t0 * tile_bytes, nb, b0);
     if (two) dequant_tile<TS>(w + (t0 + 1) * tile_bytes, nb, b1);
     const int64_t rows = 16 * groups;
-    int64_t m = 0;
-    for (; m + 1 < groups; m += 2) {
+    // Pairs of row groups, the last one alone when their count is odd.
+    for (int64_t m = 0; m < groups; m += 2) {
       float* yt = y + 16 * m * N + 16 * t0;
       const uint16_t* xt = xb + 16 * m * 32;
-      if (two) {
-        tile_pass<2, 2>(xt, rows, b0, b1, nb, yt, N);
-      } else {
-        tile_pass<2, 1>(xt, rows, b0, b1, nb, yt, N);
-      }
-    }
-    if (m < groups) {
-      float* yt = y + 16 * m * N + 16 * t0;
-      const uint16_t* xt = xb + 16 * m * 32;
-      if (two) {
-        tile_pass<1, 2>(xt, rows, b0, b1, nb, yt, N);
-      } else {
-        tile_pass<1, 1>(xt, rows, b0, b1, nb, yt, N);
-      }
+      const bool pair = m + 1 < groups;
+      if (pair && two) tile_pass<2, 2>(xt, rows, b0, b1, nb, yt, N);
+      if (pair && !two) tile_pass<2, 1>(xt, rows, b0, b1, nb, yt, N);
+      if (!pair && two) tile_pass<1, 2>(xt, rows, b0, b1, nb, yt, N);
+      if (!pair && !two) tile_pass<1, 1>(xt, rows, b0, b1, nb, yt, N);
     }
     _tile_release();
     if (bias) {

@@ -279,7 +279,6 @@ void tile_vnni(const uint8_t* tile, int64_t nb, int64_t K, const int8_t* xq, con
   __m512 accf[MR];
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   for (int m = 0; m < MR; ++m) accf[m] = b0;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   for (int64_t g = 0; g < nb; ++g) {
     const uint8_t* blk = tile + g * L::kBytes;
     if (prefetch) {
@@ -300,16 +299,8 @@ void tile_vnni(const uint8_t* tile, int64_t nb, int64_t K, const int8_t* xq, con
       }
     } else {
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(blk + L::kQs + 64 * j);
-        __m512i lo = _mm512_and_si512(v, low4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (L::kHigh) {
-          uint64_t m0, m1;
-          std::memcpy(&m0, blk + L::kH + 8 * j, 8);
-          std::memcpy(&m1, blk + L::kH + 8 * (j + 4), 8);
-          lo = _mm512_mask_add_epi8(lo, m0, lo, bit4);  // lo < 16: + 16 sets bit 4
-          hi = _mm512_mask_add_epi8(hi, m1, hi, bit4);
-        }
+        __m512i lo, hi;
+        split_chunk512<TS>(blk, j, lo, hi);
         for (int m = 0; m < MR; ++m) {
           acci[m] = _mm512_dpbusd_epi32(acci[m], lo, _mm512_set1_epi32(load4(xg + m * K + 4 * j)));
           acci[m] = _mm512_dpbusd_epi32(acci[m], hi,

@@ -5,6 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace tailserve_cpu {
 
@@ -21,6 +26,28 @@ struct TiledLayout {
   static constexpr int kBytes = 16 * TS;
   static constexpr int kZero = TS == 18 ? 8 : TS == 22 ? 16 : 0;  // q - zero (Q8_0: signed)
 };
+
+#if defined(__AVX512BW__)
+// Chunk j (0..3) of a Q4 / Q5 tile block as unsigned values, fifth bits included: lo holds
+// values 4j..4j+3 of each of the 16 rows (byte 4r + i), hi values 16+4j..16+4j+3. What VNNI's
+// dpbusd and AMX's int8 / bf16 tiles all read (quant_tiled.cpp, quant_amx*.cpp).
+template <int TS>
+inline void split_chunk512(const uint8_t* blk, int j, __m512i& lo, __m512i& hi) {
+  using L = TiledLayout<TS>;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(blk + L::kQs + 64 * j);
+  lo = _mm512_and_si512(v, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if constexpr (L::kHigh) {
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    uint64_t m0, m1;
+    std::memcpy(&m0, blk + L::kH + 8 * j, 8);
+    std::memcpy(&m1, blk + L::kH + 8 * (j + 4), 8);
+    lo = _mm512_mask_add_epi8(lo, m0, lo, bit4);  // lo < 16: + 16 sets bit 4
+    hi = _mm512_mask_add_epi8(hi, m1, hi, bit4);
+  }
+}
+#endif
 
 // y [M, N] (rows N apart) = x W^T (+ bias) on tiled blocks w [N / 16, K / 32, 16, type_size].
 // x arrives quantized as quant_linear quantizes it: xq [M, K] int8, dx [M, K / 32] the block
