@@ -236,8 +236,8 @@ def cpu_ops_error() -> str | None:
 # chooses where the CPU, Linux and the build allow it): VNNI's kernels with the tiled GGUF
 # products on AMX int8 tiles, bit for bit VNNI's answers; refused with the reason elsewhere.
 # amx-bf16 (opt-in, never "auto"): those products on AMX bf16 tiles (weights dequantized to bf16
-# per call, x rounded to bf16) and avx512bf16's attention: the fastest prompts, not VNNI's
-# answers.
+# per call, x rounded to bf16) and the prefill attention on AMX bf16 tiles: the fastest
+# prompts, not VNNI's answers.
 # avx512bf16 (opt-in, never "auto"): the VNNI products, with the prefill attention's QK^T and PV
 # on vdpbf16ps (1.2-1.3x the attention; its rounding moves near-tied greedy tokens).
 QUANT_ISAS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "avx512bf16": 4,

@@ -121,11 +121,13 @@ void int8_rows(const Packed& p, const at::Tensor& xc, const float* bp, float* yp
   quantize_rows(xc.data_ptr<float>(), M, K, xq.data(), dx.data(), xs.data(), xs32.data(),
                 xi32.data());
   const QuantizedRows xr{M, xq.data(), dx.data(), xs.data(), xs32.data()};
-  // The products' paths stop at VNNI (the bf16 level adds nothing to them).
-  const int isa = std::min<int>(tailserve_cpu::isa::current(), kAvx512Vnni);
+  // The vector products stop at VNNI (the bf16 level adds nothing to them); the AMX level
+  // adds its tiles for whole groups of 16 rows.
+  const int level = tailserve_cpu::isa::current();
+  const int isa = std::min<int>(level, kAvx512Vnni);
   if (p.tiled) {  // every row count on the tiles (quant_tiled.cpp; AMX: quant_amx.cpp)
     const int64_t done =
-        tailserve_cpu::isa::current() == tailserve_cpu::isa::kAmx
+        level == tailserve_cpu::isa::kAmx
             ? tiled_linear_amx(p.type_size, p.data, N, K, M, xq.data(), dx.data(), xs32.data(),
                                xi32.data(), yp, bp)
             : 0;
