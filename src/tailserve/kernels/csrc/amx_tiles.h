@@ -32,6 +32,23 @@ inline void load_config(TileConfig& cfg) {
   _tile_loadconfig(&cfg);
 }
 
+// Every tile 16 rows of 64 bytes: the bf16 kernels' and the peak loop's one shape.
+inline void load_full_config() {
+  TileConfig cfg{};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  load_config(cfg);
+}
+
+// p rounded up to 64 bytes (tile loads and aligned AVX512 stores of a std::vector's buffer,
+// allocated 64 bytes longer than it needs).
+template <typename T>
+inline T* align64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 }  // namespace amx
 }  // namespace tailserve_cpu
 #endif

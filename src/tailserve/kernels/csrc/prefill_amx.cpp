@@ -196,35 +196,30 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   const T* vp = kp + kv_cache.size(1) * blk_stride;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t tstride = block_tables.stride(0);
-  // Staging buffers: one region per (sequence, KV head).
-  std::vector<int64_t> kt_off, v_off;
+  // Staging buffers: one region per (sequence, KV head), staged in runs of kStageKeys keys.
+  struct StageItem { int64_t s, g, k0, k1, kt_off, v_off; };
+  std::vector<StageItem> stages;
+  std::vector<int64_t> kt_off, v_off;  // per (sequence, KV head) unit
   int64_t kt_total = 0, v_total = 0;
   for (int64_t s = first_seq; s < num_seqs; ++s) {
     const int64_t padded = (lens[s] + 31) / 32 * 32;
     for (int64_t g = 0; g < Hkv; ++g) {
       kt_off.push_back(kt_total);
       v_off.push_back(v_total);
+      for (int64_t k0 = 0; k0 < padded; k0 += kStageKeys) {
+        stages.push_back({s, g, k0, std::min(padded, k0 + kStageKeys), kt_total, v_total});
+      }
       kt_total += padded / 16 * (D / 32) * 256;
       v_total += padded / 32 * (D / 16) * 256;
     }
   }
   std::vector<uint32_t> kt(kt_total + 16), v(v_total + 16);
-  uint32_t* ktp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(kt.data()) + 63) & ~uintptr_t{63});
-  uint32_t* vpp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
-  struct StageItem { int64_t s, g, unit, k0, k1; };
-  std::vector<StageItem> stages;
-  for (int64_t s = first_seq, unit = 0; s < num_seqs; ++s) {
-    const int64_t padded = (lens[s] + 31) / 32 * 32;
-    for (int64_t g = 0; g < Hkv; ++g, ++unit) {
-      for (int64_t k0 = 0; k0 < padded; k0 += kStageKeys) {
-        stages.push_back({s, g, unit, k0, std::min(padded, k0 + kStageKeys)});
-      }
-    }
-  }
+  uint32_t* ktp = amx::align64(kt.data());
+  uint32_t* vpp = amx::align64(v.data());
   parallel_dynamic(static_cast<int64_t>(stages.size()), [&](int64_t i) {
     const StageItem& it = stages[i];
     stage<T>(kp, vp, tables + it.s * tstride, block_size, tok_stride, blk_stride, it.g * D,
-             lens[it.s], D, it.k0, it.k1, ktp + kt_off[it.unit], vpp + v_off[it.unit]);
+             lens[it.s], D, it.k0, it.k1, ktp + it.kt_off, vpp + it.v_off);
   });
   struct Item { int64_t s, h, unit, i0, i1, cost; };
   std::vector<Item> items;
@@ -242,9 +237,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   float* op = out.data_ptr<float>();
   const int64_t q_s0 = q.stride(0), o_s0 = out.stride(0);
   parallel_dynamic(static_cast<int64_t>(items.size()), [&](int64_t i) {
-    amx::TileConfig cfg{};
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    amx::load_config(cfg);
+    amx::load_full_config();
     const Item& it = items[i];
     const int64_t n = qsl[it.s + 1] - qsl[it.s];
     const Staged st{ktp + kt_off[it.unit], vpp + v_off[it.unit]};

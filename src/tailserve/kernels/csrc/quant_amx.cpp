@@ -160,8 +160,7 @@ void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const
     if (!L::kQ8 && storage.size() < static_cast<size_t>(nb * 512 + 64)) {
       storage.resize(nb * 512 + 64);
     }
-    uint8_t* b = reinterpret_cast<uint8_t*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    uint8_t* b = amx::align64(storage.data());
     const int64_t t1 = std::min(tiles, (item + 1) * per_item);
     for (int64_t t = item * per_item; t < t1; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
@@ -179,9 +178,7 @@ void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const
 // Tile instructions back to back on registers (no memory operand in the loop): the peak the
 // tile unit gives one thread. Four independent accumulators hide the instruction's latency.
 double tile_peak_loop(bool bf16, int64_t iterations) {
-  amx::TileConfig cfg{};
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  amx::load_config(cfg);
+  amx::load_full_config();
   alignas(64) uint8_t zeros[1024] = {};
   _tile_loadd(4, zeros, 64);  // tile numbers are immediates: one statement each
   _tile_loadd(5, zeros, 64);

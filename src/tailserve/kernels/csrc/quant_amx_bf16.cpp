@@ -134,14 +134,11 @@ void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, cons
   const int64_t nb = K / 32, tiles = N / 16, pairs = (tiles + 1) / 2;
   const int64_t tile_bytes = nb * L::kBytes;
   parallel_dynamic(pairs, [&](int64_t pair) {
-    amx::TileConfig cfg{};
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    amx::load_config(cfg);
+    amx::load_full_config();
     thread_local std::vector<uint16_t> storage;  // two tiles' B, kept between calls
     const size_t need = static_cast<size_t>(2 * nb * 512 + 32);
     if (storage.size() < need) storage.resize(need);
-    uint16_t* b0 = reinterpret_cast<uint16_t*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    uint16_t* b0 = amx::align64(storage.data());
     uint16_t* b1 = b0 + nb * 512;
     const int64_t t0 = 2 * pair;
     const bool two = t0 + 1 < tiles;
@@ -183,8 +180,7 @@ int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, in
   const int64_t rows = 16 * groups;
   // x to bf16 (nearest even), packed [K / 32][rows][32] (tile_pass).
   std::vector<uint16_t> xb(rows * K + 32);
-  uint16_t* xp = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(xb.data()) + 63) & ~uintptr_t{63});
+  uint16_t* xp = amx::align64(xb.data());
   parallel_dynamic((rows + 15) / 16, [&](int64_t item) {
     const int64_t r1 = std::min(rows, item * 16 + 16);
     for (int64_t r = item * 16; r < r1; ++r) {
