@@ -36,15 +36,17 @@ namespace tailserve_cpu {
 #ifdef TS_AMX
 namespace {
 
-using prefill_vec::exp_neg512;
 using prefill_vec::load16_f32;
 using prefill_vec::transpose16_store;
 
 constexpr int64_t kStageKeys = 256;  // keys per staging item
 
+// Both staged operands are A tiles (16 rows of 32 bf16): K as [ceil(ctx / 16)][D / 32][16
+// keys][32 dims] (the pool's row order, no transpose), V transposed as [ceil(ctx / 32)][D / 16]
+// [16 dims][32 keys].
 struct Staged {
-  const uint32_t* kt;  // [ceil(ctx / 16)][D / 32][16][16]
-  const uint32_t* v;   // [ceil(ctx / 32)][D / 16][16][16]
+  const uint16_t* k;
+  const uint32_t* vt;
 };
 
 // Keys [k0, k1) of one (sequence, KV head) into the staged layouts (k1 - k0 a multiple of 32
@@ -52,16 +54,14 @@ struct Staged {
 template <typename T>
 void stage(const T* kp, const T* vp, const int64_t* table, int64_t block_size, int64_t tok_stride,
            int64_t blk_stride, int64_t head_off, int64_t ctx, int64_t D, int64_t k0, int64_t k1,
-           uint32_t* kt, uint32_t* v) {
-  alignas(64) uint32_t pairs[16][16];
-  const float* rows[16];
-  for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const float*>(pairs[i]);
+           uint16_t* k, uint32_t* vt) {
   auto key_row = [&](const T* base, int64_t t) -> const T* {
     return base + table[t / block_size] * blk_stride + (t % block_size) * tok_stride + head_off;
   };
   const int64_t halves = D / 32, slices = D / 16;
-  for (int64_t b = k0; b < k1; b += 16) {  // K: 16 keys, transposed per half of 32 dims
+  for (int64_t b = k0; b < k1; b += 16) {  // K: each key's 32 dims of a half, as bf16
     for (int64_t h = 0; h < halves; ++h) {
+      uint16_t* out = k + ((b / 16) * halves + h) * 512;
       for (int64_t c = 0; c < 16; ++c) {
         const int64_t t = b + c;
         __m512i d = _mm512_setzero_si512();
@@ -69,118 +69,241 @@ void stage(const T* kp, const T* vp, const int64_t* table, int64_t block_size, i
           const T* kr = key_row(kp, t) + 32 * h;
           d = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16_f32(kr + 16), load16_f32(kr)));
         }
-        _mm512_store_si512(pairs[c], d);
+        _mm512_store_si512(out + 32 * c, d);
       }
-      transpose16_store(rows, reinterpret_cast<float*>(kt + ((b / 16) * halves + h) * 256), 16);
     }
   }
-  for (int64_t b = k0; b < k1; b += 32) {  // V: 32 keys, two per 32-bit lane
+  alignas(64) uint32_t pairs[16][16];
+  const float* rows[16];
+  for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const float*>(pairs[i]);
+  for (int64_t b = k0; b < k1; b += 32) {  // V: pairs of keys per 32-bit lane, transposed
     for (int64_t j = 0; j < slices; ++j) {
-      uint32_t* out = v + ((b / 32) * slices + j) * 256;
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t t = b + 2 * r;
         const __m512 lo = t < ctx ? load16_f32(key_row(vp, t) + 16 * j) : _mm512_setzero_ps();
         const __m512 hi = t + 1 < ctx ? load16_f32(key_row(vp, t + 1) + 16 * j)
                                       : _mm512_setzero_ps();
-        _mm512_store_si512(out + 16 * r, prefill_vec::pair_bf16(lo, hi));
+        _mm512_store_si512(pairs[r], prefill_vec::pair_bf16(lo, hi));
       }
+      transpose16_store(rows, reinterpret_cast<float*>(vt + ((b / 32) * slices + j) * 256), 16);
     }
   }
 }
 
+// exp2(t) for t <= 0 where the result is rounded to bf16 next: 2^round(t) x a degree-4
+// polynomial of the rest (|f| <= 1/2), relative error < 5e-5 against bf16's 3.9e-3: 9 vector
+// operations with the subtraction of the max, where the float32 kernels' exp takes 15. t is
+// clamped at -120 (a masked key's -inf included): a result below float32's normal range would
+// cost a microcode assist per lane (measured: 55% of a short chunk's time), and 2^-120 of a
+// key's value is nothing beside the row's largest probability, 1 or more.
+inline __m512 exp2_bf16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-120.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.618129e-3f);  // ln2^k / k!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// S^T of up to 64 keys (N blocks of 16 from key block kb16): result tiles 0 .. N-1 hold
+// independent chains (a tile's TDPBF16PS waits for the previous one on the same tile), the
+// Q^T half in tile 4, K blocks alternating in tiles 5 and 7.
+template <int N>
+inline void scores(const uint32_t (*qt)[16][16], const uint16_t* k, int64_t kb16, int64_t halves,
+                   float (*s)[16]) {
+  _tile_zero(0);
+  if constexpr (N > 1) _tile_zero(1);
+  if constexpr (N > 2) _tile_zero(2);
+  if constexpr (N > 3) _tile_zero(3);
+  for (int64_t h = 0; h < halves; ++h) {
+    const uint16_t* kh = k + (kb16 * halves + h) * 512;
+    _tile_loadd(4, qt[h][0], 64);
+    _tile_loadd(5, kh, 64);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (N > 1) {
+      _tile_loadd(7, kh + halves * 512, 64);
+      _tile_dpbf16ps(1, 7, 4);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(5, kh + 2 * halves * 512, 64);
+      _tile_dpbf16ps(2, 5, 4);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(7, kh + 3 * halves * 512, 64);
+      _tile_dpbf16ps(3, 7, 4);
+    }
+  }
+  _tile_stored(0, s[0], 64);
+  if constexpr (N > 1) _tile_stored(1, s[16], 64);
+  if constexpr (N > 2) _tile_stored(2, s[32], 64);
+  if constexpr (N > 3) _tile_stored(3, s[48], 64);
+}
+
+// O^T += V^T P^T for N slices of 16 dims (ot: the first slice's rows; v0, v1: its V^T tiles of
+// the step's two 32-key runs, v1 null when there is one): P^T in tiles 5 and 7, O^T in tiles
+// 0 .. N-1 (independent chains), V^T alternating in tiles 4 and 6.
+template <int N>
+inline void values(float (*ot)[16], const uint32_t* v0, const uint32_t* v1) {
+  _tile_loadd(0, ot[0], 64);
+  if constexpr (N > 1) _tile_loadd(1, ot[16], 64);
+  if constexpr (N > 2) _tile_loadd(2, ot[32], 64);
+  if constexpr (N > 3) _tile_loadd(3, ot[48], 64);
+  for (const uint32_t* v : {v0, v1}) {
+    if (v == nullptr) break;
+    const bool second = v == v1;
+    _tile_loadd(4, v, 64);
+    if (second) _tile_dpbf16ps(0, 4, 7); else _tile_dpbf16ps(0, 4, 5);
+    if constexpr (N > 1) {
+      _tile_loadd(6, v + 256, 64);
+      if (second) _tile_dpbf16ps(1, 6, 7); else _tile_dpbf16ps(1, 6, 5);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(4, v + 512, 64);
+      if (second) _tile_dpbf16ps(2, 4, 7); else _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(6, v + 768, 64);
+      if (second) _tile_dpbf16ps(3, 6, 7); else _tile_dpbf16ps(3, 6, 5);
+    }
+  }
+  _tile_stored(0, ot[0], 64);
+  if constexpr (N > 1) _tile_stored(1, ot[16], 64);
+  if constexpr (N > 2) _tile_stored(2, ot[32], 64);
+  if constexpr (N > 3) _tile_stored(3, ot[48], 64);
+}
+
+// A query's reference for its probabilities moves only when a score passes it by more than
+// 2^8: p <= 256 stays exact enough in bf16 and float32 sums, and the output's rescale (a
+// pass over O^T in memory) is skipped for almost every step after the first.
+constexpr float kLazyMax = 8.f;
+
 // 16 query tokens [i0, i1) of the chunk (positions p0 + i), one head: out rows.
+//
+// Transposed, so the softmax runs down columns: S^T = K Q^T puts one key per row of the score
+// tiles and the 16 queries across their lanes, so each query's max and sum are vertical
+// vector operations (no horizontal reduction per row and step), and the probabilities of two
+// keys interleave into one row of P^T, which is the B tile of O^T = V^T P^T as it stands.
 void compute(const float* q, int64_t q_s0, float* out, int64_t o_s0, const Staged& st, int64_t D,
              int64_t ctx, int64_t p0, int64_t i0, int64_t i1, float scale) {
   const int64_t rows = i1 - i0, halves = D / 32, slices = D / 16;
-  alignas(64) uint16_t qb[16 * 256];  // [16][D] bf16, D <= 256
-  alignas(64) float s[16][64];
-  alignas(64) uint16_t p[16][64];
-  alignas(64) float o[16 * 256];
-  float m[16], l[16];
-  for (int64_t r = 0; r < 16; ++r) {
-    const float* qr = q + (i0 + std::min(r, rows - 1)) * q_s0;  // padding rows repeat the last
-    for (int64_t k = 0; k < D; k += 32) {
-      const __m512 sc = _mm512_set1_ps(scale);
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + k + 16), sc),
-                                             _mm512_mul_ps(_mm512_loadu_ps(qr + k), sc));
-      _mm512_store_si512(qb + r * D + k, reinterpret_cast<__m512i>(v));
+  alignas(64) uint32_t qt[8][16][16];  // Q^T per 32 dims: [dim pair][query], bf16 pairs
+  alignas(64) uint32_t pt[2][16][16];  // P^T per 32 keys: [key pair][query], bf16 pairs
+  alignas(64) float ot[256][16];       // O^T: [dim][query]
+  alignas(64) int32_t pos_a[16];
+  const float sl2 = scale * 1.44269504f;  // scores in log2 units: exp2 of them is exp
+  {
+    alignas(64) uint32_t qp[16][16];
+    const float* qrows[16];
+    for (int i = 0; i < 16; ++i) qrows[i] = reinterpret_cast<const float*>(qp[i]);
+    const __m512 sc = _mm512_set1_ps(sl2);
+    for (int64_t h = 0; h < halves; ++h) {
+      for (int64_t n = 0; n < 16; ++n) {
+        const float* qr = q + (i0 + std::min(n, rows - 1)) * q_s0 + 32 * h;  // padding repeats
+        _mm512_store_si512(qp[n], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+            _mm512_mul_ps(_mm512_loadu_ps(qr + 16), sc), _mm512_mul_ps(_mm512_loadu_ps(qr), sc))));
+      }
+      transpose16_store(qrows, reinterpret_cast<float*>(qt[h][0]), 16);
     }
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
   }
-  std::memset(o, 0, sizeof(float) * 16 * D);
-  const int64_t last = p0 + i1 - 1;  // the last row's position: keys [0, last] are read
+  for (int64_t n = 0; n < 16; ++n) pos_a[n] = static_cast<int32_t>(p0 + i0 + std::min(n, rows - 1));
+  const __m512i pos = _mm512_load_si512(pos_a);
+  const int64_t first = p0 + i0, last = p0 + i1 - 1;  // keys <= first are read by every row
   const int64_t kend = std::min(ctx, last + 1);
+  std::memset(ot, 0, sizeof(float) * 16 * D);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  // 64 keys per softmax step (two staged blocks of 32): half the per-row reductions and
-  // output rescales of 32-key steps (a 512-token prompt: 314 -> 356 GFLOPS, 1,000: 377 -> 435).
-  for (int64_t kb = 0; kb < kend; kb += 64) {
-    const bool second = kb + 32 < kend;
-    for (int64_t hh = 0; hh < (second ? 2 : 1); ++hh) {
-      const int64_t k32 = kb + 32 * hh;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t h = 0; h < halves; ++h) {
-        _tile_loadd(2, qb + 32 * h, D * 2);
-        _tile_loadd(4, st.kt + ((k32 / 16) * halves + h) * 256, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        if (k32 + 16 < kend) {
-          _tile_loadd(5, st.kt + ((k32 / 16 + 1) * halves + h) * 256, 64);
-          _tile_dpbf16ps(1, 2, 5);
-        }
-      }
-      _tile_stored(0, s[0] + 32 * hh, 256);
-      _tile_stored(1, s[0] + 32 * hh + 16, 256);
+  // Word i of cvtne2ps_pbh(b, a) is a[i] and word 16 + i is b[i]: interleaved, lane n holds
+  // (a[n], b[n]), the pair of two keys one lane of P^T multiplies.
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  __m512 m = ninf, l = _mm512_setzero_ps();
+  // The scores of the next step are issued before this step's softmax, so the tile unit
+  // computes and stores them while the vector units work, and the softmax's loads of a
+  // step's scores never wait for the tile stores that wrote them.
+  alignas(64) float s2[2][64][16];  // S^T of this step and the next
+  auto issue_scores = [&](int64_t kb, float (*dst)[16]) {
+    switch ((std::min<int64_t>(64, kend - kb) + 15) / 16) {
+      case 1: scores<1>(qt, st.k, kb / 16, halves, dst); break;
+      case 2: scores<2>(qt, st.k, kb / 16, halves, dst); break;
+      case 3: scores<3>(qt, st.k, kb / 16, halves, dst); break;
+      default: scores<4>(qt, st.k, kb / 16, halves, dst); break;
     }
-    for (int64_t r = 0; r < 16; ++r) {
-      const int64_t pos = p0 + i0 + std::min(r, rows - 1);
-      const int64_t valid = std::min(pos + 1, ctx) - kb;  // keys of this step the row reads
-      __mmask16 keep[4];
-      __m512 v[4];
-      __m512 mx = ninf;
-      for (int c = 0; c < 4; ++c) {
-        const int64_t n = valid - 16 * c;
-        keep[c] = n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
-        v[c] = _mm512_mask_mov_ps(ninf, keep[c], _mm512_load_ps(s[r] + 16 * c));
-        mx = _mm512_max_ps(mx, v[c]);
+  };
+  issue_scores(0, s2[0]);
+  for (int64_t kb = 0, step = 0; kb < kend; kb += 64, ++step) {
+    const int64_t nk = std::min<int64_t>(64, kend - kb), nk32 = (nk + 31) / 32 * 32;
+    float (*s)[16] = s2[step & 1];
+    if (kb + 64 < kend) issue_scores(kb + 64, s2[(step + 1) & 1]);
+    // A key past a query's position, or in the step's last 32-key run beyond nk, scores -inf
+    // (kend is the last row's position + 1, so a short step is always masked).
+    const bool masked = kb + nk32 - 1 > first;
+    __m512 mx4[4] = {ninf, ninf, ninf, ninf};  // four chains: a max waits 4 cycles for the last
+    for (int64_t i = 0; i < nk32; ++i) {
+      __m512 v = _mm512_load_ps(s[i]);
+      if (masked) {
+        const __mmask16 keep = i < nk ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(
+                                            static_cast<int32_t>(kb + i)))
+                                      : static_cast<__mmask16>(0);
+        v = _mm512_mask_mov_ps(ninf, keep, v);
+        _mm512_store_ps(s[i], v);
       }
-      const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx));
-      const __m512 mv = _mm512_set1_ps(mnew);
-      __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < 4; ++c) {
-        v[c] = _mm512_maskz_mov_ps(keep[c], exp_neg512(_mm512_sub_ps(v[c], mv)));
-        sum = _mm512_add_ps(sum, v[c]);
-      }
-      const float alpha = m[r] == -std::numeric_limits<float>::infinity()
-                              ? 0.f : std::exp(m[r] - mnew);
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-      m[r] = mnew;
-      _mm512_store_si512(p[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0])));
-      _mm512_store_si512(p[r] + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[3], v[2])));
-      if (alpha != 1.f) {
-        const __m512 al = _mm512_set1_ps(alpha);
-        for (int64_t k = 0; k < D; k += 16) {
-          _mm512_store_ps(o + r * D + k, _mm512_mul_ps(al, _mm512_load_ps(o + r * D + k)));
-        }
-      }
+      mx4[i & 3] = _mm512_max_ps(mx4[i & 3], v);
     }
-    _tile_loadd(3, p[0], 128);
-    if (second) _tile_loadd(2, p[0] + 32, 128);
-    for (int64_t j = 0; j < slices; ++j) {
-      _tile_loadd(7, o + 16 * j, D * 4);
-      _tile_loadd(6, st.v + ((kb / 32) * slices + j) * 256, 64);
-      _tile_dpbf16ps(7, 3, 6);
-      if (second) {
-        _tile_loadd(4, st.v + ((kb / 32 + 1) * slices + j) * 256, 64);
-        _tile_dpbf16ps(7, 2, 4);
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+    // mx is finite: key 0 is read by every row in the first step.
+    const __mmask16 grow = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m, _mm512_set1_ps(kLazyMax)),
+                                              _CMP_GT_OQ);
+    if (grow != 0) {
+      const __m512 mnew = _mm512_mask_mov_ps(m, grow, mx);
+      const __m512 alpha = exp2_bf16(_mm512_sub_ps(m, mnew));  // 1 where it did not move
+      l = _mm512_mul_ps(l, alpha);
+      if (kb > 0) {
+        for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot[d], _mm512_mul_ps(alpha, _mm512_load_ps(ot[d])));
       }
-      _tile_stored(7, o + 16 * j, D * 4);
+      m = mnew;
+    }
+    __m512 sum2[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t r = 0; r < nk32 / 2; ++r) {
+      const __m512 sa = _mm512_load_ps(s[2 * r]), sb = _mm512_load_ps(s[2 * r + 1]);
+      __m512 a = exp2_bf16(_mm512_sub_ps(sa, m)), b = exp2_bf16(_mm512_sub_ps(sb, m));
+      if (masked) {  // a masked key's probability is 0, not exp2's floor
+        a = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sa, ninf, _CMP_NEQ_OQ), a);
+        b = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sb, ninf, _CMP_NEQ_OQ), b);
+      }
+      sum2[r & 1] = _mm512_add_ps(sum2[r & 1], _mm512_add_ps(a, b));
+      _mm512_store_si512(pt[r / 16][r % 16], _mm512_permutexvar_epi16(
+          inter, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a))));
+    }
+    l = _mm512_add_ps(l, _mm512_add_ps(sum2[0], sum2[1]));
+    _tile_loadd(5, pt[0][0], 64);
+    const bool second = nk32 > 32;
+    if (second) _tile_loadd(7, pt[1][0], 64);
+    const uint32_t* v0 = st.vt + (kb / 32) * slices * 256;
+    const uint32_t* v1 = second ? v0 + slices * 256 : nullptr;
+    for (int64_t j = 0; j < slices; j += 4) {  // 4 slices of 16 dims per pass
+      const uint32_t* w1 = v1 != nullptr ? v1 + j * 256 : nullptr;
+      switch (std::min<int64_t>(4, slices - j)) {
+        case 1: values<1>(ot + 16 * j, v0 + j * 256, w1); break;
+        case 2: values<2>(ot + 16 * j, v0 + j * 256, w1); break;
+        case 3: values<3>(ot + 16 * j, v0 + j * 256, w1); break;
+        default: values<4>(ot + 16 * j, v0 + j * 256, w1); break;
+      }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    for (int64_t k = 0; k < D; k += 16) {
-      _mm512_storeu_ps(out + (i0 + r) * o_s0 + k, _mm512_mul_ps(inv, _mm512_load_ps(o + r * D + k)));
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+  alignas(64) float o[16][16];
+  const float* orows[16];
+  for (int64_t j = 0; j < slices; ++j) {
+    for (int64_t i = 0; i < 16; ++i) {
+      _mm512_store_ps(ot[16 * j + i], _mm512_mul_ps(inv, _mm512_load_ps(ot[16 * j + i])));
+      orows[i] = ot[16 * j + i];
+    }
+    transpose16_store(orows, o[0], 16);  // o[query][dim]
+    for (int64_t r = 0; r < rows; ++r) {
+      _mm512_storeu_ps(out + (i0 + r) * o_s0 + 16 * j, _mm512_load_ps(o[r]));
     }
   }
 }
@@ -219,7 +342,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   parallel_dynamic(static_cast<int64_t>(stages.size()), [&](int64_t i) {
     const StageItem& it = stages[i];
     stage<T>(kp, vp, tables + it.s * tstride, block_size, tok_stride, blk_stride, it.g * D,
-             lens[it.s], D, it.k0, it.k1, ktp + it.kt_off, vpp + it.v_off);
+             lens[it.s], D, it.k0, it.k1, reinterpret_cast<uint16_t*>(ktp + it.kt_off),
+             vpp + it.v_off);
   });
   struct Item { int64_t s, h, unit, i0, i1, cost; };
   std::vector<Item> items;
@@ -240,7 +364,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
     amx::load_full_config();
     const Item& it = items[i];
     const int64_t n = qsl[it.s + 1] - qsl[it.s];
-    const Staged st{ktp + kt_off[it.unit], vpp + v_off[it.unit]};
+    const Staged st{reinterpret_cast<const uint16_t*>(ktp + kt_off[it.unit]), vpp + v_off[it.unit]};
     compute(qp + qsl[it.s] * q_s0 + it.h * q.stride(1), q_s0,
             op + qsl[it.s] * o_s0 + it.h * out.stride(1), o_s0, st, D, lens[it.s],
             lens[it.s] - n, it.i0, it.i1, scale);
