@@ -1,15 +1,15 @@
 // paged_prefill_attention on AMX bf16 tiles: the opt-in amx-bf16 level (isa.h).
 //
 // Two phases per call. Staging: each (sequence, KV head)'s context is read once from the paged
-// pool and written in AMX's B order as bf16 — K as [16 keys][D / 32][16 dim pairs x 16 keys]
-// (a transpose), V as [32 keys][D / 16][16 key pairs x 16 dims] — shared by every query head of
-// the GQA group and every query block. Compute: an item is 16 query tokens of one head. Per 32
-// keys, QK^T is D / 16 TDPBF16PS into two 16 x 16 score tiles; the online softmax (max, exp,
-// sums, the rescale of the output) runs in float32 on AVX512 as in the float32 path; the
-// probabilities, rounded to bf16, are one A tile, and PV is D / 16 TDPBF16PS accumulated onto
-// the output rows loaded from memory. Rounding q (scaled), K, p and V to bf16 is the only
-// difference from the float32 path (tests/test_prefill_attention.py states the tolerance),
-// which is why the level is opt-in.
+// pool and written as bf16 A tiles — K as [16 keys][32 dims] (the pool's order), V transposed
+// as [16 dims][32 keys] — shared by every query head of the GQA group and every query block.
+// Compute: an item is 16 query tokens of one head, transposed so the softmax runs down
+// columns: per 64 keys, S^T = K Q^T (one key per row, the queries across the lanes), the
+// online softmax in float32 on AVX512 with each query's max and sum as vertical operations,
+// the probabilities of two keys interleaved into a row of P^T, and O^T += V^T P^T. Rounding q
+// (scaled), K, p and V to bf16, and exp's degree-4 polynomial, are the only differences from
+// the float32 path (tests/test_prefill_attention.py states the tolerance), which is why the
+// level is opt-in.
 //
 // Why not the float32 kernel's vdpbf16ps route on this level: on the Intel core measured here
 // vdpbf16ps issues at half the rate of the FMAs it replaces, and the avx512bf16 level's
