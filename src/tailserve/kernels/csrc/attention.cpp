@@ -10,13 +10,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_ops.h"
-#include "decode_heads512.h"
+#include "decode_heads.h"
 #include "decode_split.h"
 #include "paged_rows.h"
 #include "simd.h"
@@ -100,104 +99,6 @@ void decode_one_generic(const TQ* qp, int64_t q_s1, TQ* op, int64_t o_s1, const 
   }
 }
 
-#ifdef TS_AVX2
-// q and out float32, the pool float32 or 16-bit (TKV, widened in registers by load8_f32),
-// head_dim = 8 * NV, KV heads [g0, g0 + num_g) of one sequence (their query heads
-// are num_g * group consecutive heads of q). One pass over the context with an online softmax,
-// eight tokens of one block at a time: the chunk's K rows give the scores of every query head
-// of their group, the running max and sum are updated, then its V rows are added in while
-// they are still in L1. The prefetches ahead of each chunk, and why: paged_rows.h.
-template <int NV, typename TKV>
-void decode_heads_avx2(const float* qp, int64_t q_s1, float* op, int64_t o_s1, const TKV* kp,
-                       const TKV* vp, const PagedRows& rows, int64_t t_begin, int64_t t_end,
-                       int64_t num_g, int64_t group, float scale, const DecodePartial* partial) {
-  constexpr int64_t D = 8 * NV;
-  const int64_t heads = num_g * group;
-  const int64_t span = num_g * D * int64_t(sizeof(TKV));  // bytes of one token this item reads, K or V
-  alignas(32) float qs[kMaxItemHeads * D];
-  alignas(32) float acc[kMaxItemHeads * D];
-  alignas(32) float p[kMaxItemHeads][8];
-  __m256 part[kMaxItemHeads][8];
-  float m[kMaxItemHeads], l[kMaxItemHeads];
-  const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int v = 0; v < NV; ++v) {
-      _mm256_store_ps(qs + h * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(qp + h * q_s1 + 8 * v), vscale));
-    }
-    m[h] = -std::numeric_limits<float>::infinity();
-    l[h] = 0.f;
-  }
-  std::fill(acc, acc + heads * D, 0.f);
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const TKV* pk[8];  // rows kPrefetchTokens ahead
-  const TKV* pv[8];
-  const TKV* fk[8];  // rows kFarTokens ahead
-  const TKV* fv[8];
-  for (int64_t t0 = t_begin; t0 < t_end;) {
-    // A chunk never crosses a block: its rows are tok_stride apart.
-    const int64_t n = std::min<int64_t>({8, rows.block_size - t0 % rows.block_size, t_end - t0});
-    const TKV* k0 = rows.row(kp, t0);
-    const TKV* v0 = rows.row(vp, t0);
-    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(8, t_end - t0 - kPrefetchTokens));
-    const int64_t far = std::max<int64_t>(0, std::min<int64_t>(8, t_end - t0 - kFarTokens));
-    chunk_rows(rows, kp, vp, t0 + kPrefetchTokens, ahead, pk, pv);
-    chunk_rows(rows, kp, vp, t0 + kFarTokens, far, fk, fv);
-    // Scores, token by token so the chunk's rows are read in address order.
-    for (int64_t j = 0; j < 8; ++j) {
-      if (j < ahead) prefetch_span<_MM_HINT_T0>(pk[j], span);
-      if (j < far) {
-        prefetch_span<_MM_HINT_T1>(fk[j], span);
-        prefetch_span<_MM_HINT_T1>(fv[j], span);
-      }
-      const TKV* kr = k0 + std::min(j, n - 1) * rows.tok_stride;  // lanes >= n are masked
-      for (int64_t g = 0; g < num_g; ++g) {
-        const TKV* k = kr + g * D;
-        for (int64_t hg = 0; hg < group; ++hg) {
-          const int64_t h = g * group + hg;
-          const float* qh = qs + h * D;
-          __m256 a = _mm256_mul_ps(_mm256_load_ps(qh), load8_f32(k));
-          for (int v = 1; v < NV; ++v) a = _mm256_fmadd_ps(_mm256_load_ps(qh + 8 * v), load8_f32(k + 8 * v), a);
-          part[h][j] = a;
-        }
-      }
-    }
-    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
-    for (int64_t h = 0; h < heads; ++h) {
-      softmax_chunk8(_mm256_blendv_ps(ninf, hsum8(part[h]), valid), m[h], l[h], p[h], acc + h * D,
-                     D);
-    }
-    // Weighted V rows, head by head; the chunk's V rows stay in L1 across the heads.
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t j = h * 8 / heads; j < (h + 1) * 8 / heads; ++j) {
-        if (j < ahead) prefetch_span<_MM_HINT_T0>(pv[j], span);
-      }
-      const TKV* vr = v0 + (h / group) * D;
-      float* a = acc + h * D;
-      __m256 av[NV];
-      for (int v = 0; v < NV; ++v) av[v] = _mm256_load_ps(a + 8 * v);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 w = _mm256_set1_ps(p[h][j]);
-        const TKV* r = vr + j * rows.tok_stride;
-        for (int v = 0; v < NV; ++v) av[v] = _mm256_fmadd_ps(w, load8_f32(r + 8 * v), av[v]);
-      }
-      for (int v = 0; v < NV; ++v) _mm256_store_ps(a + 8 * v, av[v]);
-    }
-    t0 += n;
-  }
-  if (partial != nullptr) {  // one part of the context: kept unnormalized for merge_parts
-    store_partial(*partial, acc, m, l, heads, D);
-    return;
-  }
-  for (int64_t h = 0; h < heads; ++h) {
-    const __m256 inv = _mm256_set1_ps(1.f / l[h]);
-    for (int v = 0; v < NV; ++v) {
-      _mm256_storeu_ps(op + h * o_s1 + 8 * v, _mm256_mul_ps(_mm256_load_ps(acc + h * D + 8 * v), inv));
-    }
-  }
-}
-#endif
-
 // plan_decode_split's shortest part: kMinPartTokens, or what a test set.
 static std::atomic<int64_t> g_split_tokens{kMinPartTokens};
 
@@ -252,31 +153,20 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     const PagedRows rows{bt + s * bt_s0, block_size, blk_stride, tok_stride, g * head_dim};
     const TQ* qs = qp + s * q_s0 + g * group * q_s1;
     TQ* os = op + s * o_s0 + g * group * o_s1;
-#if defined(__AVX512F__) && defined(TS_AVX2)
-    if constexpr (std::is_same_v<TQ, float> && has_load8<T>()) {
-      if (isa >= 2 && per_item * group <= kMaxItemHeads && head_dim == 64) {
-        decode_heads_avx512<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group,
-                                  fscale, partial);
-        return;
-      }
-      if (isa >= 2 && per_item * group <= kMaxItemHeads && head_dim == 128) {
-        decode_heads_avx512<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group,
-                                   fscale, partial);
-        return;
-      }
-    }
-#endif
 #ifdef TS_AVX2
     if constexpr (std::is_same_v<TQ, float> && has_load8<T>()) {
-      if (isa >= 1 && per_item * group <= kMaxItemHeads && head_dim == 64) {
-        decode_heads_avx2<8, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group, fscale,
-                                partial);
-        return;
-      }
-      if (isa >= 1 && per_item * group <= kMaxItemHeads && head_dim == 128) {
-        decode_heads_avx2<16, T>(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group,
-                                 fscale, partial);
-        return;
+      if (isa >= 1 && per_item * group <= kMaxItemHeads && (head_dim == 64 || head_dim == 128)) {
+        const auto heads = [&](auto kernel) {
+          kernel(qs, q_s1, os, o_s1, kp, vp, rows, t0, t1, per_item, group, fscale, partial);
+        };
+#ifdef __AVX512F__
+        if (isa >= 2) {
+          return head_dim == 64 ? heads(decode_heads<prefill_vec::Vec512, 8, T>)
+                                : heads(decode_heads<prefill_vec::Vec512, 16, T>);
+        }
+#endif
+        return head_dim == 64 ? heads(decode_heads<prefill_vec::VecAvx2, 8, T>)
+                              : heads(decode_heads<prefill_vec::VecAvx2, 16, T>);
       }
     }
 #endif

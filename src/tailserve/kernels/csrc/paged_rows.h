@@ -1,5 +1,5 @@
-// Paged K/V rows as the decode attention kernels walk them (attention.cpp's kernels and
-// decode_heads512.h): the block table lookup, a chunk's row pointers, the prefetches.
+// Paged K/V rows as the decode attention kernels walk them (attention.cpp's generic one and
+// decode_heads.h): the block table lookup, a chunk's row pointers, the prefetches.
 
 #pragma once
 

@@ -1,6 +1,7 @@
-// The 16-lane float vectors paged_prefill_attention (prefill_attention.cpp) is written over,
-// one per ISA (scalar, AVX2, AVX512), and AVX512's widening loads and 16 x 16 transpose for
-// staging K. Kept apart so the kernel file holds the work split and the loops.
+// The 16-lane float vectors paged_prefill_attention (prefill_attention.cpp) and the decode
+// attention's vector kernel (decode_heads.h) are written over, one per ISA (scalar, AVX2,
+// AVX512), and AVX512's widening loads and 16 x 16 transpose for staging K. Kept apart so the
+// kernel files hold the work split and the loops.
 
 #pragma once
 
@@ -12,8 +13,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "simd.h"
+#include "simd16.h"
 
 namespace tailserve_cpu {
 namespace prefill_vec {
@@ -104,6 +107,16 @@ struct VecAvx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // The decode kernel's: 16 elements of a K/V row widened to float32; 8 from row a beside 8
+  // from row b; and hsum8 of v0..v7 given as P[k] = [v2k | v2k+1] (hsum8 itself here).
+  template <typename T>
+  static VecAvx2 widen(const T* p) { return {load8_f32(p), load8_f32(p + 8)}; }
+  template <typename T>
+  static VecAvx2 widen2(const T* a, const T* b) { return {load8_f32(a), load8_f32(b)}; }
+  static __m256 hsum8x2(const VecAvx2* P) {
+    const __m256 v[8] = {P[0].lo, P[0].hi, P[1].lo, P[1].hi, P[2].lo, P[2].hi, P[3].lo, P[3].hi};
+    return hsum8(v);
+  }
 };
 #endif
 
@@ -125,6 +138,20 @@ inline __m512 exp_neg512(__m512 x) {
   const __m512i e = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Sixteen 16-bit values as float32 (bf16: a shift; fp16: vcvtph2ps); sixteen consecutive
+// elements of a row as float32.
+template <typename T>
+inline __m512 widen16_f32(__m256i h) {
+  static_assert(std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>);
+  if constexpr (std::is_same_v<T, c10::Half>) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+template <typename T>
+inline __m512 load16_f32(const T* p) {
+  return widen16_f32<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 struct Vec512 {
@@ -153,17 +180,33 @@ struct Vec512 {
   Vec512 exp_sub(float m) const { return {exp_neg512(_mm512_sub_ps(a, _mm512_set1_ps(m)))}; }
   float hmax() const { return _mm512_reduce_max_ps(a); }
   float hsum() const { return _mm512_reduce_add_ps(a); }
+  // As VecAvx2's. hsum8x2 adds the same pairs in hsum8's tree, so its sums are hsum8's bit for
+  // bit: per 128-bit lane, shuffles 0x88 / 0xdd and an add are _mm256_hadd_ps; the last add
+  // joins each vector's two halves as hsum8's permute2f128 pair does.
+  template <typename T>
+  static Vec512 widen(const T* p) { return {load16_f32(p)}; }
+  template <typename T>
+  static Vec512 widen2(const T* a, const T* b) {
+    if constexpr (std::is_same_v<T, float>) {
+      const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+      return {_mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(b)), 1))};
+    } else {
+      const __m256i lo = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+      return {widen16_f32<T>(
+          _mm256_inserti128_si256(lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1))};
+    }
+  }
+  static __m256 hsum8x2(const Vec512* P) {
+    const auto hadd = [](__m512 x, __m512 y) {
+      return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xdd));
+    };
+    const __m512 ab = hadd(hadd(P[0].a, P[1].a), hadd(P[2].a, P[3].a));
+    // Lane 0 (1): v2k's first (second) half, lane 2 (3): v2k+1's; add each vector's halves.
+    const __m512 s = _mm512_add_ps(ab, _mm512_shuffle_f32x4(ab, ab, 0xB1));
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s));
+  }
 };
-
-// Sixteen consecutive elements of a row as float32.
-inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_f32(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16_f32(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // dst[col * stride + i] = rows[i][col] for a 16 x 16 block (rows[i] null: zeros), in registers:
 // the scalar transpose was 16 loads and 16 strided stores per key and 16 dims.

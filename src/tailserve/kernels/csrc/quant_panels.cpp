@@ -60,169 +60,159 @@ void build_panel(const Packed& p, int64_t n0, int64_t rows, int64_t G, int64_t w
   }
 }
 
-// AVX2: 8 rows per tile; maddubs + madd in place of dpbusd. Q8_0 stays signed: its products
-// are |w| x (x with w's sign), as u8 + 128 would overflow maddubs' 16-bit pair sums.
-template <int MR, int G, bool Signed>
-void panel_rows_avx2(const PanelTile& t, int64_t K, const int8_t* xq, const float* dx,
-                     const float* xsg, float* y, int64_t N, int64_t cols, const float* bias) {
-  __m256 accf[MR];
-  alignas(32) float bias8[8] = {};
-  for (int64_t c = 0; c < cols && bias; ++c) bias8[c] = bias[c];
-  for (int m = 0; m < MR; ++m) accf[m] = _mm256_load_ps(bias8);
-  const int64_t groups = K / G;
-  const uint8_t* wq = t.q.data();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i acci[MR];
-    for (int m = 0; m < MR; ++m) acci[m] = _mm256_setzero_si256();
-    for (int k4 = 0; k4 < G / 4; ++k4, wq += 32) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
-      const __m256i wa = Signed ? _mm256_sign_epi8(wv, wv) : wv;
-      for (int m = 0; m < MR; ++m) {
-        int32_t xv;
-        std::memcpy(&xv, xq + m * K + g * G + 4 * k4, 4);
-        __m256i xb = _mm256_set1_epi32(xv);
-        if constexpr (Signed) xb = _mm256_sign_epi8(xb, wv);
-        acci[m] = _mm256_add_epi32(acci[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xb), ones));
-      }
-    }
-    const __m256 av = _mm256_loadu_ps(t.a.data() + g * 8);
-    const __m256 bv = _mm256_loadu_ps(t.b.data() + g * 8);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 s = _mm256_mul_ps(av, _mm256_set1_ps(dx[m * (K / 32) + g * G / 32]));
-      accf[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[m]), s, accf[m]);
-      if constexpr (!Signed) {
-        accf[m] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xsg[m * groups + g]), accf[m]);
-      }
-    }
+// The two integer dots a panel runs, each with its tile width and the float ops at that
+// width. AVX2: 8 rows per tile; maddubs + madd in place of dpbusd. Q8_0 stays signed there
+// (kSignedQ8): its products are |w| x (x with w's sign), as u8 + 128 would overflow maddubs'
+// 16-bit pair sums. VNNI's dpbusd takes Q8_0 as u8 + 128 with the 128 moved into the offset.
+struct PanelAvx2 {
+  static constexpr int64_t kWidth = 8, kMaxRows = 4;  // 8 accumulators + weights in 16 ymm
+  static constexpr bool kSignedQ8 = true;
+  using F = __m256;
+  struct W { __m256i v, a; };  // the weight bytes and, when signed, their absolute values
+  template <bool Signed>
+  static W weights(const uint8_t* wq) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+    return {v, Signed ? _mm256_sign_epi8(v, v) : v};
   }
-  for (int m = 0; m < MR; ++m) {
-    if (cols == 8) {
-      _mm256_storeu_ps(y + m * N, accf[m]);
-    } else {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, accf[m]);
-      for (int64_t c = 0; c < cols; ++c) y[m * N + c] = out[c];
-    }
+  template <bool Signed>
+  static __m256i dot(__m256i acc, W w, int32_t xv) {
+    __m256i xb = _mm256_set1_epi32(xv);
+    if constexpr (Signed) xb = _mm256_sign_epi8(xb, w.v);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w.a, xb), _mm256_set1_epi16(1)));
   }
-}
-
-template <int G, bool Signed>
-void panel_chunk_avx2(int64_t rows, const PanelTile& t, int64_t K, const int8_t* xq,
-                      const float* dx, const float* xsg, float* y, int64_t N, int64_t cols,
-                      const float* bias) {
-  switch (rows) {  // 4 rows: 8 accumulators + weights within the 16 AVX2 registers
-    case 1: return panel_rows_avx2<1, G, Signed>(t, K, xq, dx, xsg, y, N, cols, bias);
-    case 2: return panel_rows_avx2<2, G, Signed>(t, K, xq, dx, xsg, y, N, cols, bias);
-    case 3: return panel_rows_avx2<3, G, Signed>(t, K, xq, dx, xsg, y, N, cols, bias);
-    default: return panel_rows_avx2<4, G, Signed>(t, K, xq, dx, xsg, y, N, cols, bias);
+  static __m256i zero() { return _mm256_setzero_si256(); }
+  static F bias(const float* b, int64_t cols) {
+    alignas(32) float b8[8] = {};
+    for (int64_t c = 0; c < cols && b; ++c) b8[c] = b[c];
+    return _mm256_load_ps(b8);
   }
-}
+  static void store(float* y, F v, int64_t cols) {
+    if (cols == 8) return _mm256_storeu_ps(y, v);
+    alignas(32) float out[8];
+    _mm256_store_ps(out, v);
+    for (int64_t c = 0; c < cols; ++c) y[c] = out[c];
+  }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
+};
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-// MR rows of x against one tile; y rows are N apart, `cols` (<= 16) outputs stored.
-template <int MR, int G>
-void panel_rows_vnni(const PanelTile& t, int64_t K, const int8_t* xq, const float* dx,
-                     const float* xsg, float* y, int64_t N, int64_t cols, const float* bias) {
-  __m512 accf[MR];
-  const __m512 bv0 = bias ? _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), bias)
-                          : _mm512_setzero_ps();
-  for (int m = 0; m < MR; ++m) accf[m] = bv0;
+struct PanelVnni {
+  static constexpr int64_t kWidth = 16, kMaxRows = 8;
+  static constexpr bool kSignedQ8 = false;
+  using F = __m512;
+  template <bool Signed>
+  static __m512i weights(const uint8_t* wq) { return _mm512_loadu_si512(wq); }
+  template <bool Signed>
+  static __m512i dot(__m512i acc, __m512i w, int32_t xv) {
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(xv));
+  }
+  static __m512i zero() { return _mm512_setzero_si512(); }
+  static __mmask16 mask(int64_t cols) { return static_cast<__mmask16>((1u << cols) - 1); }
+  static F bias(const float* b, int64_t cols) {
+    return b ? _mm512_maskz_loadu_ps(mask(cols), b) : _mm512_setzero_ps();
+  }
+  static void store(float* y, F v, int64_t cols) { _mm512_mask_storeu_ps(y, mask(cols), v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+};
+#endif
+
+// MR rows of x against one tile of P::kWidth weight rows; y rows are N apart, `cols` outputs
+// stored. Signed: Q8_0 on AVX2 (no offset term).
+template <typename P, int MR, int G, bool Signed>
+void panel_rows(const PanelTile& t, int64_t K, const int8_t* xq, const float* dx,
+                const float* xsg, float* y, int64_t N, int64_t cols, const float* bias) {
+  using F = typename P::F;
+  F accf[MR];
+  const F b0 = P::bias(bias, cols);
+  for (int m = 0; m < MR; ++m) accf[m] = b0;
   const int64_t groups = K / G;
   const uint8_t* wq = t.q.data();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i acci[MR];
-    for (int m = 0; m < MR; ++m) acci[m] = _mm512_setzero_si512();
-    for (int k4 = 0; k4 < G / 4; ++k4, wq += 64) {
-      const __m512i wv = _mm512_loadu_si512(wq);
+    decltype(P::zero()) acci[MR];
+    for (int m = 0; m < MR; ++m) acci[m] = P::zero();
+    for (int k4 = 0; k4 < G / 4; ++k4, wq += 4 * P::kWidth) {
+      const auto w = P::template weights<Signed>(wq);
       for (int m = 0; m < MR; ++m) {
         int32_t xv;
         std::memcpy(&xv, xq + m * K + g * G + 4 * k4, 4);
-        acci[m] = _mm512_dpbusd_epi32(acci[m], wv, _mm512_set1_epi32(xv));
+        acci[m] = P::template dot<Signed>(acci[m], w, xv);
       }
     }
-    const __m512 av = _mm512_loadu_ps(t.a.data() + g * 16);
-    const __m512 bv = _mm512_loadu_ps(t.b.data() + g * 16);
+    const F av = P::load(t.a.data() + g * P::kWidth);
+    const F bv = P::load(t.b.data() + g * P::kWidth);
     for (int m = 0; m < MR; ++m) {
-      const __m512 s = _mm512_mul_ps(av, _mm512_set1_ps(dx[m * (K / 32) + g * G / 32]));
-      accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acci[m]), s, accf[m]);
-      accf[m] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xsg[m * groups + g]), accf[m]);
+      const F s = P::mul(av, P::set1(dx[m * (K / 32) + g * G / 32]));
+      accf[m] = P::fma(P::cvt(acci[m]), s, accf[m]);
+      if constexpr (!Signed) accf[m] = P::fma(bv, P::set1(xsg[m * groups + g]), accf[m]);
     }
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * N, mask, accf[m]);
+  for (int m = 0; m < MR; ++m) P::store(y + m * N, accf[m], cols);
 }
 
-template <int G>
-void panel_chunk_vnni(int64_t rows, const PanelTile& t, int64_t K, const int8_t* xq,
-                      const float* dx, const float* xsg, float* y, int64_t N, int64_t cols,
-                      const float* bias) {
-  switch (rows) {
-#define TS_CASE(r) \
-    case r: return panel_rows_vnni<r, G>(t, K, xq, dx, xsg, y, N, cols, bias);
-    TS_CASE(1) TS_CASE(2) TS_CASE(3) TS_CASE(4) TS_CASE(5) TS_CASE(6) TS_CASE(7)
-#undef TS_CASE
-    default: return panel_rows_vnni<8, G>(t, K, xq, dx, xsg, y, N, cols, bias);
+// Rows [0, rows) of x against one tile, P::kMaxRows at most (rows past it: the caller's next
+// chunk); MR from 1, the count known at compile time.
+template <typename P, int G, bool Signed, int MR = 1>
+void panel_chunk(int64_t rows, const PanelTile& t, int64_t K, const int8_t* xq, const float* dx,
+                 const float* xsg, float* y, int64_t N, int64_t cols, const float* bias) {
+  if constexpr (MR < P::kMaxRows) {
+    if (rows > MR) return panel_chunk<P, G, Signed, MR + 1>(rows, t, K, xq, dx, xsg, y, N, cols, bias);
   }
+  panel_rows<P, MR, G, Signed>(t, K, xq, dx, xsg, y, N, cols, bias);
 }
-#endif
+
+// Tiles of P::kWidth weight rows, one per work item, each unpacked once and run against every
+// P::kMaxRows rows of x.
+template <typename P>
+void panel_linear(const Packed& p, const QuantizedRows& x, float* yp, const float* bp) {
+  const int64_t M = x.M, K = p.K, N = p.N, width = P::kWidth;
+  const int64_t G = p.f.fmt == Fmt::Q6_K ? 16 : 32;
+  const float* xsg = G == 16 ? x.xs : x.xs32;
+  parallel_dynamic((N + width - 1) / width, [&](int64_t tile) {
+    thread_local PanelTile t;
+    thread_local std::vector<uint8_t> qrow;
+    thread_local std::vector<float> a4, b16;
+    const int64_t n0 = tile * width, cols = std::min<int64_t>(width, N - n0);
+    build_panel(p, n0, cols, G, width, !P::kSignedQ8, &t, qrow, a4, b16);
+    const float* b = bp ? bp + n0 : nullptr;
+    for (int64_t m = 0; m < M; m += P::kMaxRows) {
+      const int64_t rows = std::min<int64_t>(P::kMaxRows, M - m);
+      const int8_t* xr = x.xq + m * K;
+      const float* dr = x.dx + m * (K / 32);
+      const float* xs = xsg + m * (K / G);
+      float* yr = yp + m * N + n0;
+      if constexpr (P::kSignedQ8) {
+        if (p.f.fmt == Fmt::Q8_0) {
+          panel_chunk<P, 32, true>(rows, t, K, xr, dr, xs, yr, N, cols, b);
+          continue;
+        }
+      }
+      if (G == 16) {
+        panel_chunk<P, 16, false>(rows, t, K, xr, dr, xs, yr, N, cols, b);
+      } else {
+        panel_chunk<P, 32, false>(rows, t, K, xr, dr, xs, yr, N, cols, b);
+      }
+    }
+  });
+}
 
 }  // namespace
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 void panel_linear_vnni(const Packed& p, const QuantizedRows& x, float* yp, const float* bp) {
-  const int64_t M = x.M, K = p.K, N = p.N;
-  const int64_t G = p.f.fmt == Fmt::Q6_K ? 16 : 32;
-  const float* xsg = G == 16 ? x.xs : x.xs32;
-  parallel_dynamic((N + 15) / 16, [&](int64_t tile) {
-    thread_local PanelTile t;
-    thread_local std::vector<uint8_t> qrow;
-    thread_local std::vector<float> a4, b16;
-    const int64_t n0 = tile * 16, cols = std::min<int64_t>(16, N - n0);
-    build_panel(p, n0, cols, G, 16, true, &t, qrow, a4, b16);
-    const float* b = bp ? bp + n0 : nullptr;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int64_t rows = std::min<int64_t>(8, M - m);
-      const int8_t* xr = x.xq + m * K;
-      const float* dr = x.dx + m * (K / 32);
-      if (G == 16) {
-        panel_chunk_vnni<16>(rows, t, K, xr, dr, xsg + m * (K / 16), yp + m * N + n0, N,
-                             cols, b);
-      } else {
-        panel_chunk_vnni<32>(rows, t, K, xr, dr, xsg + m * (K / 32), yp + m * N + n0, N,
-                             cols, b);
-      }
-    }
-  });
+  panel_linear<PanelVnni>(p, x, yp, bp);
 }
 #endif
 
 void panel_linear_avx2(const Packed& p, const QuantizedRows& x, float* yp, const float* bp) {
-  const int64_t M = x.M, K = p.K, N = p.N;
-  const bool is_signed = p.f.fmt == Fmt::Q8_0;
-  const int64_t G = p.f.fmt == Fmt::Q6_K ? 16 : 32;
-  const float* xsg = G == 16 ? x.xs : x.xs32;
-  parallel_dynamic((N + 7) / 8, [&](int64_t tile) {
-    thread_local PanelTile t;
-    thread_local std::vector<uint8_t> qrow;
-    thread_local std::vector<float> a4, b16;
-    const int64_t n0 = tile * 8, cols = std::min<int64_t>(8, N - n0);
-    build_panel(p, n0, cols, G, 8, false, &t, qrow, a4, b16);
-    const float* b = bp ? bp + n0 : nullptr;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - m);
-      const int8_t* xr = x.xq + m * K;
-      const float* dr = x.dx + m * (K / 32);
-      float* yr = yp + m * N + n0;
-      if (is_signed) {
-        panel_chunk_avx2<32, true>(rows, t, K, xr, dr, xsg + m * (K / 32), yr, N, cols, b);
-      } else if (G == 16) {
-        panel_chunk_avx2<16, false>(rows, t, K, xr, dr, xsg + m * (K / 16), yr, N, cols, b);
-      } else {
-        panel_chunk_avx2<32, false>(rows, t, K, xr, dr, xsg + m * (K / 32), yr, N, cols, b);
-      }
-    }
-  });
+  panel_linear<PanelAvx2>(p, x, yp, bp);
 }
 
 }  // namespace quant

@@ -93,9 +93,9 @@ inline __m256 exp_neg(__m256 x) {
 
 // One head's online-softmax step over a chunk of up to 8 scores s (masked lanes -inf): p gets
 // exp(s - m'), l adds their sum, and when the max rises (m' > m) what acc [D] summed against
-// the old max is scaled by exp(m - m') first. The AVX2 and AVX512 decode kernels both call it,
-// so the instruction set never changes these bits (a scale is one float multiply an element
-// at any vector width).
+// the old max is scaled by exp(m - m') first. The decode kernel calls it at both widths
+// (decode_heads.h), so the instruction set never changes these bits (a scale is one float
+// multiply an element at any vector width).
 inline void softmax_chunk8(__m256 s, float& m, float& l, float* p, float* acc, int64_t D) {
   __m256 mx = _mm256_max_ps(s, _mm256_permute2f128_ps(s, s, 1));
   mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
