@@ -20,6 +20,10 @@ struct PagedRows {
   }
 };
 
+// The most query heads one work item of the decode attention holds (its per-head buffers);
+// the item planning in attention.cpp reads it at every level, vector kernels or not.
+constexpr int64_t kMaxItemHeads = 32;
+
 #ifdef TS_AVX2
 // Why one pass and spread-out prefetches: reading K/V from DRAM, one thread reached only
 // ~4 GB/s with a K pass then a V pass, where a plain walk of the same blocks reads ~10 GB/s.
@@ -29,7 +33,6 @@ struct PagedRows {
 // chunk kPrefetchTokens ahead, a few lines at a time, and into L2 the rows kFarTokens ahead:
 // +25-40% GB/s on 32-64 sequences x 300-1000 tokens for the near prefetches (bursts of whole
 // chunks gained nothing), +3-14% more for the far ones (96 tokens: no steadier gain).
-constexpr int64_t kMaxItemHeads = 32;
 constexpr int64_t kPrefetchTokens = 16;
 constexpr int64_t kFarTokens = 48;
 
