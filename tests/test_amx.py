@@ -92,6 +92,39 @@ def test_bf16_tiles_against_float64(amx: None, fmt: BlockFormat) -> None:
             assert not torch.equal(got[:done], vnni[:done])  # the tiles did run
 
 
+STORED = [PACKED_FORMATS[t] for t in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.Q8_0)]
+
+
+@pytest.mark.parametrize("fmt", STORED, ids=[f.name for f in STORED])
+def test_bf16_tiles_on_stored_blocks_against_float64(amx: None, fmt: BlockFormat) -> None:
+    """Weights as stored ([N, blocks, type_size]: the K-quants are never tiled) on the same
+    bf16 tiles: each 16-row tile unpacked as the panels unpack it. Rows past the last whole
+    group, and N not a multiple of 16, stay on VNNI's panels."""
+    if not isa_info().amx_bf16:
+        pytest.skip("the CPU has no AMX-BF16")
+    for n, k in ((32, 256), (48, 3 * 256), (40, 256)):
+        w = random_blocks(fmt, n, k, seed=n + k)
+        exact_w = dequantize_reference(w).double()
+        for rows in (16, 37):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            bias = torch.randn(n)
+            exact = x.double() @ exact_w.T + bias.double()
+            set_quant_isa("avx512vnni")
+            vnni = ops.quant_linear(x, w, bias)
+            assert set_quant_isa("amx-bf16") == "amx-bf16"
+            got = ops.quant_linear(x, w, bias)
+            err = ((got.double() - exact).norm() / exact.norm()).item()
+            assert err < BF16_PRODUCT_RTOL, (fmt.name, n, k, rows, err)
+            done = 16 * (rows // 16) if n % 16 == 0 else 0
+            # The rest is VNNI's product of those rows alone (fewer than 9 rows of x take the
+            # decode-row path, not the panels a 37-row product takes).
+            set_quant_isa("avx512vnni")
+            rest = ops.quant_linear(x[done:].contiguous(), w, bias)
+            assert torch.equal(got[done:], rest)
+            if done:
+                assert not torch.equal(got[:done], vnni[:done])  # the tiles did run
+
+
 def test_levels(amx: None) -> None:
     assert set_quant_isa("auto") == "amx"  # the bit-identical one; amx-bf16 is opt-in
     if isa_info().amx_bf16:

@@ -7,7 +7,9 @@
 // AMX's B order, x is rounded to bf16, and TDPBF16PS sums all of K in float32 inside the tile
 // registers: 2 x 2 result tiles (32 rows of x by 32 weight rows) per pass, one store at the end.
 // The weights are read as stored, every call; the bf16 copy of a tile lives in one thread's
-// buffer while the rows of x pass.
+// buffer while the rows of x pass. Weights not tiled (the K-quants: super-blocks of 256 with
+// 6-bit or 8-bit sub-block scales) take the same passes, each 16-row tile unpacked from the
+// stored rows as the panels unpack them (stored_linear_amx_bf16).
 //
 // Numerics: not VNNI's. x keeps 8 significant bits (VNNI: int8 per block of 32, about the
 // same), and each weight is rounded to 8 bits where d * q + m was exact in float32. The tests
@@ -22,6 +24,8 @@
 
 #include "amx_tiles.h"
 #include "isa.h"
+#include "prefill_vec.h"
+#include "quant_blocks.h"
 #include "quant_tiled.h"
 #include "work_pool.h"
 
@@ -127,12 +131,12 @@ void tile_pass(const uint16_t* xb, int64_t rows, const uint16_t* b0, const uint1
   if constexpr (MT == 2 && NT == 2) _tile_stored(3, y + 16 * N + 16, ystride);
 }
 
-template <int TS>
-void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const uint16_t* xb,
-                    float* y, const float* bias) {
-  using L = TiledLayout<TS>;
+// y = x W^T over pairs of 16-row weight tiles: dequant(t, b) writes tile t's B (K / 32 runs
+// of 512 bf16) into b, once per call, then every group of 16 rows of x passes against it.
+template <typename Dequant>
+void linear_bf16(const Dequant& dequant, int64_t N, int64_t K, int64_t groups, const uint16_t* xb,
+                 float* y, const float* bias) {
   const int64_t nb = K / 32, tiles = N / 16, pairs = (tiles + 1) / 2;
-  const int64_t tile_bytes = nb * L::kBytes;
   parallel_dynamic(pairs, [&](int64_t pair) {
     amx::load_full_config();
     thread_local std::vector<uint16_t> storage;  // two tiles' B, kept between calls
@@ -142,8 +146,8 @@ void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, cons
     uint16_t* b1 = b0 + nb * 512;
     const int64_t t0 = 2 * pair;
     const bool two = t0 + 1 < tiles;
-    dequant_tile<TS>(w + t0 * tile_bytes, nb, b0);
-    if (two) dequant_tile<TS>(w + (t0 + 1) * tile_bytes, nb, b1);
+    dequant(t0, b0);
+    if (two) dequant(t0 + 1, b1);
     const int64_t rows = 16 * groups;
     // Pairs of row groups, the last one alone when their count is odd.
     for (int64_t m = 0; m < groups; m += 2) {
@@ -169,18 +173,54 @@ void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, cons
   });
 }
 
-}  // namespace
-#endif
+template <int TS>
+void linear_bf16_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const uint16_t* xb,
+                    float* y, const float* bias) {
+  const int64_t nb = K / 32, tile_bytes = nb * TiledLayout<TS>::kBytes;
+  linear_bf16([&](int64_t t, uint16_t* b) { dequant_tile<TS>(w + t * tile_bytes, nb, b); }, N, K,
+              groups, xb, y, bias);
+}
 
-int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, int64_t K,
-                              int64_t M, const float* x, float* y, const float* bias) {
-#ifdef TS_AMX
-  const int64_t groups = M / 16;
-  if (groups == 0 || !isa::amx_status().permitted || !isa::amx_status().bf16) return 0;
-  const int64_t rows = 16 * groups;
-  // x to bf16 (nearest even), packed [K / 32][rows][32] (tile_pass).
-  std::vector<uint16_t> xb(rows * K + 32);
-  uint16_t* xp = amx::align64(xb.data());
+// 16 rows [n0, n0 + 16) of a weight as stored ([N, K / block, type_size], any format; the
+// K-quants are why) -> B as dequant_tile writes it. Each block of each row is unpacked as the
+// panels unpack it (quant_blocks.h: bytes q, a scale per 4 values, an offset per 16), the
+// values w = a * q + b in float32 (exact: a and b are products of a half and a small integer),
+// then each run of 32 of the 16 rows is rounded to bf16 pairs and transposed into B's order.
+void dequant_stored_tile(quant::Fmt fmt, int64_t block, int64_t type_size, const uint8_t* w,
+                         int64_t n0, int64_t K, uint16_t* b) {
+  const int64_t per_row = K / block;
+  alignas(64) float vals[16][256];
+  alignas(64) uint32_t pairs[16][16];
+  alignas(64) uint8_t q[256];
+  alignas(64) float a4[64 + 16], b16[16];
+  const float* rows[16];
+  for (int r = 0; r < 16; ++r) rows[r] = reinterpret_cast<const float*>(pairs[r]);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const bool is_signed = fmt == quant::Fmt::Q8_0;
+  for (int64_t kb = 0; kb < per_row; ++kb) {
+    for (int64_t r = 0; r < 16; ++r) {
+      quant::unpack_block(fmt, w + ((n0 + r) * per_row + kb) * type_size, q, a4, b16);
+      for (int64_t i = 0; i < block; i += 16) {
+        const __m128i qb = _mm_load_si128(reinterpret_cast<const __m128i*>(q + i));
+        const __m512i qi = is_signed ? _mm512_cvtepi8_epi32(qb) : _mm512_cvtepu8_epi32(qb);
+        const __m512 a = _mm512_permutexvar_ps(spread, _mm512_loadu_ps(a4 + i / 4));
+        _mm512_store_ps(vals[r] + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), a,
+                                                     _mm512_set1_ps(b16[i / 16])));
+      }
+    }
+    for (int64_t g = 0; g < block / 32; ++g) {  // dword p of row r: (w(r, 2p), w(r, 2p + 1))
+      for (int64_t r = 0; r < 16; ++r) {
+        _mm512_store_si512(pairs[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+            _mm512_load_ps(vals[r] + 32 * g + 16), _mm512_load_ps(vals[r] + 32 * g))));
+      }
+      prefill_vec::transpose16_store(rows, reinterpret_cast<float*>(b + ((kb * block) / 32 + g) * 512),
+                                     16);
+    }
+  }
+}
+
+// x to bf16 (nearest even), packed [K / 32][rows][32] (tile_pass) into xp.
+void pack_x(const float* x, int64_t rows, int64_t K, uint16_t* xp) {
   parallel_dynamic((rows + 15) / 16, [&](int64_t item) {
     const int64_t r1 = std::min(rows, item * 16 + 16);
     for (int64_t r = item * 16; r < r1; ++r) {
@@ -191,6 +231,20 @@ int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, in
       }
     }
   });
+}
+
+}  // namespace
+#endif
+
+int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, int64_t K,
+                              int64_t M, const float* x, float* y, const float* bias) {
+#ifdef TS_AMX
+  const int64_t groups = M / 16;
+  if (groups == 0 || !isa::amx_status().permitted || !isa::amx_status().bf16) return 0;
+  const int64_t rows = 16 * groups;
+  std::vector<uint16_t> xb(rows * K + 32);
+  uint16_t* xp = amx::align64(xb.data());
+  pack_x(x, rows, K, xp);
   switch (type_size) {
     case 18: linear_bf16_as<18>(w, N, K, groups, xp, y, bias); break;
     case 20: linear_bf16_as<20>(w, N, K, groups, xp, y, bias); break;
@@ -198,6 +252,29 @@ int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, in
     case 24: linear_bf16_as<24>(w, N, K, groups, xp, y, bias); break;
     default: linear_bf16_as<34>(w, N, K, groups, xp, y, bias); break;
   }
+  return rows;
+#else
+  (void)type_size, (void)w, (void)N, (void)K, (void)M, (void)x, (void)y, (void)bias;
+  return 0;
+#endif
+}
+
+int64_t stored_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, int64_t K,
+                               int64_t M, const float* x, float* y, const float* bias) {
+#ifdef TS_AMX
+  quant::FmtInfo f;
+  const int64_t groups = M / 16;
+  if (groups == 0 || N % 16 != 0 || !quant::fmt_of(type_size, &f) || K % f.block != 0 ||
+      !isa::amx_status().permitted || !isa::amx_status().bf16) {
+    return 0;
+  }
+  const int64_t rows = 16 * groups;
+  std::vector<uint16_t> xb(rows * K + 32);
+  uint16_t* xp = amx::align64(xb.data());
+  pack_x(x, rows, K, xp);
+  linear_bf16([&](int64_t t, uint16_t* b) {
+    dequant_stored_tile(f.fmt, f.block, type_size, w, 16 * t, K, b);
+  }, N, K, groups, xp, y, bias);
   return rows;
 #else
   (void)type_size, (void)w, (void)N, (void)K, (void)M, (void)x, (void)y, (void)bias;

@@ -8,6 +8,7 @@
 //   quant_panels.cpp       9 rows and more: unpacked, interleaved weight tiles (VNNI, AVX2)
 //   quant_unpacked.cpp     the rest (the scalar level): rows unpacked into a buffer
 //   quant_tiled.cpp        tiled 32-value formats, every row count
+//   quant_amx*.cpp         AMX tiles: int8 (tiled, VNNI's bits) and the opt-in bf16 (any)
 //
 // A packed weight is a uint8 tensor [N, K / block, type_size]: each output row is a run of
 // whole ggml blocks, as in the file. type_size alone names the format (Q4_0 18, Q4_1 20,
@@ -177,10 +178,12 @@ void linear_into(const Packed& p, const at::Tensor& x, const c10::optional<at::T
   }
   if (M == 0 || N == 0) return;
   float* yp = y.data_ptr<float>();
-  if (p.tiled && tailserve_cpu::isa::current() == tailserve_cpu::isa::kAmxBf16) {
-    // The opt-in bf16 tiles take whole groups of 16 rows; the rest below, as at VNNI.
-    const int64_t done = tiled_linear_amx_bf16(p.type_size, p.data, N, K, M,
-                                               xc.data_ptr<float>(), yp, bp);
+  if (tailserve_cpu::isa::current() == tailserve_cpu::isa::kAmxBf16) {
+    // The opt-in bf16 tiles take whole groups of 16 rows, tiled or as stored (the K-quants);
+    // the rest below, as at VNNI.
+    const float* xp = xc.data_ptr<float>();
+    const int64_t done = p.tiled ? tiled_linear_amx_bf16(p.type_size, p.data, N, K, M, xp, yp, bp)
+                                 : stored_linear_amx_bf16(p.type_size, p.data, N, K, M, xp, yp, bp);
     if (done == M) return;
     // Rows of a contiguous x are contiguous: the remaining ones start at row `done`.
     if (done > 0) return int8_rows(p, xc.narrow(0, done, M - done), bp, yp + done * N);

@@ -71,6 +71,13 @@ int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t
 int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, int64_t K,
                               int64_t M, const float* x, float* y, const float* bias);
 
+// The same bf16 tiles on a weight as stored ([N, K / block, type_size], any format: the
+// K-quants, which are never tiled), 16 rows of it dequantized per tile from the panels'
+// unpacking (quant_blocks.h). Rows as tiled_linear_amx_bf16; 0 also where N is not a
+// multiple of 16 (the caller's other paths take the product).
+int64_t stored_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, int64_t K,
+                               int64_t M, const float* x, float* y, const float* bias);
+
 // Row n of a tiled table, dequantized into out [K] (the values gguf's dequantizer gives).
 void tiled_row(int64_t type_size, const uint8_t* w, int64_t K, int64_t n, float* out);
 
