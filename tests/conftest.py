@@ -25,6 +25,17 @@ if not os.environ.get("TRITON_INTERPRET"):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture
+def itl_cap_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schedules worked out for the ITL SLO's cap alone: without the floor of
+    FIXED_COST_MULTIPLE x the fake model's 10 ms fixed cost (100 ms), which
+    tests/test_scheduler_time.py::test_a_lone_prompt_on_a_heavy_model_is_not_cut_into_tiny_steps
+    tests on its own."""
+    from tailserve.engine import step_time
+
+    monkeypatch.setattr(step_time, "FIXED_COST_MULTIPLE", 0.0)
+
+
 @pytest.fixture(scope="session")
 def cpu_kernels() -> None:
     """For tests of the compiled CPU kernels (``pytest.mark.usefixtures("cpu_kernels")``).

@@ -71,7 +71,7 @@ def test_without_an_itl_slo_prefill_takes_the_whole_token_budget_beside_decodes(
     assert s.min_decode_slack_s is None and s.itl_target_s is None
 
 
-def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget() -> None:
+def test_a_queue_past_its_ttft_deadline_takes_the_whole_token_budget(itl_cap_only: None) -> None:
     # Two decodes with an ITL SLO that budgets 31 ms: 17 ms of prefill, 16 tokens a step.
     # "late" waits (one long partial prefill at a time). Once a request still waiting for its
     # first token is past its TTFT deadline though its own prefill (610 ms) fits its 1 s SLO,

@@ -162,7 +162,8 @@ def test_a_bad_tenant_weight_is_refused(weight: float) -> None:
         make().add_request(treq("a", "t", 8, weight=weight))
 
 
-def test_one_tenants_overdue_queue_keeps_steps_capped_while_another_is_present() -> None:
+def test_one_tenants_overdue_queue_keeps_steps_capped_while_another_is_present(
+        itl_cap_only: None) -> None:
     """An overdue queue lifts the ITL cap of a step with no decode (the whole token budget),
     but not while another tenant is present: its next prompt would wait for that step in
     flight. Once the other tenant has had nothing in the engine and no arrival for

@@ -17,7 +17,7 @@ from tailserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from tailserve.engine.calibrate import PLAN
 from tailserve.engine.latency import SLACK_FLOOR_S, chunk_under_load, time_limited_chunk
 from tailserve.engine.scheduler import MIN_PREFILL_CHUNK, PREFILL_ALIGN, Scheduler
-from tailserve.engine.step_time import prefill_step_cap
+from tailserve.engine.step_time import FIXED_COST_MULTIPLE, prefill_step_cap
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.request import SLO, Request
 from tailserve.sampling_params import SamplingParams
@@ -116,29 +116,45 @@ def test_no_decodes_means_the_whole_token_budget_within_the_itl_slo() -> None:
 
 
 def test_a_step_without_decodes_is_capped_by_the_itl_slo() -> None:
-    # An ITL SLO that budgets 96 ms: a prefill-only step may take that (what a decode would
-    # allow right after its token): 86 prompt tokens -> 64 (aligned), not the 256 of the
+    # An ITL SLO that budgets 126 ms: a prefill-only step may take that (what a decode would
+    # allow right after its token): 116 prompt tokens -> 96 (aligned), not the 256 of the
     # budget (266 ms). A short prompt arriving meanwhile waits for one such step, then goes
-    # first; the long one takes what the short one's step leaves within the same 96 ms.
+    # first; the long one takes what the short one's step leaves within the same 126 ms.
     clock = Clock()
-    s = make(clock, target_s=0.096, max_num_batched_tokens=256)
+    s = make(clock, target_s=0.126, max_num_batched_tokens=256)
     runner = FakeRunner()
-    assert prefill_step_cap(s) == pytest.approx(0.096)
+    assert prefill_step_cap(s) == pytest.approx(0.126)
     s.add_request(req("long", 600, 0.0))
-    assert step(s, runner, clock) == [("long", 64)]
+    assert step(s, runner, clock) == [("long", 96)]
     arrived = clock.t - 0.050  # mid-step
     s.add_request(req("short", 40, arrived))
-    assert step(s, runner, clock) == [("long", 32), ("short", 40)]
-    assert "short" not in s.requests and clock.t - arrived <= 0.050 + 0.096  # its first token
-    assert all(s.step_model.predict(s.shape_of(o)) <= 0.096 + 1e-12 for o in runner.steps)
+    assert step(s, runner, clock) == [("long", 64), ("short", 40)]
+    assert "short" not in s.requests and clock.t - arrived <= 0.050 + 0.126  # its first token
+    assert all(s.step_model.predict(s.shape_of(o)) <= 0.126 + 1e-12 for o in runner.steps)
     # Never more than a budget-sized first chunk (266 ms); a running request's own, tighter
-    # ITL SLO caps it too; no ITL SLO, no cap.
+    # ITL SLO caps it too, down to FIXED_COST_MULTIPLE x the step's fixed cost (10 x 10 ms);
+    # no ITL SLO, no cap.
     assert prefill_step_cap(make(Clock(), max_num_batched_tokens=256,
                                  target_s=5.0)) == pytest.approx(0.266)
     tight = make(Clock(), target_s=5.0)
     tight.running.append(req("t", 8, 0.0, slo_itl_s=0.030 + MARGIN))
-    assert prefill_step_cap(tight) == pytest.approx(0.030)
+    assert prefill_step_cap(tight) == pytest.approx(FIXED_COST_MULTIPLE * 0.010)
     assert prefill_step_cap(make(Clock())) is None
+
+
+def test_a_lone_prompt_on_a_heavy_model_is_not_cut_into_tiny_steps() -> None:
+    """A model whose every step costs 30 ms before its tokens (its weights streamed), 2.5 ms
+    a prompt token (the Llama-3.2-1B shape's figures on 2 cores): the ITL SLO's 98 ms would
+    allow 16-token steps, each mostly the fixed cost. The cap is 10 x 30 ms instead: 96-token
+    steps, the fixed cost ~1/9 of the prefill."""
+    clock = Clock()
+    s = make(clock, target_s=0.098, max_num_batched_tokens=512)
+    s.step_model = StepTimeModel((0.030, 2.5, 0.020, 0.0, 0.0))
+    assert prefill_step_cap(s) == pytest.approx(0.300)
+    s.add_request(req("long", 1000, 0.0))
+    runner = FakeRunner()
+    assert step(s, runner, clock) == [("long", 96)]
+    assert step(s, runner, clock) == [("long", 96)]
 
 
 def test_prefill_progresses_when_decodes_alone_fill_the_target() -> None:
@@ -236,7 +252,7 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
 
 @pytest.mark.parametrize(("short_len", "chunk"), [(30, 30), (50, 50), (70, 8)])
 def test_without_decodes_a_prompt_that_completes_may_take_the_step_to_twice_the_cap(
-        short_len: int, chunk: int) -> None:
+        short_len: int, chunk: int, itl_cap_only: None) -> None:
     # A 50 ms cap (10 ms a step + 1 ms a token): the long prompt goes first (fcfs) with 32
     # tokens (42 ms). A short prompt that completes goes whole while the step stays within
     # 100 ms (30 or 50 more tokens); one that would not (70) gets what the cap leaves (8).

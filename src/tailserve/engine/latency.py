@@ -6,7 +6,8 @@ smallest slack among the decodes it carries (deadline - now), less a margin of
 ``SLACK_SIGMAS`` robust deviations of the step-time model's own error (``sigma_s``) and
 ``SLACK_FLOOR_S`` for the host's time between steps. Prefill takes what that leaves, all of
 it. A step without decodes is capped by the ITL SLO itself (less the margin): that is what
-a decode would allow right after its token, and what a prompt arriving meanwhile waits.
+a decode would allow right after its token, and what a prompt arriving meanwhile waits; never
+below ten times the step's fixed cost (``step_time.prefill_step_cap``).
 
 **Chunks** (``time_limited_chunk``): the largest multiple of PREFILL_ALIGN, else one of
 SMALL_CHUNKS, that keeps the step's predicted time within its budget.
