@@ -261,7 +261,9 @@ void compute(const float* q, int64_t q_s0, float* out, int64_t o_s0, const Stage
       const __m512 alpha = exp2_bf16(_mm512_sub_ps(m, mnew));  // 1 where it did not move
       l = _mm512_mul_ps(l, alpha);
       if (kb > 0) {
-        for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot[d], _mm512_mul_ps(alpha, _mm512_load_ps(ot[d])));
+        for (int64_t d = 0; d < D; ++d) {
+          _mm512_store_ps(ot[d], _mm512_mul_ps(alpha, _mm512_load_ps(ot[d])));
+        }
       }
       m = mnew;
     }

@@ -213,8 +213,8 @@ void dequant_stored_tile(quant::Fmt fmt, int64_t block, int64_t type_size, const
         _mm512_store_si512(pairs[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
             _mm512_load_ps(vals[r] + 32 * g + 16), _mm512_load_ps(vals[r] + 32 * g))));
       }
-      prefill_vec::transpose16_store(rows, reinterpret_cast<float*>(b + ((kb * block) / 32 + g) * 512),
-                                     16);
+      float* dst = reinterpret_cast<float*>(b + ((kb * block) / 32 + g) * 512);
+      prefill_vec::transpose16_store(rows, dst, 16);
     }
   }
 }
