@@ -69,6 +69,19 @@ def test_int8_tiles_are_vnni_bit_for_bit(amx: None, fmt: BlockFormat) -> None:
 BF16_PRODUCT_RTOL = 6e-3
 
 
+def _bf16_against_float64(x: torch.Tensor, w: torch.Tensor, exact_w: torch.Tensor,
+                          bias: torch.Tensor, case: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ W^T + bias at amx-bf16 (asserted within BF16_PRODUCT_RTOL of float64) and at VNNI."""
+    exact = x.double() @ exact_w.T + bias.double()
+    set_quant_isa("avx512vnni")
+    vnni = ops.quant_linear(x, w, bias)
+    assert set_quant_isa("amx-bf16") == "amx-bf16"
+    got = ops.quant_linear(x, w, bias)
+    err = ((got.double() - exact).norm() / exact.norm()).item()
+    assert err < BF16_PRODUCT_RTOL, (case, err)
+    return got, vnni
+
+
 @pytest.mark.parametrize("fmt", TILED, ids=IDS)
 def test_bf16_tiles_against_float64(amx: None, fmt: BlockFormat) -> None:
     if not isa_info().amx_bf16:
@@ -80,13 +93,7 @@ def test_bf16_tiles_against_float64(amx: None, fmt: BlockFormat) -> None:
         for rows in (16, 37, 64):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             bias = torch.randn(n)
-            exact = x.double() @ exact_w.T + bias.double()
-            set_quant_isa("avx512vnni")
-            vnni = ops.quant_linear(x, t, bias)
-            assert set_quant_isa("amx-bf16") == "amx-bf16"
-            got = ops.quant_linear(x, t, bias)
-            err = ((got.double() - exact).norm() / exact.norm()).item()
-            assert err < BF16_PRODUCT_RTOL, (n, k, rows, err)
+            got, vnni = _bf16_against_float64(x, t, exact_w, bias, (fmt.name, n, k, rows))
             done = 16 * (rows // 16)  # rows past the last whole group run VNNI's path
             assert torch.equal(got[done:], vnni[done:])
             assert not torch.equal(got[:done], vnni[:done])  # the tiles did run
@@ -108,13 +115,7 @@ def test_bf16_tiles_on_stored_blocks_against_float64(amx: None, fmt: BlockFormat
         for rows in (16, 37):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             bias = torch.randn(n)
-            exact = x.double() @ exact_w.T + bias.double()
-            set_quant_isa("avx512vnni")
-            vnni = ops.quant_linear(x, w, bias)
-            assert set_quant_isa("amx-bf16") == "amx-bf16"
-            got = ops.quant_linear(x, w, bias)
-            err = ((got.double() - exact).norm() / exact.norm()).item()
-            assert err < BF16_PRODUCT_RTOL, (fmt.name, n, k, rows, err)
+            got, vnni = _bf16_against_float64(x, w, exact_w, bias, (fmt.name, n, k, rows))
             done = 16 * (rows // 16) if n % 16 == 0 else 0
             # The rest is VNNI's product of those rows alone (fewer than 9 rows of x take the
             # decode-row path, not the panels a 37-row product takes).
