@@ -21,7 +21,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -220,23 +219,15 @@ void compute(const float* q, int64_t q_s0, float* out, int64_t o_s0, const Stage
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
   __m512 m = ninf, l = _mm512_setzero_ps();
-  // The scores of the next step are issued before this step's softmax, so the tile unit
-  // computes and stores them while the vector units work, and the softmax's loads of a
-  // step's scores never wait for the tile stores that wrote them.
-  alignas(64) float s2[2][64][16];  // S^T of this step and the next
-  auto issue_scores = [&](int64_t kb, float (*dst)[16]) {
-    switch ((std::min<int64_t>(64, kend - kb) + 15) / 16) {
-      case 1: scores<1>(qt, st.k, kb / 16, halves, dst); break;
-      case 2: scores<2>(qt, st.k, kb / 16, halves, dst); break;
-      case 3: scores<3>(qt, st.k, kb / 16, halves, dst); break;
-      default: scores<4>(qt, st.k, kb / 16, halves, dst); break;
-    }
-  };
-  issue_scores(0, s2[0]);
-  for (int64_t kb = 0, step = 0; kb < kend; kb += 64, ++step) {
+  alignas(64) float s[64][16];  // S^T of a step: [key][query]
+  for (int64_t kb = 0; kb < kend; kb += 64) {
     const int64_t nk = std::min<int64_t>(64, kend - kb), nk32 = (nk + 31) / 32 * 32;
-    float (*s)[16] = s2[step & 1];
-    if (kb + 64 < kend) issue_scores(kb + 64, s2[(step + 1) & 1]);
+    switch ((nk + 15) / 16) {
+      case 1: scores<1>(qt, st.k, kb / 16, halves, s); break;
+      case 2: scores<2>(qt, st.k, kb / 16, halves, s); break;
+      case 3: scores<3>(qt, st.k, kb / 16, halves, s); break;
+      default: scores<4>(qt, st.k, kb / 16, halves, s); break;
+    }
     // A key past a query's position, or in the step's last 32-key run beyond nk, scores -inf
     // (kend is the last row's position + 1, so a short step is always masked).
     const bool masked = kb + nk32 - 1 > first;
