@@ -1,22 +1,25 @@
 // quant_linear on tiled GGUF blocks (quant_tiled.h's layout) with AMX int8 tiles, for prompt
 // chunks and wide batches: 16 rows of x at a time.
 //
-// Per block of 32 values the integer dot of every (row of x, output row) pair is one TDPBSUD
-// (x signed, the weight's nibbles unsigned; Q8_0: TDPBSSD, both signed) of a 16 x 32-byte tile
-// of x against an 8 x 64-byte tile of the weight, a 16 x 16 int32 result. The tiled layout
-// already holds the weight in AMX's B order: chunk j's 64 bytes are, per output row, the four
-// bytes of values 4j..4j+3 (low nibbles) and 16+4j.. (high nibbles), so splitting the nibbles
-// gives B's rows j and 4 + j, and Q8_0's chunks are B as stored. The integer sums are the
-// VNNI path's exactly (its zero point comes off as there: Q4_0 / Q5_0 subtract zero * sum of
-// x's integers; Q8_0's signed product needs no correction, where VNNI took 128 off), and the
-// float epilogue is VNNI's per lane, in the same block order, with the same operations — so
-// the outputs are bit for bit quant_tiled.cpp's (tests/test_amx.py).
+// Per block of 32 values the integer dot of every (row of x, output row) pair is one tile
+// product of a 16 x 32-byte tile of x (signed) against an 8 x 64-byte tile of the weight, a
+// 16 x 16 int32 result: TDPBSSD where the weight's values are signed (Q8_0 as stored; Q4_0 /
+// Q5_0 unpacked as q - zero), TDPBSUD where they are not (Q4_1 / Q5_1's unsigned q, offset
+// by m in the epilogue). The tiled layout already holds the weight in AMX's B order: chunk j's
+// 64 bytes are, per output row, the four bytes of values 4j..4j+3 (low nibbles) and 16+4j..
+// (high nibbles), so splitting the nibbles gives B's rows j and 4 + j, and Q8_0's chunks are B
+// as stored. The integer sums are the VNNI path's exactly (VNNI sums x * q and takes zero *
+// sum(x) off; the tile sums x * (q - zero), the same integer), and the float epilogue is
+// VNNI's per lane, in the same block order, with the same operations — so the outputs are bit
+// for bit quant_tiled.cpp's (tests/test_amx.py).
 //
 // What limits it: the per-block scales. Each 16 x 16 x 32 block product (one tile
 // instruction, 16 cycles) needs its int32 tile stored and 16 rows of convert + scale + FMA,
-// ~80 vector operations, where VNNI spent ~130 dpbusd on it plus the same epilogue. Measured
-// (benchmarks/notes/cpu_kernels.md): 1.2-1.6x VNNI at 512 rows; without the epilogue the tile
-// loads and the 1 KiB store alone take ~45 cycles a block. The opt-in bf16 tiles
+// ~50-80 vector operations, where VNNI spent ~130 dpbusd on it plus the same epilogue.
+// Measured (benchmarks/notes/cpu_kernels.md): 1.2-1.7x VNNI at 512 rows; without the epilogue
+// the tile loads and the 1 KiB store alone take ~45 cycles a block. Signed weights took the
+// zero point's subtraction and broadcast out of every row of the epilogue (Q4_0 at the 1B's
+// shapes 1.25-1.3x); four result tiles in flight instead of two were no faster. The opt-in bf16 tiles
 // (quant_amx_bf16.cpp) drop the per-block epilogue, and VNNI's answers with it.
 
 #include <ATen/ATen.h>
@@ -49,8 +52,8 @@ void load_tile_config() {
   amx::load_config(cfg);
 }
 
-// The weight's B tiles of one output tile, every block: 8 rows of 64 bytes each (Q8_0 reads its
-// blocks in place and never calls this).
+// The weight's B tiles of one output tile, every block: 8 rows of 64 bytes each, q - zero as
+// signed bytes for Q4_0 / Q5_0 (Q8_0 reads its blocks in place and never calls this).
 template <int TS>
 void unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* b) {
   using L = AmxLayout<TS>;
@@ -60,19 +63,23 @@ void unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* b) {
     for (int j = 0; j < 4; ++j) {
       __m512i lo, hi;
       split_chunk512<TS>(blk, j, lo, hi);
+      if constexpr (L::kZero != 0) {  // q - zero, signed: the sums need no correction
+        lo = _mm512_sub_epi8(lo, _mm512_set1_epi8(L::kZero));
+        hi = _mm512_sub_epi8(hi, _mm512_set1_epi8(L::kZero));
+      }
       _mm512_store_si512(out + 64 * j, lo);
       _mm512_store_si512(out + 64 * (4 + j), hi);
     }
   }
 }
 
-// VNNI's epilogue (quant_tiled.cpp tile_vnni), lane for lane: acc[r] += (C[r] - zero * xi) *
-// (d * dx) (+ m * xs32) for the 16 rows of x of this group, block g.
+// VNNI's epilogue (quant_tiled.cpp tile_vnni), lane for lane: acc[r] += C[r] * (d * dx)
+// (+ m * xs32) for the 16 rows of x of this group, block g (C already net of the zero point).
 // Inlined and unrolled so acc[] stays in 16 registers (as a loop over a stack array GCC kept
 // it in memory: a load and a store around every FMA, half this kernel's speed).
 template <int TS>
 __attribute__((always_inline)) inline void epilogue(const int32_t* c, const uint8_t* blk, int64_t g, int64_t nb,
-                     const float* dx, const float* xs32, const int32_t* xi32, __m512* acc) {
+                     const float* dx, const float* xs32, __m512* acc) {
   using L = AmxLayout<TS>;
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
   __m512 mv = _mm512_setzero_ps();
@@ -81,10 +88,7 @@ __attribute__((always_inline)) inline void epilogue(const int32_t* c, const uint
   }
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
-    __m512i a = _mm512_load_si512(c + 16 * r);
-    if constexpr (L::kZero != 0) {
-      a = _mm512_sub_epi32(a, _mm512_set1_epi32(L::kZero * xi32[r * nb + g]));
-    }
+    const __m512i a = _mm512_load_si512(c + 16 * r);
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + g])),
                              acc[r]);
     if constexpr (L::kMin) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs32[r * nb + g]), acc[r]);
@@ -94,8 +98,7 @@ __attribute__((always_inline)) inline void epilogue(const int32_t* c, const uint
 // One output tile (16 rows of W) against 16 rows of x: y[r][0..15].
 template <int TS>
 void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, const int8_t* xq,
-                const float* dx, const float* xs32, const int32_t* xi32, float* y, int64_t N,
-                const float* bias) {
+                const float* dx, const float* xs32, float* y, int64_t N, const float* bias) {
   using L = AmxLayout<TS>;
   alignas(64) int32_t c[2][2][256];  // [set][block of the pair]
   __m512 acc[16];
@@ -115,20 +118,20 @@ void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, co
     _tile_zero(0);
     _tile_loadd(2, xq + g * 32, K);
     _tile_loadd(4, bptr(g), 64);
-    if constexpr (L::kQ8) {
-      _tile_dpbssd(0, 2, 4);
-    } else {
+    if constexpr (L::kMin) {
       _tile_dpbsud(0, 2, 4);
+    } else {
+      _tile_dpbssd(0, 2, 4);
     }
     _tile_stored(0, c[set][0], 64);
     if (g + 1 < nb) {
       _tile_zero(1);
       _tile_loadd(3, xq + (g + 1) * 32, K);
       _tile_loadd(5, bptr(g + 1), 64);
-      if constexpr (L::kQ8) {
-        _tile_dpbssd(1, 3, 5);
-      } else {
+      if constexpr (L::kMin) {
         _tile_dpbsud(1, 3, 5);
+      } else {
+        _tile_dpbssd(1, 3, 5);
       }
       _tile_stored(1, c[set][1], 64);
     }
@@ -136,9 +139,9 @@ void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, co
   products(0, 0);
   for (int64_t g = 0, set = 0; g < nb; g += 2, set ^= 1) {
     if (g + 2 < nb) products(g + 2, set ^ 1);
-    epilogue<TS>(c[set][0], tile + g * L::kBytes, g, nb, dx, xs32, xi32, acc);
+    epilogue<TS>(c[set][0], tile + g * L::kBytes, g, nb, dx, xs32, acc);
     if (g + 1 < nb) {
-      epilogue<TS>(c[set][1], tile + (g + 1) * L::kBytes, g + 1, nb, dx, xs32, xi32, acc);
+      epilogue<TS>(c[set][1], tile + (g + 1) * L::kBytes, g + 1, nb, dx, xs32, acc);
     }
   }
 #pragma GCC unroll 16
@@ -147,8 +150,7 @@ void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, co
 
 template <int TS>
 void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const int8_t* xq,
-                   const float* dx, const float* xs32, const int32_t* xi32, float* y,
-                   const float* bias) {
+                   const float* dx, const float* xs32, float* y, const float* bias) {
   using L = AmxLayout<TS>;
   const int64_t nb = K / 32, tiles = N / 16;
   const int64_t tile_bytes = nb * L::kBytes;
@@ -167,8 +169,7 @@ void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const
       if constexpr (!L::kQ8) unpack_tile<TS>(tile, nb, b);
       for (int64_t m = 0; m < groups; ++m) {
         tile_group<TS>(tile, b, nb, K, xq + 16 * m * K, dx + 16 * m * nb, xs32 + 16 * m * nb,
-                       xi32 + 16 * m * nb, y + 16 * m * N + t * 16, N,
-                       bias ? bias + t * 16 : nullptr);
+                       y + 16 * m * N + t * 16, N, bias ? bias + t * 16 : nullptr);
       }
     }
     _tile_release();
@@ -231,14 +232,15 @@ int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t
                          const int8_t* xq, const float* dx, const float* xs32,
                          const int32_t* xi32, float* y, const float* bias) {
 #ifdef TS_AMX
+  (void)xi32;  // VNNI's zero-point sums: the tiles' sums come net of the zero point
   const int64_t groups = M / 16;
   if (groups == 0 || !isa::amx_status().permitted) return 0;
   switch (type_size) {
-    case 18: linear_amx_as<18>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
-    case 20: linear_amx_as<20>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
-    case 22: linear_amx_as<22>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
-    case 24: linear_amx_as<24>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
-    default: linear_amx_as<34>(w, N, K, groups, xq, dx, xs32, xi32, y, bias); break;
+    case 18: linear_amx_as<18>(w, N, K, groups, xq, dx, xs32, y, bias); break;
+    case 20: linear_amx_as<20>(w, N, K, groups, xq, dx, xs32, y, bias); break;
+    case 22: linear_amx_as<22>(w, N, K, groups, xq, dx, xs32, y, bias); break;
+    case 24: linear_amx_as<24>(w, N, K, groups, xq, dx, xs32, y, bias); break;
+    default: linear_amx_as<34>(w, N, K, groups, xq, dx, xs32, y, bias); break;
   }
   return 16 * groups;
 #else
