@@ -19,8 +19,8 @@
 // Measured (benchmarks/notes/cpu_kernels.md): 1.2-1.7x VNNI at 512 rows; without the epilogue
 // the tile loads and the 1 KiB store alone take ~45 cycles a block. Signed weights took the
 // zero point's subtraction and broadcast out of every row of the epilogue (Q4_0 at the 1B's
-// shapes 1.25-1.3x); four result tiles in flight instead of two were no faster. The opt-in bf16 tiles
-// (quant_amx_bf16.cpp) drop the per-block epilogue, and VNNI's answers with it.
+// shapes 1.25-1.3x); four result tiles in flight instead of two were no faster. The opt-in
+// bf16 tiles (quant_amx_bf16.cpp) drop the per-block epilogue, and VNNI's answers with it.
 
 #include <ATen/ATen.h>
 
