@@ -3,8 +3,8 @@ from the runs: per CPU class, the latest committed run of benchmarks/serving_pee
 table of its workloads x {tailserve, vLLM-CPU, llama-server, roofline}, with the commit, date,
 machine and the exact command; for each peer, the latest run whose capacity sweep
 (``--capacity``) has both it and tailserve, as a capacity table (else the latest sweep); the
-issues' targets read off those runs (met or not, with the figures); then
-the method.
+issues' targets read off those runs (met or not, with the figures); the real-size runs
+(benchmarks/real_sizes.py's reports, real_sizes_page.py); then the method.
 
     python benchmarks/serving_peers.py --json benchmarks/results/peers/NAME.json   # a real run
     python benchmarks/performance_page.py          # write docs/performance.md (`make docs`)
@@ -29,6 +29,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.append(str(HERE))
+
+import real_sizes_page  # noqa: E402
+
 RESULTS = HERE / "results" / "peers"
 PAGE = REPO / "docs" / "performance.md"
 
@@ -62,6 +67,8 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
     "mixed": (TTFT_P99, ITL_P99, GOOD),
     "long-mix": (SHORT_P99, TTFT_P99, GOOD),
 }
+# promptN (one prompt of N tokens at a time): its TTFT is the figure.
+PROMPT_FIGURES = (TTFT_P50, TTFT_P99)
 DEFAULT_FIGURES = (TTFT_P99, ITL_P99, OUT_TOKS, GOOD)
 
 METHOD = """\
@@ -153,7 +160,8 @@ def run_table(report: dict[str, Any]) -> list[str]:
     head = ["workload", "figure", *(column_name(s) for s in servers), "roofline"]
     out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(servers) + 1)]
     for w in workload_order(report):
-        for fig in FIGURES.get(w, DEFAULT_FIGURES):
+        default = PROMPT_FIGURES if w.startswith("prompt") else DEFAULT_FIGURES
+        for fig in FIGURES.get(w, default):
             def get(r: dict[str, Any], fig: Figure = fig) -> Any:
                 v = r.get(fig.key)
                 return v * fig.scale if isinstance(v, (int, float)) else None
@@ -296,8 +304,10 @@ def describe(report: dict[str, Any], name: str) -> str:
             f"client `{report.get('client', '?')}`, load average {load}{good}")
 
 
-def render(reports: dict[str, dict[str, Any]]) -> str:
-    """The page from {file name: report}; files sort by name, so name them by date."""
+def render(reports: dict[str, dict[str, Any]],
+           real_sizes: dict[str, dict[str, Any]] | None = None) -> str:
+    """The page from {file name: report} (and the real-size runs' reports); files sort by
+    name, so name them by date."""
     lines = [
         "# Performance: tailserve against vLLM-CPU and llama-server",
         "",
@@ -348,6 +358,7 @@ def render(reports: dict[str, dict[str, Any]]) -> str:
         targets = targets_table(report, {p: reports[c] for p, c in by_peer.items()})
         if targets:
             lines += [*targets, ""]
+    lines += real_sizes_page.section(real_sizes or {})
     lines += ["## Runs", ""]
     if names:
         lines += [f"- {describe(reports[n], n)}" + (" (smoke: a test of the harness, not a "
@@ -371,11 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="write (or --check) docs/performance.md")
     p.add_argument("--results", default=str(RESULTS), help="directory of the harness's JSON "
                    "reports (default: %(default)s)")
+    p.add_argument("--real-sizes", default=str(real_sizes_page.RESULTS),
+                   help="directory of benchmarks/real_sizes.py's reports (default: %(default)s)")
     p.add_argument("--out", default=str(PAGE), help="the page (default: %(default)s)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 if the page differs from what it would be")
     args = p.parse_args(argv)
-    text = render(load_reports(Path(args.results)))
+    text = render(load_reports(Path(args.results)), load_reports(Path(args.real_sizes)))
     out = Path(args.out)
     if args.check:
         if not out.is_file() or out.read_text(encoding="utf-8") != text:

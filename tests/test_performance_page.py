@@ -125,8 +125,43 @@ def test_latest_run_of_a_class_wins(pp: ModuleType) -> None:
 
 def test_the_committed_page_is_what_make_docs_writes(pp: ModuleType) -> None:
     committed = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
-    assert committed == pp.render(pp.load_reports(pp.RESULTS)), (
+    assert committed == pp.render(pp.load_reports(pp.RESULTS),
+                                  pp.load_reports(pp.real_sizes_page.RESULTS)), (
         "docs/performance.md is stale: run `make docs`")
+
+
+def test_real_size_runs_are_tabled_newest_first_without_smoke_runs(pp: ModuleType) -> None:
+    def run(date: str, model: str, **extra: Any) -> dict[str, Any]:
+        return {"commit": "c0ffee1", "date": date, "model": {"name": model},
+                "machine": {"cpus": 2, "cpu": "Intel(R) Xeon(R) Processor"},
+                "load_average_before": [0.4, 0.5, 0.6], "load_average_after": [2.0, 1.0, 1.0],
+                "rows": [
+                    _row("tailserve[amx]", "single", median_tpot_ms=215.04,
+                         tpot_over_roofline=1.431),
+                    _row("llama.cpp", "single", median_tpot_ms=480.0),  # no roofline ratio
+                    _row("tailserve[amx]", "prompt2000", median_ttft_ms=38123.4),
+                    {**_row("llama.cpp", "prompt2000"), "error": "timed out"},
+                    _row("tailserve[amx]", "saturated", output_throughput=9.87),
+                ], **extra}
+
+    page = pp.render({"2026-12-03.json": REPORT}, {
+        "2026-12-04-1b.json": run("2026-12-04 21:27 UTC", "llama-3.2-1b-Q4_0"),
+        "2026-12-05-8b.json": run("2026-12-05 00:06 UTC", "llama-3.1-8b-Q4_0"),
+        "2026-12-05-smoke.json": run("2026-12-05 01:00 UTC", "smoke-model", smoke=True)})
+    section = page.split("## Real sizes")[1].split("## Runs")[0]
+    assert "**Timings on random weights with `ignore_eos` are real timings:**" in section
+    assert "smoke-model" not in page
+    assert section.index("### llama-3.1-8b-Q4_0") < section.index("### llama-3.2-1b-Q4_0")
+    assert ("### llama-3.1-8b-Q4_0: Intel(R) Xeon(R) Processor, 2 cores, 2026-12-05 00:06 UTC"
+            in section)
+    assert "`2026-12-05-8b.json`: commit c0ffee1, load 0.4 before, 2.0 after." in section
+    assert "| workload | tailserve[amx] | llama-server |" in section
+    assert ("| single: TPOT P50 (x the stored-bytes roofline) | 215.0 (1.43x roofline) | 480.0 |"
+            in section)
+    assert "| prompt2000: TTFT P50 | 38,123.4 | — |" in section
+    assert "| saturated: output tok/s | 9.9 | — |" in section
+    # Without real-size reports the page has no such section.
+    assert "## Real sizes" not in pp.render({"2026-12-03.json": REPORT})
 
 
 def _cap(rates: dict[float, float], capacity: float | None, missing: float | None,

@@ -1,0 +1,120 @@
+"""The "Real sizes" section of docs/performance.md, from benchmarks/real_sizes.py's reports in
+benchmarks/results/real_sizes/: one table per measured run (newest first by date), the model's shape
+and format, each server's headline figure per workload (TPOT against the stored-bytes roofline,
+TTFT of the long and short prompts, saturated output tok/s), with the run's commit, date,
+machine and load. performance_page.py renders it after the bundled model's tables; smoke runs
+are left out (their figures measure nothing).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "real_sizes"
+COLUMNS = {"tailserve": "tailserve", "vllm": "vLLM-CPU", "llama.cpp": "llama-server"}
+
+INTRO = """\
+## Real sizes: Llama 3.x shapes on random weights
+
+`benchmarks/real_sizes.py` writes checkpoints with the published shapes of Llama-3.2-1B,
+Llama-3.2-3B and Llama-3.1-8B (random weights; GGUF via the `gguf` package or `llama-quantize`,
+bf16 safetensors for vLLM) and runs `benchmarks/serving_peers.py` on them, `tailserve bench` as
+the one client. **Timings on random weights with `ignore_eos` are real timings:** a decode step
+reads every stored byte whatever the values, a prefill multiplies the same shapes, and every
+request is exactly as long as asked. What differs from the trained checkpoints (the tokenizer,
+no rope scaling) changes no byte a step reads;
+[benchmarks/notes/real_sizes.md](../benchmarks/notes/real_sizes.md) says why and has each run's
+reading. `tailserve[amx-bf16]` is the opt-in level
+(`TAILSERVE_QUANT_ISA=amx-bf16`; not VNNI's answers); `tailserve[amx]` the default on a CPU
+with AMX. Latencies in milliseconds; — where a run has no such figure.
+"""
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _figure(rows: list[dict[str, Any]], server: str, workload: str,
+            get: Callable[[dict[str, Any]], Any]) -> float | None:
+    """The median over rounds of one figure; None where no round has it."""
+    vals = [get(r) for r in rows if r.get("server") == server and r.get("workload") == workload
+            and "error" not in r]
+    return _median([float(v) for v in vals if isinstance(v, (int, float))])
+
+
+def _servers(rows: list[dict[str, Any]]) -> list[str]:
+    """tailserve (then its variants), vLLM, llama.cpp, then any other, as the report names them."""
+    seen = list(dict.fromkeys(str(r.get("server")) for r in rows))
+    known = list(COLUMNS)
+
+    def rank(name: str) -> tuple[int, int]:
+        base = name.split("[", 1)[0]
+        return (known.index(base) if base in known else len(known), seen.index(name))
+
+    return sorted(seen, key=rank)
+
+
+def _column(server: str) -> str:
+    base, bracket, rest = server.partition("[")
+    return COLUMNS.get(base, base) + (f"[{rest}" if bracket else "")
+
+
+def _single(rows: list[dict[str, Any]], server: str) -> str:
+    tpot = _figure(rows, server, "single", lambda r: r.get("median_tpot_ms"))
+    ratio = _figure(rows, server, "single", lambda r: r.get("tpot_over_roofline"))
+    if tpot is None:
+        return "—"
+    return f"{tpot:,.1f}" + (f" ({ratio:.2f}x roofline)" if ratio is not None else "")
+
+
+def _plain(key: str, workload: str) -> Callable[[list[dict[str, Any]], str], str]:
+    def cell(rows: list[dict[str, Any]], server: str) -> str:
+        v = _figure(rows, server, workload, lambda r: r.get(key))
+        return "—" if v is None else f"{v:,.1f}"
+    return cell
+
+
+def _lines(workload: str) -> tuple[str, Callable[[list[dict[str, Any]], str], str]]:
+    if workload == "single":
+        return "single: TPOT P50 (x the stored-bytes roofline)", _single
+    if workload == "saturated":
+        return "saturated: output tok/s", _plain("output_throughput", workload)
+    if workload.startswith("prompt"):
+        return f"{workload}: TTFT P50", _plain("median_ttft_ms", workload)
+    return f"{workload}: TTFT P99", _plain("p99_ttft_ms", workload)
+
+
+def run_table(name: str, report: dict[str, Any]) -> list[str]:
+    """One run: a heading naming the model, then workloads x servers."""
+    rows = report.get("rows", [])
+    servers = _servers(rows)
+    workloads = list(dict.fromkeys(str(r.get("workload")) for r in rows))
+    m = report.get("machine", {})
+    la, lb = report.get("load_average_before"), report.get("load_average_after")
+    load = f"load {la[0]} before, {lb[0]} after" if la and lb else "load not recorded"
+    model = report.get("model", {}).get("name", name)
+    out = [f"### {model}: {m.get('cpu', 'unknown CPU')}, {m.get('cpus', '?')} cores, "
+           f"{report.get('date', 'date not recorded')}", "",
+           f"`{name}`: commit {report.get('commit', 'not recorded')}, {load}.", "",
+           "| workload | " + " | ".join(_column(s) for s in servers) + " |",
+           "|---|" + "---:|" * len(servers)]
+    for w in workloads:
+        label, cell = _lines(w)
+        out.append(f"| {label} | " + " | ".join(cell(rows, s) for s in servers) + " |")
+    return out
+
+
+def section(reports: dict[str, dict[str, Any]]) -> list[str]:
+    """The section's lines, newest run first (by its date, then file name); none without a
+    measured run."""
+    measured = sorted((n for n, r in reports.items() if not r.get("smoke") and r.get("rows")),
+                      key=lambda n: (str(reports[n].get("date", "")), n), reverse=True)
+    if not measured:
+        return []
+    lines = [INTRO]
+    for n in measured:
+        lines += [*run_table(n, reports[n]), ""]
+    return lines
