@@ -1,13 +1,14 @@
 """The "Real sizes" section of docs/performance.md, from benchmarks/real_sizes.py's reports in
-benchmarks/results/real_sizes/: one table per measured run (newest first by date), the model's shape
-and format, each server's headline figure per workload (TPOT against the stored-bytes roofline,
-TTFT of the long and short prompts, saturated output tok/s), with the run's commit, date,
-machine and load. performance_page.py renders it after the bundled model's tables; smoke runs
-are left out (their figures measure nothing).
+benchmarks/results/real_sizes/: one table per measured run (newest first by date), the model's
+shape and format, each server's headline figure per workload (TPOT against the stored-bytes
+roofline, TTFT of the long and short prompts, saturated output tok/s), with the run's commit,
+date, machine, load and command. performance_page.py renders it after the bundled model's
+tables; smoke runs are left out (their figures measure nothing).
 """
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -104,6 +105,10 @@ def run_table(name: str, report: dict[str, Any]) -> list[str]:
     for w in workloads:
         label, cell = _lines(w)
         out.append(f"| {label} | " + " | ".join(cell(rows, s) for s in servers) + " |")
+    argv = [str(a) for a in report.get("argv", [])]
+    if argv:  # the run as given (a variant's own flags, such as --slo-itl-ms none, show here)
+        out += ["", "    " + " ".join(["python benchmarks/real_sizes.py",
+                                       *(shlex.quote(a) for a in argv[1:])])]
     return out
 
 

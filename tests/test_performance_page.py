@@ -133,6 +133,8 @@ def test_the_committed_page_is_what_make_docs_writes(pp: ModuleType) -> None:
 def test_real_size_runs_are_tabled_newest_first_without_smoke_runs(pp: ModuleType) -> None:
     def run(date: str, model: str, **extra: Any) -> dict[str, Any]:
         return {"commit": "c0ffee1", "date": date, "model": {"name": model},
+                "argv": ["/abs/benchmarks/real_sizes.py", "--shape", model[:12],
+                         "--peers-arg=--variant=amx-bf16=X --slo-itl-ms none"],
                 "machine": {"cpus": 2, "cpu": "Intel(R) Xeon(R) Processor"},
                 "load_average_before": [0.4, 0.5, 0.6], "load_average_after": [2.0, 1.0, 1.0],
                 "rows": [
@@ -160,6 +162,8 @@ def test_real_size_runs_are_tabled_newest_first_without_smoke_runs(pp: ModuleTyp
             in section)
     assert "| prompt2000: TTFT P50 | 38,123.4 | — |" in section
     assert "| saturated: output tok/s | 9.9 | — |" in section
+    assert ("    python benchmarks/real_sizes.py --shape llama-3.1-8b "
+            "'--peers-arg=--variant=amx-bf16=X --slo-itl-ms none'") in section
     # Without real-size reports the page has no such section.
     assert "## Real sizes" not in pp.render({"2026-12-03.json": REPORT})
 
