@@ -472,3 +472,30 @@ def test_calibration_steps_never_exceed_max_num_seqs(max_seqs: int) -> None:
                       max_tokens=2048, max_model_len=4096, max_seqs=max_seqs, budget_s=10.0)
     assert widths and max(widths) <= max_seqs
     assert timed == sum(1 for d, _, c, _ in PLAN if d + (c > 0) <= max_seqs)
+
+
+def test_calibration_on_a_slow_host_determines_every_coefficient(monkeypatch) -> None:
+    """On a host where each step outlasts the budget the plan stops at MIN_STEPS; those steps
+    must still pin all five coefficients. Truth shaped like the Llama-3.2-3B Q4_0 shape on 2
+    cores (60 ms a step's fixed cost, 5.4 ms a prompt token, 1.8 s per million attention
+    pairs): the seed recovers it, so the floor under steps without decodes (10x the fixed
+    cost) is there from the first prompt on."""
+    import tailserve.engine.calibrate as cal
+    from tailserve.data.step import RunnerOutput, SchedulerOutput
+
+    truth = StepTimeModel((0.060, 5.4, 0.012, 0.002, 1.8))
+    clock = Clock()
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock.t)
+
+    class SlowHost:
+        def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+            clock.t += truth.predict(StepShape(
+                sched.num_prefill_tokens, sched.num_decode_seqs,
+                sched.num_decode_context_tokens, sched.prefill_attention_pairs))
+            return RunnerOutput({})
+
+    model = StepTimeModel()
+    timed = cal.calibrate(SlowHost(), model, block_size=16, num_blocks=4096, max_tokens=2048,
+                          max_model_len=4096, max_seqs=64, budget_s=0.05)
+    assert timed == cal.MIN_STEPS
+    assert model.coef == pytest.approx(truth.coef, rel=1e-3, abs=1e-6)

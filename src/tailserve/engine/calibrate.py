@@ -21,14 +21,22 @@ from tailserve.stepcost import StepShape, StepTimeModel
 logger = logging.getLogger(__name__)
 
 CALIBRATION_BUDGET_S = 1.0
-MIN_STEPS = 4  # the budget may stop the plan after these, never before
-# (decodes, decode context, prefill chunk, chunk start), cheapest first. Chunks are multiples
-# of 32; one chunk starts deep in a prompt, so the attention term is seen.
+# (decodes, decode context, prefill chunk, chunk start), cheapest first within each part.
+# The first MIN_STEPS determine all five coefficients of the model: three decode-only steps
+# whose context per decode differs (base, decode_seqs and decode_context_tokens apart), two
+# chunk sizes from the start (prefill_tokens), one chunk deep in a prompt (the attention
+# term). The budget may stop the plan after them, never before: with the four cheapest steps
+# of the earlier order (two decode-only steps of equal context per decode, no deep chunk) the
+# Llama-3.2-3B shape on 2 cores was seeded with 15x the attention cost; the online fit, undoing
+# it on a lone 2,000-token prompt's steps, dropped the fixed cost to 0, so the floor under
+# steps without decodes (step_time.py) was gone, and the prompt went in 8-16-token steps: 30 s
+# instead of 15.
 PLAN: tuple[tuple[int, int, int, int], ...] = (
-    (1, 64, 0, 0), (8, 512, 0, 0), (0, 0, 32, 0), (4, 256, 64, 0), (16, 256, 0, 0),
-    (0, 0, 128, 0), (2, 128, 128, 384), (0, 0, 256, 0), (8, 512, 256, 0), (0, 0, 512, 0),
-    (0, 0, 256, 768),
+    (1, 64, 0, 0), (0, 0, 32, 0), (16, 256, 0, 0), (8, 512, 0, 0), (0, 0, 128, 0),
+    (2, 128, 128, 384),
+    (4, 256, 64, 0), (0, 0, 256, 0), (8, 512, 256, 0), (0, 0, 512, 0), (0, 0, 256, 768),
 )
+MIN_STEPS = 6
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
