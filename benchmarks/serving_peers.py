@@ -502,7 +502,10 @@ def run_client(client: str, args: argparse.Namespace, server: Server, w: Workloa
         cmd = tailserve_bench_cmd(server.url, w, seed, out, dataset, args.served.name,
                                   args.served.tokenizer or "default")
     env = user_env(PYTHONPATH=os.path.join(REPO, "src"), HF_HUB_OFFLINE="1")
-    limit = args.client_timeout
+    # Counted from the last arrival: an open-loop run's arrivals alone last num_prompts / rate
+    # (a capacity point of 24 requests at 0.025 req/s: 16 min, past a 900 s limit).
+    arrivals = w.num_prompts / w.request_rate if 0 < w.request_rate < math.inf else 0.0
+    limit = args.client_timeout + arrivals
     with open(os.path.join(out_dir, f"{tag}.log"), "wb") as log:
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -892,7 +895,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-threads", type=int, default=None,
                    help="llama-server -t (default: every core; 1 for a smoke run on a busy host)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds per server")
-    p.add_argument("--client-timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--client-timeout", type=float, default=3600.0,
+                   help="seconds per run beyond its arrivals (num_prompts / rate)")
     p.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="skip the read-bandwidth measurements around the single workload "
                    "(tailserve's TPOT against its memory roofline)")
