@@ -32,6 +32,7 @@ if str(HERE) not in sys.path:
 
 import real_sizes_page  # noqa: E402
 from report_cells import cell, column_name, fmt, server_order  # noqa: E402
+from tailserve.bench.capacity import Point, SearchOptions, capacities  # noqa: E402
 
 RESULTS = HERE / "results" / "peers"
 PAGE = REPO / "docs" / "performance.md"
@@ -135,23 +136,32 @@ def run_table(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _measured(entry: dict[str, Any], target: float) -> tuple[float | None, float | None, bool]:
+    """A server's capacity at one attainment target from the rates it was measured at: (the
+    highest rate that met it below the lowest that missed, that missing rate, bracketed within
+    the search's tolerance). A rate whose client failed is neither: it measured nothing."""
+    points = [Point(p["rate"], p["goodput_share"]) for p in entry.get("points", [])
+              if isinstance(p.get("goodput_share"), (int, float))]
+    tolerance = (entry.get("search") or {}).get("tolerance", SearchOptions.tolerance)
+    for c in capacities(points, SearchOptions(targets=(target,), tolerance=tolerance)):
+        return c.rate, c.missed_at, c.resolved
+    return None, None, False
+
+
 def _capacity_cell(entry: dict[str, Any], target: float) -> str:
     """A server's capacity at one attainment target: the rate, or a bound when the search did
     not bracket it (">= a" held at every rate tried; "< b" missed at the lowest)."""
-    for t in entry.get("targets", []):
-        if t.get("target") != target:
-            continue
-        cap, miss = t.get("capacity_req_s"), t.get("lowest_missing_rate")
-        if cap is None:
-            return "—" if miss is None else f"< {miss:g}"
-        text = f"{cap:.3g}"
-        return text if t.get("resolved") or miss is None else f"{text} (< {miss:g})"
-    return "—"
+    cap, miss, resolved = _measured(entry, target)
+    if cap is None:
+        return "—" if miss is None else f"< {miss:g}"
+    text = f"{cap:.3g}"
+    return text if resolved or miss is None else f"{text} (< {miss:g})"
 
 
 def capacity_table(report: dict[str, Any]) -> list[str]:
     """The rate sweep of a report (serving_peers.py --capacity): per server its capacity at
-    >= 90% and >= 99% of requests meeting both SLOs, and each rate tried with its share."""
+    >= 90% and >= 99% of requests meeting both SLOs, and each rate tried with its share (or
+    that its client failed)."""
     caps: dict[str, dict[str, Any]] = report.get("capacity") or {}
     if not caps:
         return []
@@ -168,19 +178,23 @@ def capacity_table(report: dict[str, Any]) -> list[str]:
            "|---|---:|---:|---|"]
     for server in sorted(caps, key=lambda n: server_order([{"server": s} for s in caps]).index(n)):
         entry = caps[server]
-        tried = ", ".join(f"{p['rate']:g} → {100 * p['goodput_share']:.0f}%"
-                          for p in sorted(entry.get("points", []), key=lambda p: p["rate"])
-                          if isinstance(p.get("goodput_share"), (int, float)))
+        tried = ", ".join(
+            f"{p['rate']:g} → " + (f"{100 * p['goodput_share']:.0f}%"
+                                    if isinstance(p.get("goodput_share"), (int, float))
+                                    else "client failed")
+            for p in sorted(entry.get("points", []), key=lambda p: p["rate"]))
         out.append(f"| {column_name(server)} | {_capacity_cell(entry, 0.9)} | "
                    f"{_capacity_cell(entry, 0.99)} | {tried or '—'} |")
     return out
 
 
-def _capacity(report: dict[str, Any] | None, server: str) -> float | None:
-    for t in ((report or {}).get("capacity") or {}).get(server, {}).get("targets", []):
-        if t.get("target") == 0.9 and t.get("capacity_req_s") is not None:
-            return float(t["capacity_req_s"])
-    return None
+def _capacity(report: dict[str, Any] | None, server: str) -> tuple[float | None, float | None]:
+    """(capacity at >= 90%, the lowest rate that missed it) of ``server`` in ``report``."""
+    entry = ((report or {}).get("capacity") or {}).get(server)
+    if entry is None:
+        return None, None
+    cap, miss, _ = _measured(entry, 0.9)
+    return cap, miss
 
 
 def capacity_runs_by_peer(names: list[str], reports: dict[str, dict[str, Any]]
@@ -202,9 +216,13 @@ def targets_table(report: dict[str, Any],
     ``cap_reports[peer]``, the peer's run beside tailserve. A target whose figures the runs
     lack is left out."""
     rows = report["rows"]
+    # The targets hold tailserve's defaults: in a run of variants, the one named "default".
+    default = "tailserve[default]" if any(r["server"] == "tailserve[default]" for r in rows) \
+        else "tailserve"
 
     def fig(server: str, workload: str, key: str) -> float | None:
-        return cell(rows, server, workload, lambda r: r.get(key))
+        return cell(rows, default if server == "tailserve" else server, workload,
+                    lambda r: r.get(key))
 
     lines: list[str] = []
 
@@ -225,9 +243,16 @@ def targets_table(report: dict[str, Any],
         fig("tailserve", "long-mix", "short_p99_ttft_ms"),
         fig("tailserve", "long-mix", "short_median_ttft_ms"), 3.0)
     for peer, limit in (("vllm", 1.5), ("llama.cpp", 3.0)):
-        add(f"29: capacity at SLO >= {limit:g}x {column_name(peer)}'s (req/s)",
-            _capacity(cap_reports.get(peer), "tailserve"), _capacity(cap_reports.get(peer), peer),
-            limit, higher_is_better=True, digits=3)
+        name = f"29: capacity at SLO >= {limit:g}x {column_name(peer)}'s (req/s)"
+        ours, _ = _capacity(cap_reports.get(peer), "tailserve")
+        theirs, their_miss = _capacity(cap_reports.get(peer), peer)
+        if theirs is None and ours is not None and their_miss:
+            # No rate tried met it for the peer: its capacity is below the lowest tried.
+            bound = ours / their_miss
+            lines.append(f"| {name} | {fmt(ours, 3)} | < {fmt(their_miss, 3)} | > {bound:.2f}x "
+                         f"| {'met' if bound >= limit else '**not met**'} |")
+        else:
+            add(name, ours, theirs, limit, higher_is_better=True, digits=3)
     for n in ("128", "1000", "2000"):
         add(f"30: TTFT of a {int(n):,}-token prompt <= 0.7x vLLM's",
             fig("tailserve", f"prompt{n}", "median_ttft_ms"),
@@ -315,6 +340,9 @@ def render(reports: dict[str, dict[str, Any]],
             if cap_name != n:
                 lines += [describe(cap_report, cap_name) + ".", "",
                           f"    {command(cap_report)}", ""]
+                lines += [f"- warning: {w}" for w in cap_report.get("warnings", [])]
+                if cap_report.get("warnings"):
+                    lines.append("")
         targets = targets_table(report, {p: reports[c] for p, c in by_peer.items()})
         if targets:
             lines += [*targets, ""]
