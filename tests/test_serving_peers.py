@@ -239,6 +239,26 @@ def test_capacity_sweep_against_a_fake_server(sp: ModuleType, tmp_path: Path,
         sp.parse_args(["--client", "tailserve", "--capacity", "single"])  # closed loop
 
 
+def test_the_client_timeout_counts_from_the_last_arrival(sp: ModuleType, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--client-timeout is what a run may take beyond its arrivals: a capacity point of 24
+    chat requests at 0.025 req/s sends its last one ~960 s in, and a flat 900 s limit killed
+    it (then counted as the server's miss). A closed-loop run has no arrival time to add."""
+    limits: list[float] = []
+
+    def fake_run(cmd: list[str], **kw: Any) -> Any:
+        limits.append(kw["timeout"])
+        return sp.subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(sp.subprocess, "run", fake_run)
+    args = sp.parse_args(["--client", "tailserve", "--client-timeout", "900"])
+    server = sp.Server("x", [], {}, 1, "x")
+    slow = replace(sp.WORKLOADS["chat"], request_rate=0.025, num_prompts=24)
+    assert sp.run_client("tailserve", args, server, slow, 100, str(tmp_path), "a")[0] is None
+    sp.run_client("tailserve", args, server, sp.WORKLOADS["saturated"], 100, str(tmp_path), "b")
+    assert limits == [pytest.approx(900 + 960), 900]
+
+
 # ---------------------------------------------------------------- another model's files
 def test_the_bundled_model_by_default(sp: ModuleType) -> None:
     ts = sp.server_for("tailserve", [], "/peers", None)
