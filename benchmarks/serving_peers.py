@@ -383,7 +383,8 @@ def vllm_bench_cmd(vllm: str, hf_folder: str, url: str, w: Workload, seed: int, 
 
 def tailserve_bench_cmd(url: str, w: Workload, seed: int, out: str,
                         dataset: str | None = None, model: str = SERVED_NAME,
-                        tokenizer: str = "default") -> list[str]:
+                        tokenizer: str = "default", timeout_s: float | None = None
+                        ) -> list[str]:
     if dataset is not None:
         data = ["--dataset", "jsonl", "--dataset-path", dataset]
     else:
@@ -397,6 +398,8 @@ def tailserve_bench_cmd(url: str, w: Workload, seed: int, out: str,
            "--save-result", out, "--save-detailed"]
     if w.max_concurrency is not None:
         cmd += ["--max-concurrency", str(w.max_concurrency)]
+    if timeout_s is not None:  # a request may take as long as its run (the 8B's saturated
+        cmd += ["--timeout", f"{timeout_s:g}"]  # 32 on llama-server: each over 600 s)
     return cmd
 
 
@@ -500,7 +503,7 @@ def run_client(client: str, args: argparse.Namespace, server: Server, w: Workloa
                              w, seed, out, dataset, args.served.name)
     else:
         cmd = tailserve_bench_cmd(server.url, w, seed, out, dataset, args.served.name,
-                                  args.served.tokenizer or "default")
+                                  args.served.tokenizer or "default", args.client_timeout)
     env = user_env(PYTHONPATH=os.path.join(REPO, "src"), HF_HUB_OFFLINE="1")
     # Counted from the last arrival: an open-loop run's arrivals alone last num_prompts / rate
     # (a capacity point of 24 requests at 0.025 req/s: 16 min, past a 900 s limit).

@@ -243,11 +243,15 @@ def test_the_client_timeout_counts_from_the_last_arrival(sp: ModuleType, tmp_pat
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """--client-timeout is what a run may take beyond its arrivals: a capacity point of 24
     chat requests at 0.025 req/s sends its last one ~960 s in, and a flat 900 s limit killed
-    it (then counted as the server's miss). A closed-loop run has no arrival time to add."""
+    it (then counted as the server's miss). A closed-loop run has no arrival time to add. The
+    same limit holds each request (llama-server's 32 saturated requests at 8B took over the
+    bench client's own 600 s each)."""
     limits: list[float] = []
+    cmds: list[list[str]] = []
 
     def fake_run(cmd: list[str], **kw: Any) -> Any:
         limits.append(kw["timeout"])
+        cmds.append(cmd)
         return sp.subprocess.CompletedProcess(cmd, 1)
 
     monkeypatch.setattr(sp.subprocess, "run", fake_run)
@@ -257,6 +261,8 @@ def test_the_client_timeout_counts_from_the_last_arrival(sp: ModuleType, tmp_pat
     assert sp.run_client("tailserve", args, server, slow, 100, str(tmp_path), "a")[0] is None
     sp.run_client("tailserve", args, server, sp.WORKLOADS["saturated"], 100, str(tmp_path), "b")
     assert limits == [pytest.approx(900 + 960), 900]
+    # Each request may take as long as the run: tailserve bench's own limit is 600 s a request.
+    assert all(c[c.index("--timeout") + 1] == "900" for c in cmds)
 
 
 # ---------------------------------------------------------------- another model's files
