@@ -278,6 +278,12 @@ def targets_table(report: dict[str, Any],
             "| target | tailserve | against | ratio | |", "|---|---:|---:|---:|---|", *lines]
 
 
+def warning_lines(report: dict[str, Any]) -> list[str]:
+    """A run's warnings as a list with a blank line after it (none: nothing)."""
+    warnings = report.get("warnings") or []
+    return [*(f"- warning: {w}" for w in warnings), ""] if warnings else []
+
+
 def describe(report: dict[str, Any], name: str) -> str:
     la = (report.get("load_average_before"), report.get("load_average_after"))
     load = "not recorded" if None in la else f"{la[0]} before, {la[1]} after"
@@ -327,9 +333,7 @@ def render(reports: dict[str, dict[str, Any]],
         report = reports[n]
         lines += [f"## {cls}", "", *run_table(report), "",
                   describe(report, n) + ".", "", f"    {command(report)}", ""]
-        lines += [f"- warning: {w}" for w in report.get("warnings", [])]
-        if report.get("warnings"):
-            lines.append("")
+        lines += warning_lines(report)
         # The capacity tables: each peer's latest sweep beside tailserve (else the latest
         # sweep), each with its run unless it is the class's table run.
         cap_names = capacity_runs.get(cls, [])
@@ -340,9 +344,7 @@ def render(reports: dict[str, dict[str, Any]],
             if cap_name != n:
                 lines += [describe(cap_report, cap_name) + ".", "",
                           f"    {command(cap_report)}", ""]
-                lines += [f"- warning: {w}" for w in cap_report.get("warnings", [])]
-                if cap_report.get("warnings"):
-                    lines.append("")
+                lines += warning_lines(cap_report)
         targets = targets_table(report, {p: reports[c] for p, c in by_peer.items()})
         if targets:
             lines += [*targets, ""]
