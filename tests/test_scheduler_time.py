@@ -474,7 +474,8 @@ def test_calibration_steps_never_exceed_max_num_seqs(max_seqs: int) -> None:
     assert timed == sum(1 for d, _, c, _ in PLAN if d + (c > 0) <= max_seqs)
 
 
-def test_calibration_on_a_slow_host_determines_every_coefficient(monkeypatch) -> None:
+def test_calibration_on_a_slow_host_determines_every_coefficient(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """On a host where each step outlasts the budget the plan stops at MIN_STEPS; those steps
     must still pin all five coefficients. Truth shaped like the Llama-3.2-3B Q4_0 shape on 2
     cores (60 ms a step's fixed cost, 5.4 ms a prompt token, 1.8 s per million attention
