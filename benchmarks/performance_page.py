@@ -31,7 +31,7 @@ if str(HERE) not in sys.path:
     sys.path.append(str(HERE))
 
 import real_sizes_page  # noqa: E402
-from report_cells import cell, column_name, fmt, server_order  # noqa: E402
+from report_cells import cell, column_name, command_line, fmt, server_order  # noqa: E402
 from tailserve.bench.capacity import Point, SearchOptions, capacities  # noqa: E402
 
 RESULTS = HERE / "results" / "peers"
@@ -104,10 +104,7 @@ def workload_order(report: dict[str, Any]) -> list[str]:
 
 def command(report: dict[str, Any]) -> str:
     """The harness's command line as run, from the repository root."""
-    argv = [str(a) for a in report.get("argv", [])]
-    if not argv:
-        return "not recorded"
-    return " ".join(["python benchmarks/serving_peers.py", *argv[1:]])
+    return command_line("serving_peers.py", report) or "not recorded"
 
 
 def machine_class(report: dict[str, Any]) -> str:

@@ -8,12 +8,11 @@ tables; smoke runs are left out (their figures measure nothing).
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from report_cells import cell, column_name, fmt, server_order
+from report_cells import cell, column_name, command_line, fmt, server_order
 
 RESULTS = Path(__file__).resolve().parent / "results" / "real_sizes"
 
@@ -75,10 +74,9 @@ def run_table(name: str, report: dict[str, Any]) -> list[str]:
     for w in workloads:
         label, figure = _lines(w)
         out.append(f"| {label} | " + " | ".join(figure(rows, s) for s in servers) + " |")
-    argv = [str(a) for a in report.get("argv", [])]
-    if argv:  # the run as given (a variant's own flags, such as --slo-itl-ms none, show here)
-        out += ["", "    " + " ".join(["python benchmarks/real_sizes.py",
-                                       *(shlex.quote(a) for a in argv[1:])])]
+    cmd = command_line("real_sizes.py", report)
+    if cmd:  # the run as given (a variant's own flags, such as --slo-itl-ms none, show here)
+        out += ["", f"    {cmd}"]
     return out
 
 

@@ -1,10 +1,11 @@
 """Reading a serving_peers.py report's rows into table cells, for the pages rendered from
 the reports (performance_page.py for the bundled model, real_sizes_page.py for the real-size
 runs): the servers as columns in the page's order, their column names, one figure's median
-over rounds, and its formatting."""
+over rounds, its formatting, and the command a run came from."""
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,3 +47,13 @@ def cell(rows: list[dict[str, Any]], server: str, workload: str,
     """The median over rounds of one figure of one server on one workload."""
     return median(get(r) for r in rows
                   if r["server"] == server and r["workload"] == workload and "error" not in r)
+
+
+def command_line(script: str, report: dict[str, Any]) -> str | None:
+    """The command a report's run was given, from the repository root, each argument
+    shell-quoted so the line can be pasted (an empty ``--workloads ''`` stays an argument);
+    None where the report did not record its argv."""
+    argv = [str(a) for a in report.get("argv", [])]
+    if not argv:
+        return None
+    return " ".join([f"python benchmarks/{script}", *(shlex.quote(a) for a in argv[1:])])

@@ -178,6 +178,16 @@ def _cap(rates: dict[float, float], capacity: float | None, missing: float | Non
             "points": [{"rate": r, "goodput_share": g} for r, g in rates.items()]}
 
 
+def test_a_runs_command_is_shell_quoted(pp: ModuleType) -> None:
+    """A capacity-only run is given ``--workloads ''``: the page's line must keep the empty
+    argument (unquoted it read "--workloads  --capacity", which runs something else)."""
+    report = {**REPORT, "argv": ["/abs/benchmarks/serving_peers.py", "--workloads", "",
+                                 "--variant", "amx-bf16=X=1 --slo-itl-ms none"]}
+    assert pp.command(report) == ("python benchmarks/serving_peers.py --workloads '' "
+                                  "--variant 'amx-bf16=X=1 --slo-itl-ms none'")
+    assert pp.command({**REPORT, "argv": []}) == "not recorded"
+
+
 def test_capacity_and_targets_are_read_off_the_runs(pp: ModuleType) -> None:
     """The latest run with a capacity sweep gives the capacity table (a bound where the search
     did not bracket the rate), and the targets are computed from the figures, met or not."""
