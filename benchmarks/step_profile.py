@@ -83,6 +83,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--count-openmp", action="store_true")
     ap.add_argument("--json", default=None, metavar="PATH")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file or HF folder (default: the bundled model)")
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="with --model: a real-size model's 128k context outgrows the pool")
     args = ap.parse_args()
     count = _openmp_counter()
     if args.count_openmp and count is None:
@@ -156,7 +160,7 @@ def main() -> None:
 
     output_processor.OutputProcessor.process = process  # type: ignore[method-assign]
 
-    engine = LLM()
+    engine = LLM(args.model, max_model_len=args.max_model_len) if args.model else LLM()
     report: dict[str, Any] = {"load_before": os.getloadavg()[0]}
     for conc in args.concurrency:
         sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tailserve.kernels import QUANT_ISAS, _log_isa, isa_info, set_quant_isa
+from tailserve.kernels import QUANT_ISAS, _log_isa, isa_info, set_quant_isa, set_weight_prefetch
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
 
@@ -121,3 +121,49 @@ def test_greedy_output_is_the_same_at_every_level_here(auto_after: None) -> None
     assert len(out.prompt_token_ids) > 512  # two prefill steps
     first = outputs[levels[0]]
     assert all(tokens == first for tokens in outputs.values()), outputs
+
+
+def _vendor() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next(ln for ln in f if ln.startswith("vendor_id")).split(":", 1)[1].strip()
+
+
+def _random_weight(rows: int, cols: int, type_size: int) -> torch.Tensor:
+    """Random GGUF blocks with a small finite fp16 scale (and offset, Q4_K's dmin), tiled where
+    the runner tiles them (the 32-value formats)."""
+    from tailserve.model.quant.formats import tile_blocks
+
+    g = torch.Generator().manual_seed(type_size)
+    block = 32 if type_size < 100 else 256
+    w = torch.randint(0, 256, (rows, cols // block, type_size), dtype=torch.uint8, generator=g)
+    w[..., 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # fp16 2^-7
+    if type_size == 144:
+        w[..., 2:4] = torch.tensor([0x00, 0x20], dtype=torch.uint8)
+    return tile_blocks(w)
+
+
+def test_the_weight_prefetch_is_the_cpus_and_changes_no_answer() -> None:
+    """The decode rows' weight prefetch (csrc/isa.h) defaults by vendor, L2 8 KiB ahead on
+    Intel (measured on the Xeon with AMX) and L1 4 KiB elsewhere (as tuned on Zen); either
+    way the products are bit for bit the same, tiled Q4_0 and stored Q4_K, at 1 and 3 rows
+    (and 40: the prefill rows' first pass prefetches too). A bad setting is refused by name."""
+    default = set_weight_prefetch("auto")
+    try:
+        assert default == ("l2:8192" if _vendor() == "GenuineIntel" else "l1:4096")
+        assert isa_info().weight_prefetch == default
+        op = torch.ops.tailserve.quant_linear
+        for type_size in (18, 144):
+            w = _random_weight(64, 2048, type_size)
+            for rows in (1, 3, 40):
+                x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(rows))
+                got = {}
+                for spec in ("l1:4096", "l2:8192", "l2:0"):
+                    assert set_weight_prefetch(spec) == spec
+                    got[spec] = op(x, w, None)
+                first = got["l1:4096"]
+                assert all(torch.equal(first, y) for y in got.values()), (type_size, rows)
+        for bad in ("l3:64", "l2:-1", "l2:2000000", "L2:64", "fast"):
+            with pytest.raises(ValueError, match="TAILSERVE_WEIGHT_PREFETCH"):
+                set_weight_prefetch(bad)
+    finally:
+        set_weight_prefetch("auto")

@@ -82,6 +82,12 @@ TAILSERVE_QUANT_ISA: EnvSwitch[str] = EnvSwitch(
     "tokens may move), avx512vnni, avx512, avx2 or scalar (to compare paths, or to test the "
     "AVX2 one on an AVX512 machine)",
 )
+TAILSERVE_WEIGHT_PREFETCH: EnvSwitch[str] = EnvSwitch(
+    "TAILSERVE_WEIGHT_PREFETCH", "auto", str,
+    "how far ahead, and into which cache, the decode rows' kernels prefetch the weights they "
+    "stream from memory (kernels/csrc/isa.h): auto (this CPU's: l2:8192 on Intel, l1:4096 "
+    "elsewhere), or l1:BYTES / l2:BYTES (to compare; BYTES 0 to 1048576)",
+)
 CUDA_VISIBLE_DEVICES: EnvSwitch[str | None] = EnvSwitch(
     "CUDA_VISIBLE_DEVICES", None, str,
     "CUDA's device renumbering; the memory monitor maps torch's index to NVML's through it",
@@ -113,7 +119,7 @@ TAILSERVE_TP_TIMEOUT_S: EnvSwitch[float] = EnvSwitch(
 SWITCHES: tuple[EnvSwitch[Any], ...] = (
     TAILSERVE_API_KEY, OPENAI_API_KEY, TAILSERVE_KERNEL_CACHE, TAILSERVE_CPU_KERNELS,
     TAILSERVE_REQUIRE_CPU_KERNELS, CXX, TAILSERVE_KERNEL_SPIN_US, TAILSERVE_CPU_BF16_DOT,
-    TAILSERVE_QUANT_ISA, CUDA_VISIBLE_DEVICES, OMP_WAIT_POLICY,
+    TAILSERVE_QUANT_ISA, TAILSERVE_WEIGHT_PREFETCH, CUDA_VISIBLE_DEVICES, OMP_WAIT_POLICY,
     TAILSERVE_TEST_SWEEP,
     TRITON_INTERPRET, TAILSERVE_TP_TIMEOUT_S,
 )

@@ -254,6 +254,25 @@ def set_quant_isa(name: str) -> str:
     return _isa_name(level)
 
 
+def set_weight_prefetch(spec: str) -> str:
+    """How far ahead, and into which cache, the decode rows prefetch their weights
+    (``TAILSERVE_WEIGHT_PREFETCH``; csrc/isa.h): ``auto`` (this CPU's default), ``l1:BYTES`` or
+    ``l2:BYTES``. Returns the one in use, in the same form. Answers never change with it."""
+    cache, _, ahead = spec.partition(":")
+    if spec == "auto":
+        got = torch.ops.tailserve.set_weight_prefetch(-1, False)
+    elif cache in ("l1", "l2") and ahead.isdigit() and int(ahead) <= 1 << 20:
+        got = torch.ops.tailserve.set_weight_prefetch(int(ahead), cache == "l2")
+    else:
+        raise ValueError(f"TAILSERVE_WEIGHT_PREFETCH={spec!r}: expected auto, l1:BYTES or "
+                         f"l2:BYTES with BYTES from 0 to {1 << 20}")
+    return _prefetch_name(*got)
+
+
+def _prefetch_name(ahead: int, l2: bool) -> str:
+    return f"{'l2' if l2 else 'l1'}:{int(ahead)}"
+
+
 def _isa_name(level: int) -> str:
     return next(k for k, v in QUANT_ISAS.items() if v == level)
 
@@ -272,6 +291,7 @@ class IsaInfo:
     amx_os: bool  # XCR0 enables tile state
     amx_permitted: bool  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) granted
     amx_reason: str | None  # why AMX is not usable here; None when it is
+    weight_prefetch: str  # the decode rows' weight prefetch, "l2:8192" (TAILSERVE_WEIGHT_PREFETCH)
 
 
 def isa_info() -> IsaInfo:
@@ -280,7 +300,7 @@ def isa_info() -> IsaInfo:
         torch.ops.tailserve.isa_info())
     return IsaInfo(_isa_name(int(level)), _isa_name(int(best)), _isa_name(int(supported)),
                    bool(bf16), bool(cpu), bool(amx_bf16), bool(os_ok), bool(permitted),
-                   str(reason) or None)
+                   str(reason) or None, _prefetch_name(*torch.ops.tailserve.weight_prefetch()))
 
 
 def _log_isa() -> None:
@@ -288,7 +308,8 @@ def _log_isa() -> None:
     amx = ("AMX tile products" + ("" if info.level == "amx" else " available, not in use")
            if info.supported == "amx" else f"no AMX: {info.amx_reason or 'not built'}")
     log.info("tailserve CPU kernels: level %s (auto %s, up to %s), AVX512-BF16 16-bit dots %s; "
-             "%s", info.level, info.best, info.supported, "on" if info.avx512bf16 else "off", amx)
+             "%s; weights prefetched %s", info.level, info.best, info.supported,
+             "on" if info.avx512bf16 else "off", amx, info.weight_prefetch)
 
 
 def cpu_ops_available() -> bool:
@@ -307,5 +328,6 @@ def cpu_ops_available() -> bool:
             _result = _BuildResult(ok=False, error=f"{type(exc).__name__}: {exc}")
         if _result.ok:  # outside the try: a bad TAILSERVE_QUANT_ISA is the user's to fix
             set_quant_isa(envs.TAILSERVE_QUANT_ISA.get())
+            set_weight_prefetch(envs.TAILSERVE_WEIGHT_PREFETCH.get())
             _log_isa()
         return _result.ok

@@ -29,6 +29,8 @@ TORCH_LIBRARY(tailserve, m) {
   m.def("quant_embedding(Tensor ids, Tensor w) -> Tensor");
   m.def("quant_dequantize(Tensor w) -> Tensor");
   m.def("set_quant_isa(int isa) -> int");
+  m.def("set_weight_prefetch(int bytes, bool l2) -> (int, bool)");
+  m.def("weight_prefetch() -> (int, bool)");
   m.def("isa_info() -> (int, int, int, bool, bool, bool, bool, bool, str)");
   m.def("set_decode_split_tokens(int tokens) -> int");
   m.def("amx_peak(bool bf16, int iterations) -> float");
@@ -39,6 +41,8 @@ TORCH_LIBRARY_IMPL(tailserve, CompositeExplicitAutograd, m) {
   m.impl("set_kernel_spin_us", &tailserve_cpu::set_kernel_spin_us);
   m.impl("set_bf16_dot", &tailserve_cpu::set_bf16_dot);
   m.impl("set_quant_isa", &tailserve_cpu::set_quant_isa);
+  m.impl("set_weight_prefetch", &tailserve_cpu::set_weight_prefetch);
+  m.impl("weight_prefetch", &tailserve_cpu::weight_prefetch);
   m.impl("isa_info", &tailserve_cpu::isa_info);
   m.impl("set_decode_split_tokens", &tailserve_cpu::set_decode_split_tokens);
   m.impl("amx_peak", &tailserve_cpu::amx_peak);

@@ -77,6 +77,10 @@ void quant_linear_out(const at::Tensor& x, const at::Tensor& w,
 at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w);
 at::Tensor quant_dequantize(const at::Tensor& w);
 int64_t set_quant_isa(int64_t level);  // isa.h
+// The decode rows' weight prefetch (isa.h): bytes < 0 restores this CPU's default; returns
+// (bytes ahead, into L2) in use.
+std::tuple<int64_t, bool> set_weight_prefetch(int64_t bytes, bool l2);
+std::tuple<int64_t, bool> weight_prefetch();
 // isa.h's state: (level, best, supported, avx512bf16, AMX cpu / bf16 / os / permitted, AMX's
 // reason).
 std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, std::string> isa_info();

@@ -164,6 +164,26 @@ bool has_avx512bf16() {
 #endif
 }
 
+WeightPrefetch default_weight_prefetch() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  // "GenuineIntel" is EBX, EDX, ECX of leaf 0: "Genu", "ineI", "ntel".
+  if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e) {
+    return {8192, true};
+  }
+#endif
+  return {4096, false};
+}
+
+WeightPrefetch g_weight_prefetch = default_weight_prefetch();
+
+WeightPrefetch set_weight_prefetch(int64_t bytes, bool l2) {
+  TORCH_CHECK(bytes <= (1 << 20), "set_weight_prefetch: ", bytes,
+              " bytes ahead is beyond any cache's reach (at most 1 MiB)");
+  g_weight_prefetch = bytes < 0 ? default_weight_prefetch() : WeightPrefetch{bytes, l2};
+  return g_weight_prefetch;
+}
+
 const AmxStatus& amx_status() {
   static std::once_flag once;
   static AmxStatus status;

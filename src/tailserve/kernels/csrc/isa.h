@@ -16,6 +16,10 @@
 #include <cstdint>
 #include <string>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace tailserve_cpu {
 namespace isa {
 
@@ -60,6 +64,37 @@ struct AmxStatus {
 };
 // Probed once per process (the permission request is made at most once).
 const AmxStatus& amx_status();
+
+// Decode rows read each weight byte from DRAM once, and one core's hardware prefetchers keep
+// too few lines in flight for that, so the decode-row kernels (quant_tiled.cpp,
+// quant_decode_rows.cpp) prefetch the weight `bytes` ahead of the block they read, into L2 or
+// L1. Which is this CPU's: the default is chosen once by CPUID's vendor. Zen 3/4 were tuned
+// with L1, 4 KiB ahead. On the Xeon with AMX, L1 prefetches held one-row Q4_0 products beyond
+// the L3 to 16 GB/s and L2 ones 8 KiB ahead reached 22 (the 8B's decode step 193 -> 160 ms;
+// benchmarks/notes/decode.md): an L1 prefetch holds one of the core's few fill buffers until
+// its line arrives, an L2 one does not.
+struct WeightPrefetch {
+  int64_t bytes;  // how far ahead of the block being read
+  bool l2;        // _MM_HINT_T1 (L2) rather than _MM_HINT_T0 (L1)
+};
+WeightPrefetch default_weight_prefetch();
+// Read by every prefetch (a plain global: set at load, before any kernel runs, or by a test
+// or benchmark between calls).
+extern WeightPrefetch g_weight_prefetch;
+// bytes < 0: this CPU's default. Returns the one in use.
+WeightPrefetch set_weight_prefetch(int64_t bytes, bool l2);
+
+#if defined(__x86_64__)
+// One line of weight, g_weight_prefetch.bytes past p.
+inline void prefetch_weight(const uint8_t* p) {
+  const char* at = reinterpret_cast<const char*>(p + g_weight_prefetch.bytes);
+  if (g_weight_prefetch.l2) {
+    _mm_prefetch(at, _MM_HINT_T1);
+  } else {
+    _mm_prefetch(at, _MM_HINT_T0);
+  }
+}
+#endif
 
 }  // namespace isa
 }  // namespace tailserve_cpu

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "isa.h"
 #include "quant_blocks.h"
 #include "simd.h"
 #include "work_pool.h"
@@ -25,11 +26,9 @@ constexpr int64_t kFusedRows = 4;
 // Decode rows stream W from DRAM (a 135M model's 97 MB do not fit in L3), and one core's
 // hardware prefetchers alone kept too few lines in flight: the LM head (Q8_0, 30 MB) ran at
 // 6-8 GB/s per thread against 33 GB/s for the same kernel on a matrix held in L3. The fused
-// loops prefetch the bytes this far ahead of the block they read (one thread, LM head:
-// 1 KB 14, 4 KB 14-17, 8 KB 17 GB/s; the down projection 6 -> 10-12 GB/s at 2-4 KB; 2
-// threads, LM head 3-4 -> 14-17 GB/s; shared machine, benchmarks/notes/).
-constexpr int64_t kPrefetchBytes = 4096;
-inline int64_t prefetch_bytes() { return kPrefetchBytes; }
+// loops prefetch the bytes ahead of the block they read (isa.h: how far and into which cache
+// is the CPU's; on Zen 3, one thread, LM head: 1 KB 14, 4 KB 14-17, 8 KB 17 GB/s into L1; the
+// down projection 6 -> 10-12 GB/s at 2-4 KB; 2 threads, LM head 3-4 -> 14-17 GB/s).
 
 bool is_block32(Fmt f) {
   return f == Fmt::Q4_0 || f == Fmt::Q4_1 || f == Fmt::Q5_0 || f == Fmt::Q5_1 || f == Fmt::Q8_0;
@@ -96,9 +95,9 @@ void fused_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_
       off0[m] = off1[m] = 0.f;
     }
     for (int64_t b = 0; b < nb; ++b) {
-      // Both rows' bytes kPrefetchBytes ahead (the rows after them).
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + b * kTs + prefetch_bytes()), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r1 + b * kTs + prefetch_bytes()), _MM_HINT_T0);
+      // Both rows' bytes ahead (the rows after them).
+      isa::prefetch_weight(r0 + b * kTs);
+      isa::prefetch_weight(r1 + b * kTs);
       float d0, o0, d1, o1;
       const __m256i w0 = load_block32<F>(r0 + b * kTs, &d0, &o0);
       const __m256i w1 = load_block32<F>(r1 + b * kTs, &d1, &o1);
@@ -163,7 +162,7 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = row + sb * kTs;
       for (int64_t c = 0; c < kTs; c += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + c + prefetch_bytes()), _MM_HINT_T0);
+        isa::prefetch_weight(blk + c);
       }
       if constexpr (F == Fmt::Q4_K || F == Fmt::Q5_K) {
         // The 8 groups' scales d * sc and offsets dmin * mn as vectors, the six-bit fields

@@ -96,6 +96,15 @@ int64_t set_quant_isa(int64_t level) { return isa::set(static_cast<int>(level));
 
 int quant_isa() { return isa::current(); }
 
+std::tuple<int64_t, bool> set_weight_prefetch(int64_t bytes, bool l2) {
+  const isa::WeightPrefetch p = isa::set_weight_prefetch(bytes, l2);
+  return {p.bytes, p.l2};
+}
+
+std::tuple<int64_t, bool> weight_prefetch() {
+  return {isa::g_weight_prefetch.bytes, isa::g_weight_prefetch.l2};
+}
+
 // (level, best, supported, avx512bf16, amx cpu, amx bf16, amx os, amx permitted, why AMX is
 // not usable)
 std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, std::string> isa_info() {

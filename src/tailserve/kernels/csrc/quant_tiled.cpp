@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "isa.h"
 #include "simd.h"
 #include "work_pool.h"
 
@@ -39,9 +40,6 @@ namespace {
 template <int TS>
 using Layout = TiledLayout<TS>;
 
-// Tiles are read this far ahead at decode rows (quant_linear.cpp's kPrefetchBytes: one
-// core's prefetchers alone keep too few lines in flight for DRAM).
-constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kGemmRows = 8;  // rows of x per pass over a tile (VNNI: 8 + 8 accumulators)
 
 inline float half_at(const uint8_t* p) {
@@ -116,7 +114,7 @@ void tile_avx2(const uint8_t* tile, int h, int64_t nb, int64_t K, const int8_t* 
     const uint8_t* blk = tile + g * L::kBytes;
     if (prefetch && h == 0) {
       for (int c = 0; c < L::kBytes; c += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + c + kPrefetchBytes), _MM_HINT_T0);
+        isa::prefetch_weight(blk + c);
       }
     }
     __m256i acci[MR];
@@ -193,7 +191,7 @@ void tile_avx2_16(const uint8_t* tile, int64_t nb, int64_t K, const int8_t* xq, 
     const uint8_t* blk = tile + g * L::kBytes;
     if (prefetch) {
       for (int c = 0; c < L::kBytes; c += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + c + kPrefetchBytes), _MM_HINT_T0);
+        isa::prefetch_weight(blk + c);
       }
     }
     __m256i acci[2][MR];
@@ -283,7 +281,7 @@ void tile_vnni(const uint8_t* tile, int64_t nb, int64_t K, const int8_t* xq, con
     const uint8_t* blk = tile + g * L::kBytes;
     if (prefetch) {
       for (int c = 0; c < L::kBytes; c += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + c + kPrefetchBytes), _MM_HINT_T0);
+        isa::prefetch_weight(blk + c);
       }
     }
     __m512i acci[MR];
