@@ -103,6 +103,32 @@ def test_quant_linear_matches_the_emulated_product(
     assert ((got - exact).norm() / exact.norm()).item() < ACTIVATION_QUANT_RTOL
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_decode_rows_are_the_same_bits_at_every_vector_level(name: str) -> None:
+    """The K-quants' decode rows (1-8 rows of x) at the VNNI level run two weight rows a zmm
+    (quant_kquant_pairs.cpp), lane for lane the 8-lane kernel that AVX2 runs: the outputs are
+    the same bits, odd and even row counts of W (the odd last row takes the 8-lane kernel),
+    every count of x's rows the kernels specialize (1-4, and 7: a pass of 4 then 3), bias."""
+    levels = [lv for lv in ("avx2", "avx512", "avx512vnni") if lv in isa_levels()]
+    if "avx512vnni" not in levels:
+        pytest.skip(f"this CPU has no AVX512-VNNI (best: {set_quant_isa('auto')})")
+    fmt = next(f for f in FORMATS if f.name == name)
+    try:
+        for n in (37, 64):
+            w = random_blocks(fmt, n, 3 * 256, seed=n)
+            for rows in (1, 2, 3, 4, 7):
+                g = torch.Generator().manual_seed(rows)
+                x = torch.randn(rows, 3 * 256, generator=g)
+                bias = torch.randn(n, generator=g)
+                outs = {}
+                for level in levels:
+                    set_quant_isa(level)
+                    outs[level] = ops.quant_linear(x, w, bias)
+                assert all(torch.equal(outs["avx2"], y) for y in outs.values()), (n, rows)
+    finally:
+        set_quant_isa("auto")
+
+
 def test_every_isa_computes_the_same_integer_sums() -> None:
     fmt = PACKED_FORMATS[Q.Q4_1]
     w = random_blocks(fmt, 40, 9 * 32, seed=3)

@@ -220,6 +220,13 @@ void panel_linear_avx2(const Packed& p, const QuantizedRows& x, float* y, const 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // Many rows: 16-row tiles of unpacked weights, dpbusd (quant_panels.cpp).
 void panel_linear_vnni(const Packed& p, const QuantizedRows& x, float* y, const float* bias);
+
+// Decode rows of a K-quant (Q4_K, Q5_K, Q6_K) weight as stored, two weight rows a zmm, bit for
+// bit decode_rows_linear's (quant_kquant_pairs.cpp): rows [n0, end) of W against 1-4 rows of
+// x (M), where end = n0 + an even count <= n1 - n0; returns end (the caller takes the odd row).
+int64_t kquant_pairs_vnni(Fmt f, int64_t M, const uint8_t* w, int64_t n0, int64_t n1,
+                          int64_t K, const int8_t* xq, const float* dx, const float* xs16,
+                          const float* xs32, float* y, int64_t N, const float* bias);
 #endif
 
 // Any rows at any level: weight rows unpacked into a buffer, one dot product per (x row,

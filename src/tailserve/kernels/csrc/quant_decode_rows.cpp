@@ -2,7 +2,8 @@
 // is quant_linear.cpp's): every format is read block by block straight into vector registers
 // (no buffer), kFusedRows x rows per pass over W, so a decode step reads each weight byte once
 // or twice. The 32-value formats one block of 32 at a time (fused_rows), the K-quants one
-// super-block at a time (fused_kquant_rows). AVX2 and up; VNNI's dpbusd where the CPU has it.
+// super-block at a time (fused_kquant_rows; at the VNNI level two weight rows a zmm,
+// quant_kquant_pairs.cpp). AVX2 and up; VNNI's dpbusd where the CPU has it.
 
 #include <ATen/ATen.h>
 
@@ -298,9 +299,14 @@ void decode_rows_linear(int isa, const Packed& p, const QuantizedRows& x, float*
       if (is_block32(p.f.fmt)) {
         if (vnni) fused_linear<true>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s32, yr, N, bp);
         else fused_linear<false>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s32, yr, N, bp);
+      } else if (vnni) {
+        int64_t done = n0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+        done = kquant_pairs_vnni(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s16, s32, yr, N, bp);
+#endif
+        if (done < n1) fused_kquant<true>(p.f.fmt, mr, p.data, done, n1, K, xr, dr, s16, s32, yr, N, bp);
       } else {
-        if (vnni) fused_kquant<true>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s16, s32, yr, N, bp);
-        else fused_kquant<false>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s16, s32, yr, N, bp);
+        fused_kquant<false>(p.f.fmt, mr, p.data, n0, n1, K, xr, dr, s16, s32, yr, N, bp);
       }
     }
   });
