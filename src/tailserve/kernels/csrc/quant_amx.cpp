@@ -19,7 +19,9 @@
 // Measured (benchmarks/notes/cpu_kernels.md): 1.2-1.7x VNNI at 512 rows; without the epilogue
 // the tile loads and the 1 KiB store alone take ~45 cycles a block. Signed weights took the
 // zero point's subtraction and broadcast out of every row of the epilogue (Q4_0 at the 1B's
-// shapes 1.25-1.3x); four result tiles in flight instead of two were no faster. The opt-in
+// shapes 1.25-1.3x); x regrouped per 16 rows (pack_groups) took the strided tile loads and
+// scattered broadcasts out (Q4_1 1.1-1.25x); four result tiles in flight instead of two were
+// no faster. The opt-in
 // bf16 tiles (quant_amx_bf16.cpp) drop the per-block epilogue, and VNNI's answers with it.
 
 #include <ATen/ATen.h>
@@ -52,6 +54,26 @@ void load_tile_config() {
   amx::load_config(cfg);
 }
 
+// x's quantization regrouped per 16 rows: the bytes of block g of the group's rows as one
+// 512-byte A tile ([group][block][row][32]), dx and xs32 as [group][block][row]. The tile load
+// then reads 8 whole lines instead of a 32-byte run from each of 16 rows (K bytes apart), and
+// each block's 16 epilogue broadcasts come from one line instead of 16 (Q4_1 at 576 x 1,536
+// and 128 rows 1.25x; notes: cpu_kernels.md). The same numbers, so the same sums.
+void pack_groups(const int8_t* xq, const float* dx, const float* xs32, int64_t groups, int64_t K,
+                 int8_t* xg, float* dxg, float* xsg) {
+  const int64_t nb = K / 32;
+  parallel_dynamic(groups, [&](int64_t m) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t r = 16 * m + i;
+      for (int64_t g = 0; g < nb; ++g) {
+        std::memcpy(xg + (m * nb + g) * 512 + i * 32, xq + r * K + g * 32, 32);
+        dxg[(m * nb + g) * 16 + i] = dx[r * nb + g];
+        xsg[(m * nb + g) * 16 + i] = xs32[r * nb + g];
+      }
+    }
+  });
+}
+
 // The weight's B tiles of one output tile, every block: 8 rows of 64 bytes each, q - zero as
 // signed bytes for Q4_0 / Q5_0 (Q8_0 reads its blocks in place and never calls this).
 template <int TS>
@@ -78,8 +100,9 @@ void unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* b) {
 // Inlined and unrolled so acc[] stays in 16 registers (as a loop over a stack array GCC kept
 // it in memory: a load and a store around every FMA, half this kernel's speed).
 template <int TS>
-__attribute__((always_inline)) inline void epilogue(const int32_t* c, const uint8_t* blk, int64_t g, int64_t nb,
-                     const float* dx, const float* xs32, __m512* acc) {
+__attribute__((always_inline)) inline void epilogue(const int32_t* c, const uint8_t* blk, int64_t g,
+                                                    const float* dx, const float* xs32,
+                                                    __m512* acc) {
   using L = AmxLayout<TS>;
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
   __m512 mv = _mm512_setzero_ps();
@@ -89,15 +112,15 @@ __attribute__((always_inline)) inline void epilogue(const int32_t* c, const uint
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m512i a = _mm512_load_si512(c + 16 * r);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + g])),
-                             acc[r]);
-    if constexpr (L::kMin) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs32[r * nb + g]), acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),
+                             _mm512_mul_ps(d, _mm512_set1_ps(dx[g * 16 + r])), acc[r]);
+    if constexpr (L::kMin) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs32[g * 16 + r]), acc[r]);
   }
 }
 
 // One output tile (16 rows of W) against 16 rows of x: y[r][0..15].
 template <int TS>
-void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, const int8_t* xq,
+void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, const int8_t* xq,
                 const float* dx, const float* xs32, float* y, int64_t N, const float* bias) {
   using L = AmxLayout<TS>;
   alignas(64) int32_t c[2][2][256];  // [set][block of the pair]
@@ -116,7 +139,7 @@ void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, co
   // round serialized the two units, 1/3 of this pipelined speed).
   auto products = [&](int64_t g, int set) {
     _tile_zero(0);
-    _tile_loadd(2, xq + g * 32, K);
+    _tile_loadd(2, xq + g * 512, 32);
     _tile_loadd(4, bptr(g), 64);
     if constexpr (L::kMin) {
       _tile_dpbsud(0, 2, 4);
@@ -126,7 +149,7 @@ void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, co
     _tile_stored(0, c[set][0], 64);
     if (g + 1 < nb) {
       _tile_zero(1);
-      _tile_loadd(3, xq + (g + 1) * 32, K);
+      _tile_loadd(3, xq + (g + 1) * 512, 32);
       _tile_loadd(5, bptr(g + 1), 64);
       if constexpr (L::kMin) {
         _tile_dpbsud(1, 3, 5);
@@ -139,9 +162,9 @@ void tile_group(const uint8_t* tile, const uint8_t* b, int64_t nb, int64_t K, co
   products(0, 0);
   for (int64_t g = 0, set = 0; g < nb; g += 2, set ^= 1) {
     if (g + 2 < nb) products(g + 2, set ^ 1);
-    epilogue<TS>(c[set][0], tile + g * L::kBytes, g, nb, dx, xs32, acc);
+    epilogue<TS>(c[set][0], tile + g * L::kBytes, g, dx, xs32, acc);
     if (g + 1 < nb) {
-      epilogue<TS>(c[set][1], tile + (g + 1) * L::kBytes, g + 1, nb, dx, xs32, acc);
+      epilogue<TS>(c[set][1], tile + (g + 1) * L::kBytes, g + 1, dx, xs32, acc);
     }
   }
 #pragma GCC unroll 16
@@ -168,7 +191,7 @@ void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const
       const uint8_t* tile = w + t * tile_bytes;
       if constexpr (!L::kQ8) unpack_tile<TS>(tile, nb, b);
       for (int64_t m = 0; m < groups; ++m) {
-        tile_group<TS>(tile, b, nb, K, xq + 16 * m * K, dx + 16 * m * nb, xs32 + 16 * m * nb,
+        tile_group<TS>(tile, b, nb, xq + 16 * m * K, dx + 16 * m * nb, xs32 + 16 * m * nb,
                        y + 16 * m * N + t * 16, N, bias ? bias + t * 16 : nullptr);
       }
     }
@@ -235,12 +258,16 @@ int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t
   (void)xi32;  // VNNI's zero-point sums: the tiles' sums come net of the zero point
   const int64_t groups = M / 16;
   if (groups == 0 || !isa::amx_status().permitted) return 0;
+  const int64_t nb = K / 32;
+  std::vector<int8_t> xg(groups * 16 * K);
+  std::vector<float> dxg(groups * 16 * nb), xsg(groups * 16 * nb);
+  pack_groups(xq, dx, xs32, groups, K, xg.data(), dxg.data(), xsg.data());
   switch (type_size) {
-    case 18: linear_amx_as<18>(w, N, K, groups, xq, dx, xs32, y, bias); break;
-    case 20: linear_amx_as<20>(w, N, K, groups, xq, dx, xs32, y, bias); break;
-    case 22: linear_amx_as<22>(w, N, K, groups, xq, dx, xs32, y, bias); break;
-    case 24: linear_amx_as<24>(w, N, K, groups, xq, dx, xs32, y, bias); break;
-    default: linear_amx_as<34>(w, N, K, groups, xq, dx, xs32, y, bias); break;
+    case 18: linear_amx_as<18>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
+    case 20: linear_amx_as<20>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
+    case 22: linear_amx_as<22>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
+    case 24: linear_amx_as<24>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
+    default: linear_amx_as<34>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
   }
   return 16 * groups;
 #else
