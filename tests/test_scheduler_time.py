@@ -17,6 +17,7 @@ from tailserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from tailserve.engine.calibrate import PLAN
 from tailserve.engine.latency import SLACK_FLOOR_S, chunk_under_load, time_limited_chunk
 from tailserve.engine.scheduler import MIN_PREFILL_CHUNK, PREFILL_ALIGN, Scheduler
+from tailserve.engine.step_phases import RIDER_SCALE
 from tailserve.engine.step_time import FIXED_COST_MULTIPLE, prefill_step_cap
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.request import SLO, Request
@@ -119,7 +120,8 @@ def test_a_step_without_decodes_is_capped_by_the_itl_slo() -> None:
     # An ITL SLO that budgets 126 ms: a prefill-only step may take that (what a decode would
     # allow right after its token): 116 prompt tokens -> 96 (aligned), not the 256 of the
     # budget (266 ms). A short prompt arriving meanwhile waits for one such step, then goes
-    # first; the long one takes what the short one's step leaves within the same 126 ms.
+    # first; the long one rides behind its first token in at most as much time again
+    # (RIDER_SCALE x the 50 ms step: 32 tokens, not the 64 the 126 ms cap would leave).
     clock = Clock()
     s = make(clock, target_s=0.126, max_num_batched_tokens=256)
     runner = FakeRunner()
@@ -128,8 +130,10 @@ def test_a_step_without_decodes_is_capped_by_the_itl_slo() -> None:
     assert step(s, runner, clock) == [("long", 96)]
     arrived = clock.t - 0.050  # mid-step
     s.add_request(req("short", 40, arrived))
-    assert step(s, runner, clock) == [("long", 64), ("short", 40)]
-    assert "short" not in s.requests and clock.t - arrived <= 0.050 + 0.126  # its first token
+    assert step(s, runner, clock) == [("long", 32), ("short", 40)]
+    assert "short" not in s.requests and clock.t - arrived <= 0.050 + 0.100  # its first token
+    assert s.step_model.predict(s.shape_of(runner.steps[-1])) <= RIDER_SCALE * s.step_model.predict(
+        StepShape().plus_chunk(0, 40)) + 1e-12
     assert all(s.step_model.predict(s.shape_of(o)) <= 0.126 + 1e-12 for o in runner.steps)
     # Never more than a budget-sized first chunk (266 ms); a running request's own, tighter
     # ITL SLO caps it too, down to FIXED_COST_MULTIPLE x the step's fixed cost (10 x 10 ms);
@@ -230,7 +234,8 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
     assert all(s.step_model.predict(s.shape_of(o)) <= cap + 1e-12 for o in runner.steps[:-1])
     assert s.step_model.predict(s.shape_of(runner.steps[-1])) <= 2 * cap + 1e-12
     # A short prompt arriving meanwhile goes first in the next step (its place is earlier
-    # than the long one's: arrival + 1,000 x 2 ms of aging), and the long one takes the rest.
+    # than the long one's: arrival + 1,000 x 2 ms of aging), and the long one rides behind
+    # its first token in at most as much time again (RIDER_SCALE): 16 tokens.
     clock = Clock()
     s = make(clock, target_s=1.0, max_num_batched_tokens=64, max_num_seqs=16)
     s.step_model = StepTimeModel(coef)
@@ -239,7 +244,7 @@ def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None
         step(s, runner, clock)
     s.add_request(req("short", 20, clock.t))
     sizes = dict(step(s, runner, clock))
-    assert sizes["short"] == 20 and sizes["long"] == 32  # within the time the short left
+    assert sizes["short"] == 20 and sizes["long"] == 16
     assert s.step_model.predict(s.shape_of(runner.steps[-1])) <= cap + 1e-12
     # Steps not sized by time: every chunk is the token budget.
     clock = Clock()
@@ -345,6 +350,29 @@ def test_aging_bounds_the_wait_of_a_long_prompt(aging: float, max_tokens: int) -
                if t < bound - 0.030 and r in first)
 
 
+def test_only_a_long_prompt_rides_behind_a_first_token_and_its_last_chunk_keeps_the_cap(
+        ) -> None:
+    # 10 ms a step + 1 ms a token, a 96-token budget: the cap is its chunk's 106 ms. p0 and
+    # p1 complete (26 ms); p2's 90 tokens alone (100 ms) fit the cap, so it is a short
+    # prompt: cut by the token budget, it rides in full (80 tokens), not held to twice the
+    # 26 ms step (16), so a step of many prompts is not cut to the size of the first ones.
+    clock = Clock()
+    s = make(clock, target_s=0.126, max_num_batched_tokens=96)
+    assert prefill_step_cap(s) == pytest.approx(0.106)
+    runner = FakeRunner()
+    for i, n in enumerate((8, 8, 90)):
+        s.add_request(req(f"p{i}", n, 0.0))
+    assert step(s, runner, clock) == [("p0", 8), ("p1", 8), ("p2", 80)]
+    # A long prompt's last chunk alone keeps to the cap (no step to twice it: an arrival
+    # would wait for it), where a short prompt's rest may go whole (the test below).
+    clock = Clock()
+    s = make(clock, target_s=0.126, max_num_batched_tokens=512)
+    s.add_request(req("long", 420, 0.0))
+    sizes = [step(s, runner, clock)[0][1] for _ in range(4)]
+    assert sizes[:3] == [96, 96, 96] and sum(sizes) < 420  # 132 left: 142 ms alone > 126
+    assert all(s.step_model.predict(s.shape_of(o)) <= 0.126 + 1e-12 for o in runner.steps[-4:])
+
+
 def test_max_num_partial_prefills_is_enforced() -> None:
     def first_step(limit: int, long_limit: int = 1) -> tuple[list[tuple[str, int]], str | None]:
         clock = Clock()
@@ -368,7 +396,8 @@ def test_a_short_prompt_starts_beside_a_long_partial_prefill() -> None:
     # One decode (12 ms) under a fixed 46 ms target leaves 34 tokens: 32-token chunks. The
     # long prompt (600 > the 512 budget) is part-way when a 100-token one arrives: with one
     # partial prefill allowed in all it waits for the whole long prompt; with the default
-    # (4 in all, 1 long) it goes first (its SRPT place is earlier) and the long one waits.
+    # (4 in all, 1 long) it goes first (its SRPT place is earlier) and the long one waits,
+    # then rides behind the short one's last 4 tokens in as much time again (RIDER_SCALE).
     def steps(**kw: object) -> tuple[list[list[tuple[str, int]]], Scheduler]:
         clock = Clock()
         s = make(clock, target_s=0.046, **kw)
@@ -384,7 +413,7 @@ def test_a_short_prompt_starts_beside_a_long_partial_prefill() -> None:
     assert held == [[("a", 1), ("long", 32)]] * 4
     assert s.requests["short"].status.name == "WAITING"
     went, s = steps()
-    assert went == [[("a", 1), ("short", 32)]] * 3 + [[("a", 1), ("long", 16), ("short", 4)]]
+    assert went == [[("a", 1), ("short", 32)]] * 3 + [[("a", 1), ("long", 8), ("short", 4)]]
     assert "short" not in s.requests  # its one token came in the fourth step
 
 

@@ -9,8 +9,10 @@ One ``schedule()`` call runs the phases of ``engine/step_phases.py`` over one ``
 2. **The step's time budget** (``engine/step_time.py``): the smallest slack among those
    decodes less a margin from the step-time model's error (``latency.step_time_budget``);
    prefill takes all of it. With no decode, the tightest ITL SLO caps the step
-   (``prefill_step_cap``) and prefill takes the whole token budget within it (a prompt that
-   completes may take it to twice the cap). Neither binds while the queue is overdue
+   (``prefill_step_cap``) and prefill takes the whole token budget within it (a short
+   prompt that completes may take it to twice the cap; a long prompt's chunk that completes
+   nothing rides behind a first token in at most as much time again: ``step_phases``'s
+   ``_time_limited``). Neither binds while the queue is overdue
    (``queue_overdue``): prefill then takes the whole token budget. While more than one
    tenant is present, the shared cap (``shared_step_cap``) binds too.
 3. **Partial prefills and admissions** in the waiting policy's ``prefill_key`` order
