@@ -371,6 +371,15 @@ def test_only_a_long_prompt_rides_behind_a_first_token_and_its_last_chunk_keeps_
     sizes = [step(s, runner, clock)[0][1] for _ in range(4)]
     assert sizes[:3] == [96, 96, 96] and sum(sizes) < 420  # 132 left: 142 ms alone > 126
     assert all(s.step_model.predict(s.shape_of(o)) <= 0.126 + 1e-12 for o in runner.steps[-4:])
+    # Its last chunk rides behind a short prompt's first token like any other (30 ms with
+    # the short one's 20 tokens: 60 ms at most, 16 tokens), not to the cap.
+    clock = Clock()
+    s = make(clock, target_s=0.126, max_num_batched_tokens=512)
+    s.add_request(req("long", 420, 0.0))
+    for _ in range(3):
+        step(s, runner, clock)
+    s.add_request(req("short", 20, clock.t))
+    assert step(s, runner, clock) == [("long", 16), ("short", 20)]
 
 
 def test_max_num_partial_prefills_is_enforced() -> None:

@@ -10,8 +10,8 @@ One ``schedule()`` call runs the phases of ``engine/step_phases.py`` over one ``
    decodes less a margin from the step-time model's error (``latency.step_time_budget``);
    prefill takes all of it. With no decode, the tightest ITL SLO caps the step
    (``prefill_step_cap``) and prefill takes the whole token budget within it (a short
-   prompt that completes may take it to twice the cap; a long prompt's chunk that completes
-   nothing rides behind a first token in at most as much time again: ``step_phases``'s
+   prompt that completes may take it to twice the cap; a long prompt's chunk rides behind
+   another prompt's first token in at most as much time again: ``step_phases``'s
    ``_time_limited``). Neither binds while the queue is overdue
    (``queue_overdue``): prefill then takes the whole token budget. While more than one
    tenant is present, the shared cap (``shared_step_cap``) binds too.

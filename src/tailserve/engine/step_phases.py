@@ -73,9 +73,9 @@ def schedule_prefills(s: Scheduler, b: StepBudget, partials: list[Request]) -> N
         b.blocked_by = BlockedReason.TOKEN_BUDGET
 
 
-# A long prompt's chunk (its rest would not fit the step's target alone) that completes
-# nothing, in a step where another prompt completes (a first token), may make that step at
-# most RIDER_SCALE times what it was without it (``_time_limited``).
+# A long prompt's chunk (the whole prompt alone would not fit the step's target), in a step
+# where another prompt completes (a first token), may make that step at most RIDER_SCALE
+# times what it was without it (``_time_limited``).
 RIDER_SCALE = 2.0
 
 
@@ -84,11 +84,12 @@ def _time_limited(s: Scheduler, b: StepBudget, n: int, start: int, total: int) -
     stays within ``b.target_s`` (``latency.time_limited_chunk``: the step's first chunk
     always gets some tokens). Two exceptions:
 
-    - A long prompt's chunk rides behind a first token in at most as much time again as the
-      step had (``RIDER_SCALE``). A 100-token prompt arriving during a 4,000-token one went
-      first, then the long one's chunk filled the step to the ITL cap: the short request's
-      first token waited ~90 ms more (long-mix, two runs each: the short requests' P99 TTFT
-      3.2-3.5x their median before, 2.2-3.2x after; saturated 357-367 -> 383 tokens/s).
+    - A long prompt's chunk rides behind another prompt's first token in at most as much
+      time again as the step had (``RIDER_SCALE``), its last chunk too (its own first token
+      is seconds away; one step later costs it little). A 100-token prompt arriving during a
+      4,000-token one went first, then the long one's chunk filled the step to the ITL cap:
+      the short request's first token waited ~90 ms more (long-mix: the short requests' P99
+      TTFT 3.2-3.5x their median before, 2.7-2.9x after; benchmarks/notes/scheduling.md).
       Short prompts ride in full, so a step of many prompts is not cut to the size of one's
       few last tokens.
     - In steps without decodes (nobody's inter-token gap to protect) while one tenant is
@@ -109,8 +110,7 @@ def _time_limited(s: Scheduler, b: StepBudget, n: int, start: int, total: int) -
     def alone(first: int, tokens: int) -> float:
         return model.predict(StepShape().plus_chunk(first, tokens))
 
-    if (not completes and b.completing_tenants and shape.prefill_tokens
-            and alone(start, total - start) > target):
+    if b.completing_tenants and shape.prefill_tokens and alone(0, total) > target:
         target = min(target, RIDER_SCALE * model.predict(shape))
     fit = time_limited_chunk(model, shape, start, n, target, not shape.prefill_tokens)
     if (fit < n and completes and not shape.decode_seqs and not b.shared
