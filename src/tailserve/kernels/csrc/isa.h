@@ -94,6 +94,11 @@ inline void prefetch_weight(const uint8_t* p) {
     _mm_prefetch(at, _MM_HINT_T0);
   }
 }
+
+// prefetch_weight for every line of the `bytes` bytes at p (one block, or one super-block).
+inline void prefetch_weights(const uint8_t* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) prefetch_weight(p + c);
+}
 #endif
 
 }  // namespace isa

@@ -259,8 +259,14 @@ int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t
   const int64_t groups = M / 16;
   if (groups == 0 || !isa::amx_status().permitted) return 0;
   const int64_t nb = K / 32;
-  std::vector<int8_t> xg(groups * 16 * K);
-  std::vector<float> dxg(groups * 16 * nb), xsg(groups * 16 * nb);
+  // Kept between calls (grown, never cleared: pack_groups writes every element it reads).
+  thread_local std::vector<int8_t> xg;
+  thread_local std::vector<float> dxg, xsg;
+  if (xg.size() < static_cast<size_t>(groups * 16 * K)) xg.resize(groups * 16 * K);
+  if (dxg.size() < static_cast<size_t>(groups * 16 * nb)) {
+    dxg.resize(groups * 16 * nb);
+    xsg.resize(groups * 16 * nb);
+  }
   pack_groups(xq, dx, xs32, groups, K, xg.data(), dxg.data(), xsg.data());
   switch (type_size) {
     case 18: linear_amx_as<18>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;

@@ -46,6 +46,25 @@ inline float h2f(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+// Bytes of one K-quant super-block of 256 values (fmt_of's sizes).
+constexpr int64_t kquant_bytes(Fmt f) { return f == Fmt::Q4_K ? 144 : f == Fmt::Q5_K ? 176 : 210; }
+
+// Q6_K's four runs of 32 values in one half super-block as 6-bit integers (0..63): the
+// nibbles of ql's two 32-byte rows l0, l1 with the 2-bit fields of qh's 32 bytes hv on top.
+// V is __m256i (one weight row) or __m512i (two rows side by side, quant_kquant_pairs.cpp):
+// the masks keep every byte to its own bits, so shifting whole 64-bit lanes gives the bytes a
+// 16-bit shift would, at either width.
+template <class V>
+inline void q6k_values(V l0, V l1, V hv, V q[4]) {
+  typedef unsigned long long U __attribute__((vector_size(sizeof(V))));
+  constexpr unsigned long long kLow4 = 0x0F0F0F0F0F0F0F0Full, kLow2 = 0x0303030303030303ull;
+  const U a = reinterpret_cast<U>(l0), b = reinterpret_cast<U>(l1), h = reinterpret_cast<U>(hv);
+  q[0] = reinterpret_cast<V>((a & kLow4) | ((h & kLow2) << 4));
+  q[1] = reinterpret_cast<V>((b & kLow4) | (((h >> 2) & kLow2) << 4));
+  q[2] = reinterpret_cast<V>(((a >> 4) & kLow4) | (((h >> 4) & kLow2) << 4));
+  q[3] = reinterpret_cast<V>(((b >> 4) & kLow4) | (((h >> 6) & kLow2) << 4));
+}
+
 // ggml's 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block.
 inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   if (j < 4) {

@@ -153,7 +153,7 @@ template <Fmt F, bool Vnni, int MR>
 void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t* xq,
                        const float* dx, const float* xs16, const float* xs32, float* y,
                        int64_t N, const float* bias) {
-  constexpr int64_t kTs = F == Fmt::Q4_K ? 144 : F == Fmt::Q5_K ? 176 : 210;
+  constexpr int64_t kTs = kquant_bytes(F);
   const int64_t nsb = K / 256, nb = K / 32;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
@@ -162,9 +162,7 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
     for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = offv[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = row + sb * kTs;
-      for (int64_t c = 0; c < kTs; c += 64) {
-        isa::prefetch_weight(blk + c);
-      }
+      isa::prefetch_weights(blk, kTs);
       if constexpr (F == Fmt::Q4_K || F == Fmt::Q5_K) {
         // The 8 groups' scales d * sc and offsets dmin * mn as vectors, the six-bit fields
         // unpacked four at a time: the scalar unpacking, one scale product and one offset
@@ -212,7 +210,6 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
         const uint8_t* ql = blk;
         const uint8_t* qhp = blk + 128;
         const float d = f16_at(blk + 208);
-        const __m256i three = _mm256_set1_epi8(3);
         for (int h = 0; h < 2; ++h) {
           // This half's 8 int8 scales (groups of 16, in order) times d, as one vector; each
           // 32-block's dx serves its two groups. As for Q4_K: no scalar product per group.
@@ -231,14 +228,7 @@ void fused_kquant_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, cons
           const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
           const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qhp + 32 * h));
           __m256i q[4];
-          q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                 _mm256_slli_epi16(_mm256_and_si256(hv, three), 4));
-          q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
-              _mm256_and_si256(_mm256_srli_epi16(hv, 2), three), 4));
-          q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 4), three), 4));
-          q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 6), three), 4));
+          q6k_values(l0, l1, hv, q);
           for (int c = 0; c < 4; ++c) {
             const int64_t b = sb * 8 + h * 4 + c;  // the 32-block of x
             // Lanes 0-3 sum the block's first 16 values, 4-7 its second 16.

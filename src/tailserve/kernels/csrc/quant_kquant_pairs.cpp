@@ -55,7 +55,7 @@ template <Fmt F, int MR>
 void pair_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t* xq,
                const float* dx, const float* xs16, const float* xs32, float* y, int64_t N,
                const float* bias) {
-  constexpr int64_t kTs = F == Fmt::Q4_K ? 144 : F == Fmt::Q5_K ? 176 : 210;
+  constexpr int64_t kTs = kquant_bytes(F);
   const int64_t nsb = K / 256, nb = K / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t n = n0; n + 1 < n1; n += 2) {
@@ -66,10 +66,8 @@ void pair_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* b0 = row0 + sb * kTs;
       const uint8_t* b1 = row1 + sb * kTs;
-      for (int64_t c = 0; c < kTs; c += 64) {
-        isa::prefetch_weight(b0 + c);
-        isa::prefetch_weight(b1 + c);
-      }
+      isa::prefetch_weights(b0, kTs);
+      isa::prefetch_weights(b1, kTs);
       if constexpr (F == Fmt::Q4_K || F == Fmt::Q5_K) {
         uint64_t sc0, mn0, sc1, mn1;
         scales_mins_k4(b0 + 4, &sc0, &mn0);
@@ -115,7 +113,6 @@ void pair_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t
         }
       } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d; q - 32 per group of 16
         const __m512 d = join(_mm256_set1_ps(h2f(b0 + 208)), _mm256_set1_ps(h2f(b1 + 208)));
-        const __m512i three = _mm512_set1_epi8(3);
         for (int h = 0; h < 2; ++h) {
           int64_t s0, s1;
           std::memcpy(&s0, b0 + 192 + 8 * h, 8);
@@ -135,14 +132,7 @@ void pair_rows(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t
           const __m512i l1 = join(b0 + 64 * h + 32, b1 + 64 * h + 32);
           const __m512i hv = join(b0 + 128 + 32 * h, b1 + 128 + 32 * h);
           __m512i q[4];
-          q[0] = _mm512_or_si512(_mm512_and_si512(l0, low4),
-                                 _mm512_slli_epi16(_mm512_and_si512(hv, three), 4));
-          q[1] = _mm512_or_si512(_mm512_and_si512(l1, low4), _mm512_slli_epi16(
-              _mm512_and_si512(_mm512_srli_epi16(hv, 2), three), 4));
-          q[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4),
-                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hv, 4), three), 4));
-          q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4),
-                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hv, 6), three), 4));
+          q6k_values(l0, l1, hv, q);
           for (int c = 0; c < 4; ++c) {
             const int64_t b = sb * 8 + h * 4 + c;
             const int e = 2 * c, o = 2 * c + 1;

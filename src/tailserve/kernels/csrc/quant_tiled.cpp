@@ -113,9 +113,7 @@ void tile_avx2(const uint8_t* tile, int h, int64_t nb, int64_t K, const int8_t* 
   for (int64_t g = 0; g < nb; ++g) {
     const uint8_t* blk = tile + g * L::kBytes;
     if (prefetch && h == 0) {
-      for (int c = 0; c < L::kBytes; c += 64) {
-        isa::prefetch_weight(blk + c);
-      }
+      isa::prefetch_weights(blk, L::kBytes);
     }
     __m256i acci[MR];
     for (int m = 0; m < MR; ++m) acci[m] = _mm256_setzero_si256();
@@ -190,9 +188,7 @@ void tile_avx2_16(const uint8_t* tile, int64_t nb, int64_t K, const int8_t* xq, 
   for (int64_t g = 0; g < nb; ++g) {
     const uint8_t* blk = tile + g * L::kBytes;
     if (prefetch) {
-      for (int c = 0; c < L::kBytes; c += 64) {
-        isa::prefetch_weight(blk + c);
-      }
+      isa::prefetch_weights(blk, L::kBytes);
     }
     __m256i acci[2][MR];
     for (int h = 0; h < 2; ++h) {
@@ -280,9 +276,7 @@ void tile_vnni(const uint8_t* tile, int64_t nb, int64_t K, const int8_t* xq, con
   for (int64_t g = 0; g < nb; ++g) {
     const uint8_t* blk = tile + g * L::kBytes;
     if (prefetch) {
-      for (int c = 0; c < L::kBytes; c += 64) {
-        isa::prefetch_weight(blk + c);
-      }
+      isa::prefetch_weights(blk, L::kBytes);
     }
     __m512i acci[MR];
     for (int m = 0; m < MR; ++m) acci[m] = _mm512_setzero_si512();
