@@ -7,10 +7,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import gguf
 import pytest
 import torch
 
 from tailserve.kernels import QUANT_ISAS, _log_isa, isa_info, set_quant_isa, set_weight_prefetch
+from tailserve.model.quant.formats import PACKED_FORMATS, tile_blocks
+from test_quant_kernels import random_blocks
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # fails, not skips, where a compiler runs
 
@@ -128,20 +131,6 @@ def _vendor() -> str:
         return next(ln for ln in f if ln.startswith("vendor_id")).split(":", 1)[1].strip()
 
 
-def _random_weight(rows: int, cols: int, type_size: int) -> torch.Tensor:
-    """Random GGUF blocks with a small finite fp16 scale (and offset, Q4_K's dmin), tiled where
-    the runner tiles them (the 32-value formats)."""
-    from tailserve.model.quant.formats import tile_blocks
-
-    g = torch.Generator().manual_seed(type_size)
-    block = 32 if type_size < 100 else 256
-    w = torch.randint(0, 256, (rows, cols // block, type_size), dtype=torch.uint8, generator=g)
-    w[..., 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # fp16 2^-7
-    if type_size == 144:
-        w[..., 2:4] = torch.tensor([0x00, 0x20], dtype=torch.uint8)
-    return tile_blocks(w)
-
-
 def test_the_weight_prefetch_is_the_cpus_and_changes_no_answer() -> None:
     """The decode rows' weight prefetch (csrc/isa.h) defaults by vendor, L2 8 KiB ahead on
     Intel (measured on the Xeon with AMX) and L1 4 KiB elsewhere (as tuned on Zen); either
@@ -152,8 +141,8 @@ def test_the_weight_prefetch_is_the_cpus_and_changes_no_answer() -> None:
         assert default == ("l2:8192" if _vendor() == "GenuineIntel" else "l1:4096")
         assert isa_info().weight_prefetch == default
         op = torch.ops.tailserve.quant_linear
-        for type_size in (18, 144):
-            w = _random_weight(64, 2048, type_size)
+        for qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_K):
+            w = tile_blocks(random_blocks(PACKED_FORMATS[qtype], 64, 2048, seed=1))
             for rows in (1, 3, 40):
                 x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(rows))
                 got = {}
@@ -161,7 +150,7 @@ def test_the_weight_prefetch_is_the_cpus_and_changes_no_answer() -> None:
                     assert set_weight_prefetch(spec) == spec
                     got[spec] = op(x, w, None)
                 first = got["l1:4096"]
-                assert all(torch.equal(first, y) for y in got.values()), (type_size, rows)
+                assert all(torch.equal(first, y) for y in got.values()), (qtype, rows)
         for bad in ("l3:64", "l2:-1", "l2:2000000", "L2:64", "fast"):
             with pytest.raises(ValueError, match="TAILSERVE_WEIGHT_PREFETCH"):
                 set_weight_prefetch(bad)
