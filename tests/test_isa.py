@@ -105,7 +105,8 @@ def test_greedy_output_is_the_same_at_every_level_here(auto_after: None) -> None
     steps: the many-row products and the prefill attention over earlier chunks' keys) at the
     levels that serve by default here and at AVX2 (AMX's tile products included where the CPU
     has them): the products' integer sums and their float sequence are the same at every level,
-    the attention is float32 at each. (The opt-in
+    the attention float32 FMAs at the vector levels and split bf16 tiles (near float32) at amx.
+    (The opt-in
     avx512bf16 level is not among them: its bf16 rounding moved the 6th of these 24 tokens, a
     digit, 38 -> 39.)"""
     from tailserve import LLM, SamplingParams

@@ -23,12 +23,18 @@ ops = torch.ops.tailserve
 # ~1% of V's scale (V ~ N(0, 4) here: measured max error 0.049 over 200 cases of these shapes,
 # up to 512 x 512 causal; the float32 path's 1.0e-5).
 FLOAT32_TOL = {"rtol": 1e-4, "atol": 2e-5}
+# The amx level's split bf16 operands (hi + lo, three tile products): measured at most 7e-5
+# off float64 on these cases, float32 FMAs 1e-5, one bf16 rounding 4e-2.
+SPLIT_TOL = {"rtol": 1e-3, "atol": 2e-4}
 BF16_TOL = {"rtol": 2e-2, "atol": 6e-2}
 
 
 def tol() -> dict[str, float]:
     """The tolerance of the level in use."""
-    return BF16_TOL if isa_info().level in ("avx512bf16", "amx-bf16") else FLOAT32_TOL
+    level = isa_info().level
+    if level in ("avx512bf16", "amx-bf16"):
+        return BF16_TOL
+    return SPLIT_TOL if level == "amx" else FLOAT32_TOL
 
 
 @pytest.fixture(params=["auto", "amx-bf16", "avx512bf16", "avx512vnni", "avx2", "scalar"])
@@ -92,7 +98,8 @@ def make_case(ctx: list[int], new: list[int], heads: int, kv_heads: int, d: int,
     # the last part (key 768 alone) is visible to the chunk's last token only.
     ([700, 5], [24, 5]),
     ([769], [20]),
-], ids=["one", "fresh", "mixed", "blocks", "split", "split-tail"])
+    ([1100, 40], [300, 40]),  # long enough for the amx level's split tiles
+], ids=["one", "fresh", "mixed", "blocks", "split", "split-tail", "long"])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (2, 1, 128), (3, 1, 64)])
 def test_paged_prefill_attention_matches_float64(isa: str, ctx: list[int], new: list[int],
                                                  heads: int, kv_heads: int, d: int) -> None:
@@ -102,6 +109,37 @@ def test_paged_prefill_attention_matches_float64(isa: str, ctx: list[int], new: 
     ops.paged_prefill_attention(out, q, kv, tables, lens, qsl, 0, scale)
     want = reference_prefill(q, kv, tables, ctx, new, scale)
     torch.testing.assert_close(out.double(), want, **tol())
+
+
+def test_amx_level_splits_long_calls_and_keeps_short_ones_on_float32(cpu_kernels: None) -> None:
+    """The amx level: a long call on split bf16 tiles (not float32's bits, near float32's
+    error, far below one bf16 rounding's); a call under the split's bar on float32 FMAs,
+    bit for bit the avx512 levels' answer."""
+    set_quant_isa("auto")
+    if isa_info().supported != "amx" or not isa_info().amx_bf16:
+        pytest.skip(f"needs AMX-BF16 tiles (this CPU/build: {isa_info().supported}, "
+                    f"{isa_info().amx_reason or 'no AMX-BF16'})")
+
+    def run(level: str, ctx: list[int], new: list[int]) -> tuple[torch.Tensor, float]:
+        q, kv, tables, lens, qsl = make_case(ctx, new, 9, 3, 64, torch.float32, 16, seed=8)
+        out = torch.full(q.shape, float("nan"))
+        set_quant_isa(level)
+        try:
+            ops.paged_prefill_attention(out, q, kv, tables, lens, qsl, 0, 0.125)
+        finally:
+            set_quant_isa("auto")
+        want = reference_prefill(q, kv, tables, ctx, new, 0.125)
+        return out, (out.double() - want).abs().max().item()
+
+    long_ctx, long_new = [900], [200]
+    split, split_err = run("amx", long_ctx, long_new)
+    fma, fma_err = run("avx512vnni", long_ctx, long_new)
+    _, bf16_err = run("amx-bf16", long_ctx, long_new)
+    assert not torch.equal(split, fma)  # the tiles ran
+    assert split_err < SPLIT_TOL["atol"] and split_err < bf16_err / 50, (split_err, bf16_err)
+    assert fma_err < split_err
+    short, _ = run("amx", [64], [64])
+    assert torch.equal(short, run("avx512vnni", [64], [64])[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -234,7 +234,9 @@ def cpu_ops_error() -> str | None:
 
 # TAILSERVE_QUANT_ISA names -> the levels of csrc/isa.h (set_quant_isa). "amx" (what "auto"
 # chooses where the CPU, Linux and the build allow it): VNNI's kernels with the tiled GGUF
-# products on AMX int8 tiles, bit for bit VNNI's answers; refused with the reason elsewhere.
+# products on AMX int8 tiles (VNNI's integer sums and float sequence, bit for bit) and the
+# prefill attention of long chunks on split bf16 tiles (near float32); refused with the reason
+# elsewhere.
 # amx-bf16 (opt-in, never "auto"): those products on AMX bf16 tiles (weights dequantized to bf16
 # per call, x rounded to bf16) and the prefill attention on AMX bf16 tiles: the fastest
 # prompts, not VNNI's answers.

@@ -97,8 +97,9 @@ int vector_supported() {
 }
 
 // AMX: the tile products of quant_amx.cpp, where this build has them and Linux granted the tile
-// state. Above the bf16 level in number only: it adds the tile products to VNNI's and keeps
-// float32 attention (kAvx512Bf16's bf16 attention stays that level's alone).
+// state. Above the bf16 level in number only: it adds the tile products to VNNI's and a near
+// float32 prefill attention on split bf16 tiles (kAvx512Bf16's bf16 attention stays that
+// level's alone).
 bool amx_usable() { return amx_kernels_built() && amx_status().permitted; }
 
 int supported() {

@@ -522,8 +522,11 @@ void prefill_dispatch(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
                       const at::Tensor& block_tables, const int64_t* lens, const int64_t* qsl,
                       int64_t first_seq, int64_t num_seqs, float scale) {
   const int isa = quant_isa();
-  if (isa == isa::kAmxBf16 &&
-      prefill_amx<T>(out, q, kv_cache, block_tables, lens, qsl, first_seq, num_seqs, scale)) {
+  // amx: split bf16 operands, near float32 (the default where AMX serves); amx-bf16: one
+  // rounding each (opt-in).
+  if ((isa == isa::kAmx || isa == isa::kAmxBf16) &&
+      prefill_amx<T>(out, q, kv_cache, block_tables, lens, qsl, first_seq, num_seqs, scale,
+                     isa == isa::kAmx)) {
     return;
   }
 #ifdef TS_PREFILL_BF16
