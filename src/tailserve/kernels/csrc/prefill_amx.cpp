@@ -36,6 +36,7 @@
 #include "amx_tiles.h"
 #include "isa.h"
 #include "prefill_vec.h"
+#include "scratch.h"
 #include "work_pool.h"
 
 namespace tailserve_cpu {
@@ -511,9 +512,11 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
       v_total += padded / 32 * (D / 16) * (kSplit ? 512 : 256);
     }
   }
-  std::vector<uint32_t> kt(kt_total + 16), v(v_total + 16);
-  uint32_t* ktp = amx::align64(kt.data());
-  uint32_t* vpp = amx::align64(v.data());
+  // Kept between calls (scratch.h; stage writes every word compute reads): a zeroed allocation
+  // a call (3.3 MB split at 2,000 keys and 3 KV heads) cost 2,000 + 128 tokens 2.7 -> 1.5 ms.
+  thread_local Scratch<uint32_t> kt, v;
+  uint32_t* ktp = kt.get(kt_total);
+  uint32_t* vpp = v.get(v_total);
   parallel_dynamic(static_cast<int64_t>(stages.size()), [&](int64_t i) {
     const StageItem& it = stages[i];
     stage<T, kSplit>(kp, vp, tables + it.s * tstride, block_size, tok_stride, blk_stride, it.g * D,
@@ -535,7 +538,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   // pass over them, where the units interleaved spilled past L2 at long contexts (2,000 +
   // 128 tokens, 3 KV heads: 3.2 ms a call against 1.3 by unit).
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    if (kSplit && a.unit != b.unit) return a.unit < b.unit;
+    if (a.unit != b.unit) return a.unit < b.unit;
     return a.cost > b.cost;
   });
   const float* qp = q.data_ptr<float>();

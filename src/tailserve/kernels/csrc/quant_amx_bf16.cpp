@@ -27,6 +27,7 @@
 #include "prefill_vec.h"
 #include "quant_blocks.h"
 #include "quant_tiled.h"
+#include "scratch.h"
 #include "work_pool.h"
 
 namespace tailserve_cpu {
@@ -242,8 +243,8 @@ int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, in
   const int64_t groups = M / 16;
   if (groups == 0 || !isa::amx_status().permitted || !isa::amx_status().bf16) return 0;
   const int64_t rows = 16 * groups;
-  std::vector<uint16_t> xb(rows * K + 32);
-  uint16_t* xp = amx::align64(xb.data());
+  thread_local Scratch<uint16_t> xb;  // pack_x writes every element (scratch.h)
+  uint16_t* xp = xb.get(rows * K);
   pack_x(x, rows, K, xp);
   switch (type_size) {
     case 18: linear_bf16_as<18>(w, N, K, groups, xp, y, bias); break;
@@ -269,8 +270,8 @@ int64_t stored_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, i
     return 0;
   }
   const int64_t rows = 16 * groups;
-  std::vector<uint16_t> xb(rows * K + 32);
-  uint16_t* xp = amx::align64(xb.data());
+  thread_local Scratch<uint16_t> xb;  // pack_x writes every element (scratch.h)
+  uint16_t* xp = xb.get(rows * K);
   pack_x(x, rows, K, xp);
   linear_bf16([&](int64_t t, uint16_t* b) {
     dequant_stored_tile(f.fmt, f.block, type_size, w, 16 * t, K, b);
