@@ -76,7 +76,7 @@ TAILSERVE_QUANT_ISA: EnvSwitch[str] = EnvSwitch(
     "(kernels/csrc/isa.h): auto (amx where the CPU, Linux and the build allow it, else the "
     "best this CPU has up to avx512vnni), amx (VNNI's kernels with the tiled GGUF products of "
     "16+ rows on AMX int8 tiles, bit for bit VNNI's products, and the prefill attention of "
-    "long chunks on split bf16 tiles, near float32: ~1.7x the float32 attention; refused with "
+    "long chunks on split bf16 tiles, near float32: 1.5-2.2x the float32 attention; refused with "
     "the reason where unavailable), amx-bf16 (opt-in: those products and the prefill "
     "attention on AMX bf16 tiles, ~2x each, not VNNI's answers: near-tied greedy tokens may "
     "move), avx512bf16 "
