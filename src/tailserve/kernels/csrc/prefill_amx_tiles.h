@@ -24,45 +24,25 @@ inline __m512 bf16_hi(__m512 x) {
 // The split's operand tiles: hi at +0, lo at +512 bf16 (one tile further).
 constexpr int64_t kLo = 512;
 
-// exp2(t) for t <= 0 where the result is rounded to bf16 next: 2^round(t) x a degree-4
-// polynomial of the rest (|f| <= 1/2), relative error < 5e-5 against bf16's 3.9e-3: 9 vector
-// operations with the subtraction of the max, where the float32 kernels' exp takes 15. t is
-// clamped at -120 (a masked key's -inf included): a result below float32's normal range would
-// cost a microcode assist per lane (measured: 55% of a short chunk's time), and 2^-120 of a
-// key's value is nothing beside the row's largest probability, 1 or more.
-inline __m512 exp2_bf16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-120.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.618129e-3f);  // ln2^k / k!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// exp2(t) for t <= 0 to float32's precision: the degree-6 polynomial (|f| <= 1/2: relative
-// error ~1.2e-7). Clamped at -100: 2^-100 keeps the split's remainder (p - hi, ~2^-9 of p) a
-// normal float32, so no lane takes a denormal's microcode assist.
-inline __m512 exp2_f32(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-100.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);  // ln2^k / k!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
+// exp2(t) for t <= 0: 2^round(t) x the Taylor polynomial of 2^f for the rest (|f| <= 1/2).
+// One rounding (the result is rounded to bf16 next): degree 4, relative error < 5e-5 against
+// bf16's 3.9e-3, 9 vector operations with the subtraction of the max where the float32
+// kernels' exp takes 15. Split: degree 6, ~1.2e-7, float32's precision. t is clamped (a
+// masked key's -inf included) where the result stays a normal float32: a denormal costs a
+// microcode assist per lane (measured: 55% of a short chunk's time), and 2^-120 of a key's
+// value is nothing beside the row's largest probability, 1 or more; the split clamps at -100
+// so its remainder p - hi (~2^-9 of p) stays normal too.
 template <bool kSplit>
 inline __m512 exp2_of(__m512 t) {
-  if constexpr (kSplit) return exp2_f32(t);
-  return exp2_bf16(t);
+  constexpr float kTaylor[7] = {1.f,           6.9314718e-1f, 2.4022651e-1f, 5.5504109e-2f,
+                                9.6181291e-3f, 1.3333558e-3f, 1.5403530e-4f};  // ln2^k / k!
+  constexpr int kDegree = kSplit ? 6 : 4;
+  t = _mm512_max_ps(t, _mm512_set1_ps(kSplit ? -100.f : -120.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(kTaylor[kDegree]);
+  for (int k = kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kTaylor[k]));
+  return _mm512_scalef_ps(p, n);
 }
 
 // S^T of up to 64 keys (N blocks of 16 from key block kb16): result tiles 0 .. N-1 hold
