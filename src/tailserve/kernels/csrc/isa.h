@@ -30,8 +30,8 @@ namespace isa {
 // kAmx: VNNI's kernels with the tiled GGUF products of 16+ rows of x on AMX int8 tiles (VNNI's
 // bits), and the prefill attention of long calls on AMX bf16 tiles with split operands (hi +
 // lo, three tile products: at most 7e-5 off float64 on the tests' cases where float32 FMAs
-// are 1e-5 off and one bf16 rounding 4e-2; prefill_amx.cpp), short calls on float32 FMAs. Not an order above
-// kAvx512Bf16: the two are alternatives, numbered apart.
+// are 1e-5 off and one bf16 rounding 4e-2; prefill_amx.cpp), short calls on float32 FMAs.
+// Not an order above kAvx512Bf16: the two are alternatives, numbered apart.
 // kAmxBf16: opt-in, never best(): the tiled products of 16+ rows on AMX bf16 tiles (weights
 // dequantized to bf16 per call, x rounded to bf16, float32 sums over all of K) and the prefill
 // attention on AMX bf16 tiles (prefill_amx.cpp): the fastest prompts, not VNNI's answers.

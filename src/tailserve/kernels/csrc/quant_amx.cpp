@@ -34,6 +34,7 @@
 #include "amx_tiles.h"
 #include "isa.h"
 #include "quant_tiled.h"
+#include "scratch.h"
 #include "work_pool.h"
 
 namespace tailserve_cpu {
@@ -181,11 +182,8 @@ void linear_amx_as(const uint8_t* w, int64_t N, int64_t K, int64_t groups, const
       1, tiles / (runs_per_thread(false) * at::get_num_threads()));
   parallel_dynamic((tiles + per_item - 1) / per_item, [&](int64_t item) {
     load_tile_config();  // per thread state; cheap beside an item's work
-    thread_local std::vector<uint8_t> storage;  // the unpacked B tiles, kept between calls
-    if (!L::kQ8 && storage.size() < static_cast<size_t>(nb * 512 + 64)) {
-      storage.resize(nb * 512 + 64);
-    }
-    uint8_t* b = amx::align64(storage.data());
+    thread_local Scratch<uint8_t> storage;  // the unpacked B tiles (scratch.h)
+    uint8_t* b = L::kQ8 ? nullptr : storage.get(nb * 512);
     const int64_t t1 = std::min(tiles, (item + 1) * per_item);
     for (int64_t t = item * per_item; t < t1; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
@@ -259,21 +257,19 @@ int64_t tiled_linear_amx(int64_t type_size, const uint8_t* w, int64_t N, int64_t
   const int64_t groups = M / 16;
   if (groups == 0 || !isa::amx_status().permitted) return 0;
   const int64_t nb = K / 32;
-  // Kept between calls (grown, never cleared: pack_groups writes every element it reads).
-  thread_local std::vector<int8_t> xg;
-  thread_local std::vector<float> dxg, xsg;
-  if (xg.size() < static_cast<size_t>(groups * 16 * K)) xg.resize(groups * 16 * K);
-  if (dxg.size() < static_cast<size_t>(groups * 16 * nb)) {
-    dxg.resize(groups * 16 * nb);
-    xsg.resize(groups * 16 * nb);
-  }
-  pack_groups(xq, dx, xs32, groups, K, xg.data(), dxg.data(), xsg.data());
+  // Kept between calls (scratch.h: pack_groups writes every element it reads).
+  thread_local Scratch<int8_t> xg_buf;
+  thread_local Scratch<float> dxg_buf, xsg_buf;
+  int8_t* xg = xg_buf.get(groups * 16 * K);
+  float* dxg = dxg_buf.get(groups * 16 * nb);
+  float* xsg = xsg_buf.get(groups * 16 * nb);
+  pack_groups(xq, dx, xs32, groups, K, xg, dxg, xsg);
   switch (type_size) {
-    case 18: linear_amx_as<18>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
-    case 20: linear_amx_as<20>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
-    case 22: linear_amx_as<22>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
-    case 24: linear_amx_as<24>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
-    default: linear_amx_as<34>(w, N, K, groups, xg.data(), dxg.data(), xsg.data(), y, bias); break;
+    case 18: linear_amx_as<18>(w, N, K, groups, xg, dxg, xsg, y, bias); break;
+    case 20: linear_amx_as<20>(w, N, K, groups, xg, dxg, xsg, y, bias); break;
+    case 22: linear_amx_as<22>(w, N, K, groups, xg, dxg, xsg, y, bias); break;
+    case 24: linear_amx_as<24>(w, N, K, groups, xg, dxg, xsg, y, bias); break;
+    default: linear_amx_as<34>(w, N, K, groups, xg, dxg, xsg, y, bias); break;
   }
   return 16 * groups;
 #else

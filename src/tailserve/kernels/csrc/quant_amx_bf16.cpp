@@ -140,10 +140,8 @@ void linear_bf16(const Dequant& dequant, int64_t N, int64_t K, int64_t groups, c
   const int64_t nb = K / 32, tiles = N / 16, pairs = (tiles + 1) / 2;
   parallel_dynamic(pairs, [&](int64_t pair) {
     amx::load_full_config();
-    thread_local std::vector<uint16_t> storage;  // two tiles' B, kept between calls
-    const size_t need = static_cast<size_t>(2 * nb * 512 + 32);
-    if (storage.size() < need) storage.resize(need);
-    uint16_t* b0 = amx::align64(storage.data());
+    thread_local Scratch<uint16_t> storage;  // two tiles' B (scratch.h)
+    uint16_t* b0 = storage.get(2 * nb * 512);
     uint16_t* b1 = b0 + nb * 512;
     const int64_t t0 = 2 * pair;
     const bool two = t0 + 1 < tiles;
