@@ -18,11 +18,7 @@ from tailserve.engine.calibrate import PLAN
 from tailserve.engine.latency import SLACK_FLOOR_S, chunk_under_load, time_limited_chunk
 from tailserve.engine.scheduler import MIN_PREFILL_CHUNK, PREFILL_ALIGN, Scheduler
 from tailserve.engine.step_phases import RIDER_SCALE
-from tailserve.engine.step_time import (
-    FIXED_COST_MULTIPLE,
-    best_effort_step_cap,
-    prefill_step_cap,
-)
+from tailserve.engine.step_time import FIXED_COST_MULTIPLE, prefill_step_cap
 from tailserve.errors import ConfigError, QueueFullError, SLORefusedError, SLOUnattainableError
 from tailserve.request import SLO, Request
 from tailserve.sampling_params import SamplingParams
@@ -150,29 +146,25 @@ def test_a_step_without_decodes_is_capped_by_the_itl_slo() -> None:
     assert prefill_step_cap(make(Clock())) is None
 
 
-def test_a_prompt_past_its_ttft_slo_alone_keeps_steps_without_decodes_short() -> None:
-    """A 600-token prompt takes 610 ms alone. Held to the server's 2 s TTFT SLO it can meet
-    it, and a step without decodes may take the ITL cap (300 ms: 290 tokens -> 288,
-    aligned). Held to 0.5 s it cannot even alone: it is served best effort, in steps of at most
-    ``best_effort_step_cap`` = max(2 x (10 + 32) ms, 10 x 10 ms) = 100 ms (90 tokens -> 64),
-    so a short prompt arriving meanwhile, which can meet its SLO, waits at most that; the
-    long one rides behind its first token in at most as much time again."""
+@pytest.mark.parametrize(("slo_ttft_s", "ride"), [(2.0, 32), (0.5, 0)])
+def test_a_prompt_past_its_ttft_slo_alone_does_not_ride_behind_a_first_token(
+        slo_ttft_s: float, ride: int) -> None:
+    """A 600-token prompt takes 610 ms alone, in 96-token steps under a 126 ms cap. A short
+    prompt arrives mid-step and goes first. Held to the server's 2 s TTFT SLO the long one
+    can meet it and rides behind the short one's first token in at most as much time again
+    (RIDER_SCALE x 50 ms: 32 tokens); held to 0.5 s it cannot even alone, is served best
+    effort and does not ride: the short step is its own 50 ms."""
     clock = Clock()
-    s = make(clock, target_s=0.300, slo_ttft_s=2.0)
-    s.add_request(req("long", 600, 0.0))
-    assert step(s, FakeRunner(), clock) == [("long", 288)]
-    assert best_effort_step_cap(s) == pytest.approx(0.100)
-    clock = Clock()
-    s = make(clock, target_s=0.300, slo_ttft_s=0.5)  # the server's SLO: no 400 for it
+    s = make(clock, target_s=0.126, max_num_batched_tokens=256, slo_ttft_s=slo_ttft_s)
     runner = FakeRunner()
     s.add_request(req("long", 600, 0.0))
-    assert step(s, runner, clock) == [("long", 64)]
-    assert step(s, runner, clock) == [("long", 64)]
+    assert step(s, runner, clock) == [("long", 96)]
     arrived = clock.t - 0.050  # mid-step
     s.add_request(req("short", 40, arrived))
-    assert step(s, runner, clock) == [("long", 32), ("short", 40)]
-    assert "short" not in s.requests and clock.t - arrived <= 0.050 + 0.100
-    assert all(s.step_model.predict(s.shape_of(o)) <= 0.100 + 1e-12 for o in runner.steps)
+    assert step(s, runner, clock) == ([("long", ride)] if ride else []) + [("short", 40)]
+    assert "short" not in s.requests
+    assert clock.t - arrived == pytest.approx(0.050 + 0.050 + 0.001 * ride)
+    assert step(s, runner, clock) == [("long", 96)]  # then the cap again
 
 
 def test_a_lone_prompt_on_a_heavy_model_is_not_cut_into_tiny_steps() -> None:

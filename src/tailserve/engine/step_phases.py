@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 from tailserve.data.step import BlockedReason, ScheduledRequest, SchedulerOutput
 from tailserve.engine.latency import is_decode, time_limited_chunk
 from tailserve.engine.step_budget import StepBudget
-from tailserve.engine.step_time import best_effort_step_cap
 from tailserve.request import Request, RequestStatus
 from tailserve.stepcost import StepShape
 
@@ -103,12 +102,11 @@ def _time_limited(s: Scheduler, b: StepBudget, n: int, start: int, total: int,
       at most 2x the cap. A long prompt's last chunk keeps to the cap: it is what an
       arrival waits for.
 
-    And one more cap: a prompt that would miss its TTFT SLO (``ttft_s``) even alone is
-    served best effort, and in a step without decodes its chunk keeps to
-    ``best_effort_step_cap`` (about twice a short prompt's own step) instead of the ITL
-    cap: what a prompt arriving meanwhile, one that can still meet its SLO, waits for.
-    With 4,000-token prompts among 100-token ones the short ones' P99 first token was
-    2.7-3.2x their median under the ITL cap (benchmarks/notes/scheduling.md)."""
+    A prompt that would miss its TTFT SLO (``ttft_s``) even alone is served best effort:
+    it does not ride behind another prompt's first token at all. With 4,000-token prompts
+    among 100-token ones (the server's 1 s SLO: every long one best effort) the short
+    ones' P99 first token was 2.7-3.2x their median with the ride, the short step doubled
+    by it (benchmarks/notes/scheduling.md)."""
     target = b.target_s
     if target is None:
         return n
@@ -123,10 +121,9 @@ def _time_limited(s: Scheduler, b: StepBudget, n: int, start: int, total: int,
             whole = model.predict(StepShape().plus_chunk(0, total))
         return whole
 
-    if not shape.decode_seqs and ttft_s is not None and alone_whole() > ttft_s:
-        target = min(target, best_effort_step_cap(s))
     if b.completing_tenants and shape.prefill_tokens and alone_whole() > target:
-        target = min(target, RIDER_SCALE * model.predict(shape))
+        best_effort = ttft_s is not None and alone_whole() > ttft_s
+        target = min(target, (1.0 if best_effort else RIDER_SCALE) * model.predict(shape))
     fit = time_limited_chunk(model, shape, start, n, target, not shape.prefill_tokens)
     if (fit < n and completes and not shape.decode_seqs and not b.shared
             and model.predict(shape.plus_chunk(start, n)) <= 2 * target

@@ -78,18 +78,6 @@ def shared_step_cap(s: Scheduler) -> float:
         StepShape().plus_chunk(0, SHARED_STEP_TOKENS))
 
 
-def best_effort_step_cap(s: Scheduler) -> float:
-    """The time a step with no decode may take for a prompt served best effort (one that
-    would miss its TTFT SLO even alone, ``step_phases._time_limited``): what a prompt that
-    can still meet its SLO waits for when it arrives meanwhile, twice a
-    ``SHARED_STEP_TOKENS``-token prompt's own step (``shared_step_cap``), never below
-    ``FIXED_COST_MULTIPLE`` times the step's fixed cost (the floor ``prefill_step_cap``
-    keeps). Cutting the best-effort prompt finer costs it the fixed cost of the extra
-    steps: a lone 2,000-token prompt on the bundled model ~4% (bundled model, 2 cores)."""
-    floor = FIXED_COST_MULTIPLE * s.step_model.predict(StepShape())
-    return max(shared_step_cap(s), floor)
-
-
 def _slo_target(s: Scheduler, b: StepBudget) -> float | None:
     if b.shape.decode_seqs:
         s.min_decode_slack_s = b.min_slack_s
