@@ -1,4 +1,4 @@
-// The standalone microbenchmark of benchmarks/notes/cpu_kernels.md's section of 2026-12-05 13:20
+// The standalone microbenchmark of benchmarks/notes/cpu_kernels.md's section of 2026-12-05 12:58
 // (amx-bf16's 2 x 2 tile pass alone). g++ -O3 -march=native -o bf amx_bf16_pass_mb_2026-12-05.cpp;
 // ./bf MODE ROWS [rand [wide]]: mode 0 x streamed as the kernel packs it, 4 one A and one B
 // place (L1), 2/3 next block's x prefetched to L1/L2; without rand the arrays are never written.
