@@ -177,7 +177,11 @@ def test_tp2_greedy_tokens_equal_tp1(engines: dict[int, LLM]) -> None:
     assert second[2] == second[1]
     for tp, llm in engines.items():
         assert sum(s.prefix_cache_hits for s in llm.step_stats) > before[tp]
-        assert any(s.num_prefill_tokens == 32 for s in llm.step_stats)  # chunked prefill ran
+        # Chunked prefill ran: 193 prompt tokens in steps of at most 32. (Not "a step of
+        # exactly 32": the step-time model sizes chunks by time, and in one full run of the
+        # suite no step of this engine had exactly 32.)
+        prefill = [s.num_prefill_tokens for s in llm.step_stats if s.num_prefill_tokens]
+        assert max(prefill) <= 32 and len(prefill) >= 7, prefill
 
 
 def test_tp2_logprobs_match_transformers(engines: dict[int, LLM], tiny_model_dir: str) -> None:
