@@ -42,13 +42,6 @@ inline void load_full_config() {
   load_config(cfg);
 }
 
-// p rounded up to 64 bytes (tile loads and aligned AVX512 stores of a std::vector's buffer,
-// allocated 64 bytes longer than it needs).
-template <typename T>
-inline T* align64(T* p) {
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
-}
-
 }  // namespace amx
 }  // namespace tailserve_cpu
 #endif

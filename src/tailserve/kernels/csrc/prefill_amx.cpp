@@ -61,12 +61,12 @@ struct Staged {
   const uint32_t* vt;
 };
 
-// Keys [k0, k1) of one (sequence, KV head) into the staged layouts (k1 - k0 a multiple of 32
-// except at the end of the context; keys past ctx are written as zeros up to the next 32).
 // 32-bit words of one staged tile: hi, and lo after it where split.
 template <bool kSplit>
 constexpr int64_t kTileWords = kSplit ? 512 : 256;
 
+// Keys [k0, k1) of one (sequence, KV head) into the staged layouts (k1 - k0 a multiple of 32
+// except at the end of the context; keys past ctx are written as zeros up to the next 32).
 template <typename T, bool kSplit>
 void stage(const T* kp, const T* vp, const int64_t* table, int64_t block_size, int64_t tok_stride,
            int64_t blk_stride, int64_t head_off, int64_t ctx, int64_t D, int64_t k0, int64_t k1,
