@@ -79,11 +79,10 @@ def schedule_prefills(s: Scheduler, b: StepBudget, partials: list[Request]) -> N
 RIDER_SCALE = 2.0
 
 
-def _time_limited(s: Scheduler, b: StepBudget, n: int, start: int, total: int,
-                  ttft_s: float | None) -> int:
-    """``n`` prompt tokens (after ``start`` of ``total``) cut so the step's predicted time
-    stays within ``b.target_s`` (``latency.time_limited_chunk``: the step's first chunk
-    always gets some tokens). Two exceptions:
+def _time_limited(s: Scheduler, b: StepBudget, req: Request, n: int, start: int) -> int:
+    """``n`` prompt tokens of ``req`` (after ``start`` of its prompt) cut so the step's
+    predicted time stays within ``b.target_s`` (``latency.time_limited_chunk``: the step's
+    first chunk always gets some tokens). Two exceptions:
 
     - A long prompt's chunk rides behind another prompt's first token in at most as much
       time again as the step had (``RIDER_SCALE``), its last chunk too (its own first token
@@ -102,7 +101,7 @@ def _time_limited(s: Scheduler, b: StepBudget, n: int, start: int, total: int,
       at most 2x the cap. A long prompt's last chunk keeps to the cap: it is what an
       arrival waits for.
 
-    A prompt that would miss its TTFT SLO (``ttft_s``) even alone is served best effort:
+    A prompt that would miss its TTFT SLO even alone is served best effort:
     it does not ride behind another prompt's first token at all. With 4,000-token prompts
     among 100-token ones (the server's 1 s SLO: every long one best effort) the short
     ones' P99 first token was 2.7-3.2x their median with the ride, the short step doubled
@@ -112,17 +111,17 @@ def _time_limited(s: Scheduler, b: StepBudget, n: int, start: int, total: int,
         return n
     shape = b.shape
     model = s.step_model
-    completes = start + n >= total
+    completes = start + n >= req.num_tokens
     whole: float | None = None
 
-    def alone_whole() -> float:  # the whole prompt alone, predicted at most once a call
+    def alone_whole() -> float:  # ``idle_prefill_s``, predicted at most once a call
         nonlocal whole
         if whole is None:
-            whole = model.predict(StepShape().plus_chunk(0, total))
+            whole = s.idle_prefill_s(req)
         return whole
 
     if b.completing_tenants and shape.prefill_tokens and alone_whole() > target:
-        best_effort = ttft_s is not None and alone_whole() > ttft_s
+        best_effort = req.slo.ttft_s is not None and alone_whole() > req.slo.ttft_s
         target = min(target, (1.0 if best_effort else RIDER_SCALE) * model.predict(shape))
     fit = time_limited_chunk(model, shape, start, n, target, not shape.prefill_tokens)
     if (fit < n and completes and not shape.decode_seqs and not b.shared
@@ -154,7 +153,7 @@ def continue_partial(s: Scheduler, b: StepBudget, req: Request) -> bool:
     """The next chunk of a running partial prefill; False when the step is full."""
     start = req.num_computed_tokens
     n = _num_new_tokens(s, req, b.tokens)
-    n = _time_limited(s, b, n, start, req.num_tokens, req.slo.ttft_s)
+    n = _time_limited(s, b, req, n, start)
     if n <= 0:
         b.note(BlockedReason.TOKEN_BUDGET if b.tokens <= 0 else BlockedReason.STEP_TIME)
         return False
@@ -192,7 +191,7 @@ def admit(s: Scheduler, b: StepBudget, req: Request) -> None:
         return
     n = min(n, b.tokens)
     if b.target_s is not None:
-        n = _time_limited(s, b, n, num_hit_tokens, req.num_tokens, req.slo.ttft_s)
+        n = _time_limited(s, b, req, n, num_hit_tokens)
         if n <= 0:
             b.stop_admitting(BlockedReason.STEP_TIME)
             return
