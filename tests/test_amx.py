@@ -126,6 +126,25 @@ def test_bf16_tiles_on_stored_blocks_against_float64(amx: None, fmt: BlockFormat
                 assert not torch.equal(got[:done], vnni[:done])  # the tiles did run
 
 
+@pytest.mark.parametrize("fmt", [PACKED_FORMATS[Q.Q4_0], PACKED_FORMATS[Q.Q4_K]],
+                         ids=["Q4_0", "Q4_K"])
+def test_bf16_tiles_in_row_passes(amx: None, fmt: BlockFormat) -> None:
+    """A product whose packed x would not stay in L2 runs in passes of rows (at K = 6,144,
+    256 rows a pass; quant_amx_bf16.cpp rows_per_pass): 600 rows are 256 + 256 + 88, each
+    pass the same numbers as those rows alone, and the whole within the float64 bound."""
+    if not isa_info().amx_bf16:
+        pytest.skip("the CPU has no AMX-BF16")
+    n, k = 32, 6144
+    w = random_blocks(fmt, n, k, seed=5)
+    t = tile_blocks(w) if fmt.name == "Q4_0" else w
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(n)
+    got, _ = _bf16_against_float64(x, t, dequantize_reference(w).double(), bias, fmt.name)
+    for r0, r1 in ((0, 256), (256, 512), (512, 600)):
+        alone = ops.quant_linear(x[r0:r1].contiguous(), t, bias)
+        assert torch.equal(got[r0:r1], alone), (fmt.name, r0, r1)
+
+
 def test_levels(amx: None) -> None:
     assert set_quant_isa("auto") == "amx"  # the bit-identical one; amx-bf16 is opt-in
     if isa_info().amx_bf16:

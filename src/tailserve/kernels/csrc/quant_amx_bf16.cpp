@@ -3,10 +3,11 @@
 // Why a second AMX product: the int8 one (quant_amx.cpp) keeps VNNI's answers, so each block
 // of 32 values ends in its own int32 tile, stored and scaled into float32 — the tile unit idles
 // behind those stores and epilogues (~1.4x VNNI, under 10% of the tile peak). Here each tile of
-// 16 weight rows is dequantized once per call to bf16 (d * q + m, rounded to nearest even) in
-// AMX's B order, x is rounded to bf16, and TDPBF16PS sums all of K in float32 inside the tile
-// registers: 2 x 2 result tiles (32 rows of x by 32 weight rows) per pass, one store at the end.
-// The weights are read as stored, every call; the bf16 copy of a tile lives in one thread's
+// 16 weight rows is dequantized once per pass of rows (in_row_passes: as many rows as keep
+// packed x in L2) to bf16 (d * q + m, rounded to nearest even) in AMX's B order, x is rounded
+// to bf16, and TDPBF16PS sums all of K in float32 inside the tile registers: 2 x 2 result
+// tiles (32 rows of x by 32 weight rows) per tile pass, one store at the end. The weights
+// are read as stored, every call; the bf16 copy of a tile lives in one thread's
 // buffer while the rows of x pass. Weights not tiled (the K-quants: super-blocks of 256 with
 // 6-bit or 8-bit sub-block scales) take the same passes, each 16-row tile unpacked from the
 // stored rows as the panels unpack them (stored_linear_amx_bf16).
@@ -133,7 +134,7 @@ void tile_pass(const uint16_t* xb, int64_t rows, const uint16_t* b0, const uint1
 }
 
 // y = x W^T over pairs of 16-row weight tiles: dequant(t, b) writes tile t's B (K / 32 runs
-// of 512 bf16) into b, once per call, then every group of 16 rows of x passes against it.
+// of 512 bf16) into b, once per pass, then every group of 16 rows of x passes against it.
 template <typename Dequant>
 void linear_bf16(const Dequant& dequant, int64_t N, int64_t K, int64_t groups, const uint16_t* xb,
                  float* y, const float* bias) {
@@ -232,6 +233,31 @@ void pack_x(const float* x, int64_t rows, int64_t K, uint16_t* xp) {
   });
 }
 
+// Rows of x per pass of linear_bf16: each pass dequantizes every weight tile again, so few
+// passes; but a pass's packed x must stay in L2 (2 MiB a core here) while the tiles stream
+// it, or the tile loop halves (x of 2,048 rows x 576 past L2: 0.9-1.0 TFLOP/s a thread
+// against 1.7-2.0 from L2, cpu_kernels.md). Up to 1.5 MiB of packed x a pass, never under
+// 256 rows (where the dequantization would cost more than L2 saves), multiples of 32.
+int64_t rows_per_pass(int64_t rows, int64_t K) {
+  const int64_t fit = ((3 * 512 * 1024) / (K * 2)) & ~int64_t{31};
+  return std::min(rows, std::max<int64_t>(256, fit));
+}
+
+// y = x W^T in passes of rows_per_pass rows: x packed to bf16 (pack_x) a pass at a time,
+// then linear(groups, xp, y) for that pass's 16-row groups.
+template <typename Linear>
+void in_row_passes(const float* x, int64_t rows, int64_t K, int64_t N, float* y,
+                   const Linear& linear) {
+  const int64_t per = rows_per_pass(rows, K);
+  thread_local Scratch<uint16_t> xb;  // pack_x writes every element (scratch.h)
+  uint16_t* xp = xb.get(per * K);
+  for (int64_t r0 = 0; r0 < rows; r0 += per) {
+    const int64_t n = std::min(per, rows - r0);
+    pack_x(x + r0 * K, n, K, xp);
+    linear(n / 16, xp, y + r0 * N);
+  }
+}
+
 }  // namespace
 #endif
 
@@ -241,16 +267,15 @@ int64_t tiled_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, in
   const int64_t groups = M / 16;
   if (groups == 0 || !isa::amx_status().permitted || !isa::amx_status().bf16) return 0;
   const int64_t rows = 16 * groups;
-  thread_local Scratch<uint16_t> xb;  // pack_x writes every element (scratch.h)
-  uint16_t* xp = xb.get(rows * K);
-  pack_x(x, rows, K, xp);
-  switch (type_size) {
-    case 18: linear_bf16_as<18>(w, N, K, groups, xp, y, bias); break;
-    case 20: linear_bf16_as<20>(w, N, K, groups, xp, y, bias); break;
-    case 22: linear_bf16_as<22>(w, N, K, groups, xp, y, bias); break;
-    case 24: linear_bf16_as<24>(w, N, K, groups, xp, y, bias); break;
-    default: linear_bf16_as<34>(w, N, K, groups, xp, y, bias); break;
-  }
+  in_row_passes(x, rows, K, N, y, [&](int64_t g, const uint16_t* xp, float* yp) {
+    switch (type_size) {
+      case 18: linear_bf16_as<18>(w, N, K, g, xp, yp, bias); break;
+      case 20: linear_bf16_as<20>(w, N, K, g, xp, yp, bias); break;
+      case 22: linear_bf16_as<22>(w, N, K, g, xp, yp, bias); break;
+      case 24: linear_bf16_as<24>(w, N, K, g, xp, yp, bias); break;
+      default: linear_bf16_as<34>(w, N, K, g, xp, yp, bias); break;
+    }
+  });
   return rows;
 #else
   (void)type_size, (void)w, (void)N, (void)K, (void)M, (void)x, (void)y, (void)bias;
@@ -268,12 +293,11 @@ int64_t stored_linear_amx_bf16(int64_t type_size, const uint8_t* w, int64_t N, i
     return 0;
   }
   const int64_t rows = 16 * groups;
-  thread_local Scratch<uint16_t> xb;  // pack_x writes every element (scratch.h)
-  uint16_t* xp = xb.get(rows * K);
-  pack_x(x, rows, K, xp);
-  linear_bf16([&](int64_t t, uint16_t* b) {
-    dequant_stored_tile(f.fmt, f.block, type_size, w, 16 * t, K, b);
-  }, N, K, groups, xp, y, bias);
+  in_row_passes(x, rows, K, N, y, [&](int64_t g, const uint16_t* xp, float* yp) {
+    linear_bf16([&](int64_t t, uint16_t* b) {
+      dequant_stored_tile(f.fmt, f.block, type_size, w, 16 * t, K, b);
+    }, N, K, g, xp, yp, bias);
+  });
   return rows;
 #else
   (void)type_size, (void)w, (void)N, (void)K, (void)M, (void)x, (void)y, (void)bias;
