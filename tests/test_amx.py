@@ -130,8 +130,9 @@ def test_bf16_tiles_on_stored_blocks_against_float64(amx: None, fmt: BlockFormat
                          ids=["Q4_0", "Q4_K"])
 def test_bf16_tiles_in_row_passes(amx: None, fmt: BlockFormat) -> None:
     """A product whose packed x would not stay in L2 runs in passes of rows (at K = 6,144,
-    256 rows a pass; quant_amx_bf16.cpp rows_per_pass): 600 rows are 256 + 256 + 88, each
-    pass the same numbers as those rows alone, and the whole within the float64 bound."""
+    256 rows a pass; quant_amx_bf16.cpp rows_per_pass): of 600 rows, 256 + 256 + 80 on the
+    tiles and the last 8 on VNNI's path; each range the same numbers as its rows alone, the
+    whole within the float64 bound."""
     if not isa_info().amx_bf16:
         pytest.skip("the CPU has no AMX-BF16")
     n, k = 32, 6144
