@@ -63,6 +63,27 @@ def test_int8_tiles_are_vnni_bit_for_bit(amx: None, fmt: BlockFormat) -> None:
                 assert torch.equal(ops.quant_linear(x, t, bias), want), (n, k, rows)
 
 
+KQUANTS = [PACKED_FORMATS[t] for t in (Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+
+
+@pytest.mark.parametrize("fmt", KQUANTS, ids=[f.name for f in KQUANTS])
+def test_int8_tiles_on_kquants_are_vnni_panels_bit_for_bit(amx: None, fmt: BlockFormat) -> None:
+    """The K-quants as stored (quant_amx_kquant.cpp): 9 rows and up, rows of x padded to whole
+    groups of 16 (9, 17, 31, 70), N not a multiple of 16 (40: a partial tile of weight rows),
+    one and several super-blocks, a block of x all zeros; with and without bias. At 8 rows
+    both levels take the decode rows."""
+    for n, k in ((48, 256), (40, 512), (64, 3 * 256)):
+        w = random_blocks(fmt, n, k, seed=k + n)
+        for rows in (8, 9, 16, 17, 31, 70):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            x[0, :32] = 0
+            for bias in (None, torch.randn(n)):
+                set_quant_isa("avx512vnni")
+                want = ops.quant_linear(x, w, bias)
+                assert set_quant_isa("amx") == "amx"
+                assert torch.equal(ops.quant_linear(x, w, bias), want), (n, k, rows)
+
+
 # amx-bf16 against float64 x @ W^T (W the exact dequantized blocks): x and W rounded to bf16
 # (2^-9 relative each), float32 sums. Measured relative error (Frobenius) 4e-4 .. 3.1e-3 on
 # these shapes, about half the int8 path's (9e-4 .. 5.4e-3): the bound is the int8 path's own.

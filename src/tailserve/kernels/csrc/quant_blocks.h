@@ -248,6 +248,11 @@ int64_t kquant_pairs_vnni(Fmt f, int64_t M, const uint8_t* w, int64_t n0, int64_
                           const float* xs32, float* y, int64_t N, const float* bias);
 #endif
 
+// Many rows of x on a K-quant (Q4_K, Q5_K, Q6_K) weight as stored, on AMX int8 tiles: the
+// VNNI panels' outputs bit for bit (quant_amx_kquant.cpp). False (nothing written) where
+// the build or the CPU has no AMX, or the weight is another format.
+bool kquant_linear_amx(const Packed& p, const QuantizedRows& x, float* y, const float* bias);
+
 // Any rows at any level: weight rows unpacked into a buffer, one dot product per (x row,
 // weight row) (quant_unpacked.cpp).
 void unpacked_linear(int isa, const Packed& p, const QuantizedRows& x, float* y,

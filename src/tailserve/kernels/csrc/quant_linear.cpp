@@ -8,7 +8,8 @@
 //   quant_panels.cpp       9 rows and more: unpacked, interleaved weight tiles (VNNI, AVX2)
 //   quant_unpacked.cpp     the rest (the scalar level): rows unpacked into a buffer
 //   quant_tiled.cpp        tiled 32-value formats, every row count
-//   quant_amx*.cpp         AMX tiles: int8 (tiled, VNNI's bits) and the opt-in bf16 (any)
+//   quant_amx*.cpp         AMX tiles: int8 (tiled, VNNI's bits; quant_amx_kquant.cpp the
+//                          K-quants as stored, the panels' bits) and the opt-in bf16 (any)
 //
 // A packed weight is a uint8 tensor [N, K / block, type_size]: each output row is a run of
 // whole ggml blocks, as in the file. type_size alone names the format (Q4_0 18, Q4_1 20,
@@ -161,6 +162,11 @@ void int8_rows(const Packed& p, const at::Tensor& xc, const float* bp, float* yp
     return;
   }
 #endif
+  // The K-quants' panels on int8 tiles (quant_amx_kquant.cpp); at amx-bf16, the rows its
+  // bf16 tiles left (a last partial group; N not a multiple of 16).
+  if (level >= tailserve_cpu::isa::kAmx && M >= kPanelMinRows && kquant_linear_amx(p, xr, yp, bp)) {
+    return;
+  }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   if (isa >= kAvx512Vnni && M >= kPanelMinRows) {
     panel_linear_vnni(p, xr, yp, bp);
