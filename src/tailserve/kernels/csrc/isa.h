@@ -28,9 +28,10 @@ namespace isa {
 // rounding q, K, p and V to bf16 moves near-tied greedy tokens (the VNNI level's answers are
 // the float32 attention's; tests/test_isa.py), for 1.2-1.3x the attention's speed.
 // kAmx: VNNI's kernels with the tiled GGUF products of 16+ rows of x, and the K-quants' of 9+
-// rows (quant_amx_kquant.cpp), on AMX int8 tiles (VNNI's bits), and the prefill attention of long calls on AMX bf16 tiles with split operands (hi +
-// lo, three tile products: at most 7e-5 off float64 on the tests' cases where float32 FMAs
-// are 1e-5 off and one bf16 rounding 4e-2; prefill_amx.cpp), short calls on float32 FMAs.
+// rows (quant_amx_kquant.cpp), on AMX int8 tiles (VNNI's bits), and the prefill attention of
+// long calls on AMX bf16 tiles with split operands (hi + lo, three tile products: at most
+// 7e-5 off float64 on the tests' cases where float32 FMAs are 1e-5 off and one bf16 rounding
+// 4e-2; prefill_amx.cpp), short calls on float32 FMAs.
 // Not an order above kAvx512Bf16: the two are alternatives, numbered apart.
 // kAmxBf16: opt-in, never best(): the tiled products of 16+ rows on AMX bf16 tiles (weights
 // dequantized to bf16 per call, x rounded to bf16, float32 sums over all of K) and the prefill

@@ -156,8 +156,7 @@ void pack_b(const quant::QuantizedRows& x, int64_t K, int64_t G, int64_t groups,
 }
 
 // The panels' epilogue for one group g, transposed: acc[n] (16 rows of x in lanes) for each of
-// the 16 weight rows n.
-template <int64_t G>
+// the 16 weight rows n; a and b are the group's column of [16][ng].
 __attribute__((always_inline)) inline void epilogue(const int32_t* c, const float* a,
                                                     const float* b, int64_t ng, __m512 dx,
                                                     __m512 xs, __m512* acc) {
@@ -199,7 +198,7 @@ void tile_group(const uint8_t* q, const float* a, const float* b, int64_t K, con
   auto finish = [&](int64_t g, const int32_t* cg) {
     const __m512 dx = _mm512_load_ps(dxb + (g * G / 32) * 16);
     const __m512 xs = _mm512_load_ps(xsb + g * 16);
-    epilogue<G>(cg, a + g, b + g, ng, dx, xs, acc);
+    epilogue(cg, a + g, b + g, ng, dx, xs, acc);
   };
   products(0, 0);
   for (int64_t g = 0, set = 0; g < ng; g += 2, set ^= 1) {
