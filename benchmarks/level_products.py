@@ -6,9 +6,10 @@ rate in TOP/s (2 M N K operations), per format, shape and row count of x
     python benchmarks/level_products.py --formats Q4_K,Q6_K --shapes 16384x3072,3072x8192 \\
         --rows 16,256 --levels avx512vnni,amx,amx-bf16
 
-Weights are random blocks (random bytes, half-precision scales of a realistic size): a product
-takes the same time whatever its values. The 32-value formats are timed tiled, as the runner
-serves them; the K-quants as stored. Levels the machine cannot run are skipped with the reason.
+Weights are decode_products.py's random blocks (random bytes, small finite half-precision
+scales): a product takes the same time whatever its values. The 32-value formats are timed
+tiled, as the runner serves them; the K-quants as stored. Levels the machine cannot run are
+skipped with the reason.
 """
 
 from __future__ import annotations
@@ -17,26 +18,13 @@ import argparse
 import time
 
 import gguf
-import numpy as np
 import torch
 
+from decode_products import random_blocks
 from tailserve.kernels import QUANT_ISAS, cpu_ops_available, set_quant_isa
-from tailserve.model.quant.formats import PACKED_FORMATS, BlockFormat, tile_blocks
+from tailserve.model.quant.formats import PACKED_FORMATS
 
 Q = gguf.GGMLQuantizationType
-# Byte offsets of each format's half-precision scales within a block (the rest stays random).
-HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-                "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_weight(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // fmt.block_size, fmt.type_size), dtype=np.uint8)
-    for off in HALF_OFFSETS[fmt.name]:
-        half = (rng.uniform(-1, 1, size=raw.shape[:2]) * 0.01).astype(np.float16)
-        raw[:, :, off:off + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
-    w = torch.from_numpy(raw)
-    return tile_blocks(w) if fmt.block_size == 32 else w
 
 
 def best_of(x: torch.Tensor, w: torch.Tensor, repeats: int) -> float:
@@ -77,7 +65,7 @@ def main() -> None:
         fmt = PACKED_FORMATS[getattr(Q, name)]
         for shape in a.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
-            w = random_weight(fmt, n, k)
+            w = random_blocks(n, k, fmt.type_size)
             for m in (int(r) for r in a.rows.split(",")):
                 x = torch.randn(m, k)
                 cells = []

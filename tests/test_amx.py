@@ -127,7 +127,8 @@ STORED = [PACKED_FORMATS[t] for t in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.Q8_0)]
 def test_bf16_tiles_on_stored_blocks_against_float64(amx: None, fmt: BlockFormat) -> None:
     """Weights as stored ([N, blocks, type_size]: the K-quants are never tiled) on the same
     bf16 tiles: each 16-row tile unpacked as the panels unpack it. Rows past the last whole
-    group, and N not a multiple of 16, stay on VNNI's panels."""
+    group, and N not a multiple of 16, take the int8 path: VNNI's numbers (9+ rows of a
+    K-quant on the int8 tiles, the panels' bits)."""
     if not isa_info().amx_bf16:
         pytest.skip("the CPU has no AMX-BF16")
     for n, k in ((32, 256), (48, 3 * 256), (40, 256)):
