@@ -232,7 +232,8 @@ def test_a_late_chunk_of_a_long_prompt_shrinks_with_its_attention() -> None:
                               2000, 500, 0.040, first_chunk=False) == 0
 
 
-def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk() -> None:
+def test_with_no_decode_a_step_is_capped_at_a_budget_sized_first_chunk(
+        no_arrival_risk: None) -> None:
     # 10 ms a step + 1 ms a prompt token + 3 us an attention pair; budget 64: the first
     # chunk (64 tokens, 2,080 pairs) is predicted at 80.24 ms, the cap. Later chunks read
     # more context and are cut (multiples of 32, then 16 / 8) so no step passes it.

@@ -51,6 +51,7 @@ from tailserve.config import (
 from tailserve.data.records import SchedulerSnapshot
 from tailserve.data.step import EngineOutput, RunnerOutput, SchedulerOutput
 from tailserve.engine.admission import check_admissible, check_queue_bound
+from tailserve.engine.arrival_watch import ArrivalWatch
 from tailserve.engine.latency import (
     MIN_PREFILL_CHUNK,
     PREFILL_ALIGN,
@@ -114,6 +115,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Fair share across tenants (engine/tenant_share.py); idle with one tenant.
         self.tenants = TenantShares()
+        # Arrivals that found the engine busy, per second of work: how long a step without
+        # decodes may take (step_time.prefill_step_cap).
+        self.arrivals = ArrivalWatch(clock())
         self._admit_counter = itertools.count()
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
@@ -143,7 +147,9 @@ class Scheduler:
             check_slo(req, slo_s, predicted, idle, len(self.waiting), len(self.running),
                       refuse=self.config.enable_slo_admission)
         req.status = RequestStatus.WAITING
-        self.tenants.arrived(req.tenant, self._clock())
+        now = self._clock()
+        self.arrivals.arrived(req.arrival_time, now, engine_busy=bool(self.requests))
+        self.tenants.arrived(req.tenant, now)
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
@@ -218,6 +224,9 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
 
+    def now(self) -> float:
+        return self._clock()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -281,6 +290,7 @@ class Scheduler:
         # The step-time model learns from every measured step (its prediction was made when
         # the step was built: sched.predicted_s).
         self.step_model.observe(self.shape_of(sched), step_s)
+        self.arrivals.stepped(now, step_s)
         has_prefill = sched.num_prefill_tokens > 0
         outputs = []
         for s in sched.scheduled:

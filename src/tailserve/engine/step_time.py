@@ -26,6 +26,10 @@ SHARED_STEP_SCALE = 2.0
 # cost (its ``base``: the weights streamed once a step, the host's work), so cutting a lone
 # prompt into chunks repeats that cost for at most ~1/10 of its prefill (``prefill_step_cap``).
 FIXED_COST_MULTIPLE = 10.0
+# A step without decodes may also take as long as keeps the arrivals expected while it runs
+# (``ArrivalWatch.expected``) under ARRIVAL_RISK: where nobody arrives while the engine works,
+# a lone prompt goes in whole-budget steps (``prefill_step_cap``).
+ARRIVAL_RISK = 0.05
 
 
 def prefill_step_cap(s: Scheduler) -> float | None:
@@ -40,7 +44,13 @@ def prefill_step_cap(s: Scheduler) -> float | None:
     model whose every step streams its weights, the ITL SLO alone cut a lone prompt into
     16-token steps that cost mostly that (Llama-3.2-1B shape, Q4_0, 2 cores: 65 ms a
     16-token step, a 2,000-token prompt in 124 steps and 9.9 s, 6.6 s in 512-token ones).
-    None when steps are not sized by time (no ITL SLO, or no chunking)."""
+    And never below the step in which ARRIVAL_RISK arrivals are expected, by the rate of
+    arrivals that found the engine busy lately (``engine/arrival_watch.py``), whole budget
+    or not: the cap protects arrivals, and where none come (a closed-loop client, one
+    user) it only cut the prompt (a lone 2,000-token prompt on the bundled model: 1,120 ms
+    in ~100 ms steps, 890 in whole-budget ones). Under Poisson arrivals at 0.5/s that step
+    is 0.1 s, the ITL cap's own size. None when steps are not sized by time (no ITL SLO,
+    or no chunking)."""
     cfg = s.config
     itl = [r.slo.itl_s for r in s.running if r.slo.itl_s is not None]
     if cfg.slo_itl_s is not None:
@@ -50,7 +60,8 @@ def prefill_step_cap(s: Scheduler) -> float | None:
     model = s.step_model
     whole = model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
     floor = FIXED_COST_MULTIPLE * model.predict(StepShape())
-    return min(whole, max(step_time_budget(model, min(itl)), floor))
+    quiet = ARRIVAL_RISK / s.arrivals.rate(s.now())
+    return max(min(whole, max(step_time_budget(model, min(itl)), floor)), quiet)
 
 
 def step_time_target(s: Scheduler, b: StepBudget) -> float | None:
