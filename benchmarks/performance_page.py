@@ -287,9 +287,12 @@ def describe(report: dict[str, Any], name: str) -> str:
     slos = report.get("slos_ms") or {}
     good = (f", goodput SLOs TTFT <= {slos['ttft_ms']:g} ms and no gap > {slos['itl_ms']:g} ms"
             if "ttft_ms" in slos and "itl_ms" in slos else "")
+    # A run's A/B rows against an older tree are left off the page (the user's figures are
+    # the tree's own); the report says which and where the full one is kept.
+    left = f". Rows left out: {report['rows_left_out']}" if report.get("rows_left_out") else ""
     return (f"`{name}`: commit {report.get('commit', 'not recorded')}, "
             f"date {report.get('date', 'not recorded')}, {machine_class(report)}, "
-            f"client `{report.get('client', '?')}`, load average {load}{good}")
+            f"client `{report.get('client', '?')}`, load average {load}{good}{left}")
 
 
 def render(reports: dict[str, dict[str, Any]],

@@ -106,6 +106,13 @@ def test_rounds_and_variants(pp: ModuleType) -> None:
     ]
 
 
+def test_rows_left_out_of_a_run_are_named_where_the_run_is_described(pp: ModuleType) -> None:
+    plain = pp.describe(REPORT, "a.json")
+    assert "Rows left out" not in plain
+    left = pp.describe({**REPORT, "rows_left_out": "tailserve[before]: an A/B row"}, "a.json")
+    assert left == plain + ". Rows left out: tailserve[before]: an A/B row"
+
+
 def test_a_smoke_run_is_listed_not_tabled_and_no_run_says_so(pp: ModuleType) -> None:
     smoke = {**REPORT, "smoke": True}
     page = pp.render({"smoke.json": smoke})
