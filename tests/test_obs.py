@@ -237,8 +237,11 @@ def test_gauges_show_the_newest_report_at_every_scrape() -> None:
     m.on_engine_state(EngineState(1.0, 5, 1, 10, 100, 0, memory={"rss_bytes": 1e9,
                                                                    "memory_alerts_total": 1}))
     m.on_step(step(num_running=4, free_blocks=20, total_blocks=100, itl_target_s=0.05,
-                   step_model={"base_ms": 3.0}, memory={"rss_bytes": 2e9}))
+                   step_model={"base_ms": 3.0}, memory={"rss_bytes": 2e9},
+                   prefill_step_cap_s=0.25, busy_arrival_rate=0.2))
     s = scrape(m)
+    assert s[("tailserve:prefill_step_cap_seconds", ())] == 0.25
+    assert s[("tailserve:busy_arrival_rate", ())] == 0.2
     assert s[("tailserve:num_requests_running", ())] == 4
     assert s[("tailserve:kv_cache_free_blocks", ())] == 20
     assert s[("tailserve:engine_resident_memory_bytes", ())] == 2e9

@@ -37,6 +37,11 @@ class SchedulerSnapshot:
     # deadline - the step's start).
     min_decode_slack_s: float | None = None
     step_model: dict[str, float] = field(default_factory=dict)
+    # The most a step without decodes may take now (``step_time.prefill_step_cap``; None:
+    # steps are not sized by time) and the rate of arrivals that found the engine busy, per
+    # second of its work (``engine/arrival_watch.py``), that sets its floor.
+    prefill_step_cap_s: float | None = None
+    busy_arrival_rate: float | None = None
 
 
 @dataclass

@@ -146,6 +146,11 @@ class StepStats:
     # deadline - the step's start); /metrics' tailserve:min_decode_slack_seconds.
     min_decode_slack_s: float | None = None
     step_model: dict[str, float] = field(default_factory=dict)
+    # After the step: the most a step without decodes may take (None: not sized by time) and
+    # the arrivals that found the engine busy per second of its work, which set its floor
+    # (/metrics' tailserve:prefill_step_cap_seconds and tailserve:busy_arrival_rate).
+    prefill_step_cap_s: float | None = None
+    busy_arrival_rate: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

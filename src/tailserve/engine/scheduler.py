@@ -231,8 +231,9 @@ class Scheduler:
         return bool(self.requests)
 
     def snapshot(self) -> SchedulerSnapshot:
-        """Queue lengths, preemptions, the block manager's counters and the step-time model
-        (its ``describe``: well under a microsecond), as a frozen value."""
+        """Queue lengths, preemptions, the block manager's counters, the step-time model (its
+        ``describe``: well under a microsecond) and the cap on a step without decodes with the
+        arrival rate behind it (two predictions: a few microseconds), as a frozen value."""
         return SchedulerSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -241,6 +242,8 @@ class Scheduler:
             itl_target_s=self.itl_target_s,
             min_decode_slack_s=self.min_decode_slack_s,
             step_model=self.step_model.describe(),
+            prefill_step_cap_s=prefill_step_cap(self),
+            busy_arrival_rate=self.arrivals.rate(self._clock()),
         )
 
     # ---------------------------------------------------------------- schedule

@@ -1,7 +1,8 @@
 """The step-time model's families of ``/metrics`` (``stepcost.py``; docs/slo.md): its prediction
 of each step, made before the step ran, next to the measured ``engine_step_seconds``
 (rate(abs_error) / rate(engine_step_seconds_sum) is its mean relative error); its coefficients,
-the ITL target and the tightest decode's slack in force after the latest step, as gauges.
+the ITL target, the tightest decode's slack, the cap on a step without decodes and the
+arrival rate behind it in force after the latest step, as gauges.
 
 The gauges keep only the newest step's values and are set when the page renders (``flush``):
 a scrape reads only the last ones, and setting them on every step cost the API process CPU.
@@ -41,8 +42,17 @@ class StepModelMetrics:
         self.min_decode_slack_seconds = gauge(
             "min_decode_slack_seconds", "The slack of the tightest running decode at the latest "
             "step with decodes (its next token's deadline - the step's start; < 0: late).")
+        self.prefill_step_cap_seconds = gauge(
+            "prefill_step_cap_seconds", "The most a step without decodes may take after the "
+            "latest step: the ITL SLO's cap, or longer where few arrive while the engine works "
+            "(0: steps not sized by time).")
+        self.busy_arrival_rate = gauge(
+            "busy_arrival_rate", "Requests that arrived while the engine was working, per "
+            "second of its work, decayed over ~30 s (with a prior of 1): a step without "
+            "decodes may take 0.05 / this.")
         # The newest step's gauge values, until the next flush.
         self._step_model: Mapping[str, float] | None = None
+        self._cap: tuple[float, float] | None = None
         self._itl_target_s = 0.0
         self._min_slack_s: float | None = None
 
@@ -54,6 +64,8 @@ class StepModelMetrics:
         self._itl_target_s = stats.itl_target_s or 0.0
         if stats.min_decode_slack_s is not None:
             self._min_slack_s = stats.min_decode_slack_s
+        if stats.busy_arrival_rate is not None:
+            self._cap = (stats.prefill_step_cap_s or 0.0, stats.busy_arrival_rate)
 
     def flush(self) -> None:
         """The newest step's values onto the gauges."""
@@ -65,3 +77,7 @@ class StepModelMetrics:
         if self._min_slack_s is not None:
             self.min_decode_slack_seconds.set(self._min_slack_s)
             self._min_slack_s = None
+        if self._cap is not None:
+            self.prefill_step_cap_seconds.set(self._cap[0])
+            self.busy_arrival_rate.set(self._cap[1])
+            self._cap = None
