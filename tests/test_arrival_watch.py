@@ -20,7 +20,6 @@ def test_the_rate_starts_at_the_prior_and_falls_with_work_nobody_arrives_during(
     assert w.rate(0.0) == pytest.approx(1.0 / PRIOR_BUSY_S)
     w.stepped(2.0, 2.0)  # two seconds of steps, nobody arrived
     assert w.rate(2.0) == pytest.approx(1.0 / (2.0 + PRIOR_BUSY_S))
-    assert w.expected(2.0, 0.5) == pytest.approx(0.5 * w.rate(2.0))
     # An arrival while requests were there counts; one into an idle engine after the last
     # step ended does not (a closed-loop client's next request).
     w.arrived(arrival_time=2.5, now=2.5, engine_busy=False)

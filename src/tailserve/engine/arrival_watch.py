@@ -15,7 +15,8 @@ assumes company until it has worked a while alone. Under Poisson arrivals the sh
 arrivals that find the engine busy is its busy share, so arrivals-while-busy per busy second
 estimates the arrival rate itself; a closed-loop client, which sends its next request only
 after the last answer, never arrives while busy and drives it to zero. Torch-free, data in,
-data out: the scheduler tells it of arrivals and steps, and asks for ``expected``.
+data out: the scheduler tells it of arrivals and steps, and asks for the ``rate`` (a step of
+T seconds expects rate x T arrivals).
 """
 
 from __future__ import annotations
@@ -63,7 +64,3 @@ class ArrivalWatch:
         """Arrivals while busy per second of work, with the prior (per second)."""
         self._decay(now)
         return (self.busy_arrivals + 1.0) / (self.busy_s + PRIOR_BUSY_S)
-
-    def expected(self, now: float, seconds: float) -> float:
-        """The arrivals expected during a step of ``seconds``."""
-        return self.rate(now) * seconds

@@ -27,8 +27,8 @@ SHARED_STEP_SCALE = 2.0
 # prompt into chunks repeats that cost for at most ~1/10 of its prefill (``prefill_step_cap``).
 FIXED_COST_MULTIPLE = 10.0
 # A step without decodes may also take as long as keeps the arrivals expected while it runs
-# (``ArrivalWatch.expected``) under ARRIVAL_RISK: where nobody arrives while the engine works,
-# a lone prompt goes in whole-budget steps (``prefill_step_cap``).
+# (``ArrivalWatch.rate`` x its time) under ARRIVAL_RISK: where nobody arrives while the engine
+# works, a lone prompt goes in whole-budget steps (``prefill_step_cap``).
 ARRIVAL_RISK = 0.05
 
 
