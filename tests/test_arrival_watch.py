@@ -80,6 +80,7 @@ def test_a_closed_loop_client_gets_whole_budget_steps_and_arrivals_bring_the_cap
              max_model_len=4200, num_kv_blocks=640)
     runner = FakeRunner()
     assert prefill_step_cap(s) == pytest.approx(0.126)
+    assert s.snapshot().prefill_step_cap_by == "itl_slo"
     sizes = _closed_loop(s, runner, clock, 24, 600)
     assert sizes[0] == sizes[1] == [96] * 6 + [24]
     # The first chunk grows with the work done alone (0.05 x (work + 1 s)), never shrinks.
@@ -90,6 +91,10 @@ def test_a_closed_loop_client_gets_whole_budget_steps_and_arrivals_bring_the_cap
     # that long too.
     assert prefill_step_cap(s) == pytest.approx(ARRIVAL_RISK / s.arrivals.rate(clock.t))
     assert prefill_step_cap(s) > 0.522
+    snap = s.snapshot()
+    assert (snap.prefill_step_cap_s, snap.prefill_step_cap_by) == (prefill_step_cap(s),
+                                                                   "arrivals")
+    assert snap.busy_arrival_rate == s.arrivals.rate(clock.t)
     # Open loop: a 4,000-token prompt, and 20-token prompts arriving every 150 ms.
     s.add_request(req("long", 4000, clock.t))
     next_short, k, late = clock.t + 0.15, 0, []
@@ -103,4 +108,5 @@ def test_a_closed_loop_client_gets_whole_budget_steps_and_arrivals_bring_the_cap
     assert late[0] == 512 and max(late[1:]) <= 96
     assert s.arrivals.rate(clock.t) > 1.0
     assert prefill_step_cap(s) == pytest.approx(0.126)
+    assert s.snapshot().prefill_step_cap_by == "itl_slo"
     assert ARRIVAL_RISK / s.arrivals.rate(clock.t) < 0.126

@@ -355,6 +355,32 @@ def test_a_first_token_behind_prefill_only_steps_names_their_cap() -> None:
     assert "--slo-itl-ms (it caps steps without decodes" not in plain.advice
 
 
+def test_prefill_only_steps_under_the_arrival_watchs_cap_are_named() -> None:
+    # The same run, its steps recorded as capped by the arrival rate (few arrivals while the
+    # engine worked: 0.1/s, so 0.5 s steps): the first token's advice says so, and counts
+    # the steps without decodes that ran under that cap (the one in force after the step
+    # before). Capped by the ITL SLO, it says nothing of it.
+    res = _with_target(result_of("interference"), 0.5)
+    for r in res["tailserve"]["server"]["timeline"]:
+        if r["kind"] == "step":
+            r |= {"prefill_step_cap_by": "arrivals", "prefill_step_cap_s": 0.5,
+                  "busy_arrival_rate": 0.1}
+    ttft = diagnose(run_from_result(res)).tails["ttft"].causes[0]
+    assert ttft.cause == "prefill_interference"
+    assert "ran under a longer cap: few requests had arrived while the engine worked " \
+           "(0.1/s)" in ttft.advice, ttft.advice
+    steps = [r for r in res["tailserve"]["server"]["timeline"] if r["kind"] == "step"]
+    alone = sum(1 for r in steps[1:] if r["num_prefill_tokens"] and not r["num_decode_seqs"])
+    assert ttft.evidence["prefill_only_steps_past_the_itl_cap"] == alone > 0
+    assert ttft.evidence["busy_arrival_rate_per_s"] == 0.1
+    for r in res["tailserve"]["server"]["timeline"]:
+        if r["kind"] == "step":
+            r["prefill_step_cap_by"] = "itl_slo"
+    ttft = diagnose(run_from_result(res)).tails["ttft"].causes[0]
+    assert "longer cap" not in ttft.advice
+    assert "prefill_only_steps_past_the_itl_cap" not in ttft.evidence
+
+
 def test_closed_loop_queueing_advice_is_about_the_client() -> None:
     res = {**result_of("queueing"), "request_rate": "inf"}
     d = diagnose(run_from_result(res))

@@ -62,10 +62,11 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
         top = float(np.max(steps.step_s[alone])) * 1e3
         ev |= {"median_prefill_only_step_ms": round(med, 3),
                "max_prefill_only_step_ms": round(top, 3)}
-        return (f"a prompt that arrives while others prefill waits for the step in flight: "
-                f"steps without decodes took {med:.0f} ms at the median and up to {top:.0f} "
-                "ms; a lower --slo-itl-ms (it caps steps without decodes too) makes that "
-                "wait shorter, at a few more steps' fixed cost for long prompts.")
+        advice = (f"a prompt that arrives while others prefill waits for the step in flight: "
+                  f"steps without decodes took {med:.0f} ms at the median and up to {top:.0f} "
+                  "ms; a lower --slo-itl-ms (it caps steps without decodes too) makes that "
+                  "wait shorter, at a few more steps' fixed cost for long prompts.")
+        return advice + _quiet_cap_note(steps, alone, ev)
     target = float(np.nanmedian(steps.itl_target))
     mixed = (steps.prefill > 0) & (steps.decode > 0)
     decode_only = (steps.prefill == 0) & (steps.decode > 0)
@@ -87,6 +88,24 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
                 "makes prefill take more, smaller steps: TTFT rises.")
     return (f"prefill steps stay near the ITL target ({target * 1e3:.0f} ms), which the tail "
             "is made of: lower --slo-itl-ms to trade TTFT for a steadier ITL.")
+
+
+def _quiet_cap_note(steps: Steps, alone: np.ndarray, ev: dict[str, Any]) -> str:
+    """Where the cap on steps without decodes was the arrival watch's (the step in which
+    0.05 arrivals are expected, past the ITL SLO's cap; the cap in force after the step
+    before), say so: the engine had seen few arrivals while it worked, and the first ones
+    after such a stretch waited for a long step."""
+    before = np.array([False] + [by == "arrivals" for by in steps.prefill_cap_by[:-1]])
+    lifted = alone & before
+    if not lifted.any():
+        return ""
+    rate = float(np.nanmedian(steps.arrival_rate[np.flatnonzero(lifted) - 1]))
+    ev |= {"prefill_only_steps_past_the_itl_cap": int(lifted.sum()),
+           "busy_arrival_rate_per_s": round(rate, 4)}
+    return (f" {int(lifted.sum())} of them ran under a longer cap: few requests had arrived "
+            f"while the engine worked ({rate:.2g}/s), so a step without decodes could take "
+            "0.05 / that; the cap returns once arrivals keep finding the engine busy "
+            "(docs/slo.md).")
 
 
 def explain(c: CauseShare, mt: MetricTail, s: Samples, run: RunData,

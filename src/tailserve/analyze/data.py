@@ -80,6 +80,11 @@ class Steps:
     pairs: np.ndarray = field(default_factory=lambda: np.zeros(0))
     predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))  # engine's; NaN: none
     itl_target: np.ndarray = field(default_factory=lambda: np.zeros(0))  # s; NaN: none
+    # After each step: the cap on a step without decodes (s) and the busy-arrival rate (/s)
+    # that may lift it (engine/arrival_watch.py); NaN where not recorded.
+    prefill_cap: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    arrival_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    prefill_cap_by: list[str | None] = field(default_factory=list)  # what set the cap
 
     def __post_init__(self) -> None:
         n = len(self.prefill)
@@ -92,6 +97,12 @@ class Steps:
             self.predicted = np.full(n, np.nan)
         if len(self.itl_target) != n:
             self.itl_target = np.full(n, np.nan)
+        if len(self.prefill_cap) != n:
+            self.prefill_cap = np.full(n, np.nan)
+        if len(self.arrival_rate) != n:
+            self.arrival_rate = np.full(n, np.nan)
+        if len(self.prefill_cap_by) != n:
+            self.prefill_cap_by = [None] * n
 
     def __len__(self) -> int:
         return len(self.t)
@@ -124,7 +135,9 @@ class Steps:
                    total_blocks=col("total_blocks"), preemptions=col("num_preemptions"),
                    blocked_by=[r.get("admission_blocked_by") for r in records], rss=rss,
                    context=col("num_decode_context_tokens"), pairs=pairs,
-                   predicted=opt("predicted_s"), itl_target=opt("itl_target_s"))
+                   predicted=opt("predicted_s"), itl_target=opt("itl_target_s"),
+                   prefill_cap=opt("prefill_step_cap_s"), arrival_rate=opt("busy_arrival_rate"),
+                   prefill_cap_by=[r.get("prefill_step_cap_by") for r in records])
 
 
 @dataclass

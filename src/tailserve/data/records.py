@@ -41,6 +41,7 @@ class SchedulerSnapshot:
     # steps are not sized by time) and the rate of arrivals that found the engine busy, per
     # second of its work (``engine/arrival_watch.py``), that sets its floor.
     prefill_step_cap_s: float | None = None
+    prefill_step_cap_by: str | None = None  # itl_slo | fixed_cost | token_budget | arrivals
     busy_arrival_rate: float | None = None
 
 

@@ -150,6 +150,9 @@ class StepStats:
     # the arrivals that found the engine busy per second of its work, which set its floor
     # (/metrics' tailserve:prefill_step_cap_seconds and tailserve:busy_arrival_rate).
     prefill_step_cap_s: float | None = None
+    # What set that cap: itl_slo, fixed_cost, token_budget or arrivals (few arrive while the
+    # engine works: step_time.prefill_step_cap_by).
+    prefill_step_cap_by: str | None = None
     busy_arrival_rate: float | None = None
 
     def as_dict(self) -> dict[str, Any]:

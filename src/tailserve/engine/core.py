@@ -253,6 +253,7 @@ class EngineCore:
             min_decode_slack_s=snap.min_decode_slack_s,
             step_model=snap.step_model,
             prefill_step_cap_s=snap.prefill_step_cap_s,
+            prefill_step_cap_by=snap.prefill_step_cap_by,
             busy_arrival_rate=snap.busy_arrival_rate,
         )
         self._last_queries, self._last_hits = kv.prefix_cache_queries, kv.prefix_cache_hits

@@ -62,7 +62,12 @@ from tailserve.engine.latency import (
 )
 from tailserve.engine.step_budget import StepBudget
 from tailserve.engine.step_phases import build_output, schedule_decodes, schedule_prefills
-from tailserve.engine.step_time import prefill_step_cap, present_tenants, step_time_target
+from tailserve.engine.step_time import (
+    prefill_step_cap,
+    prefill_step_cap_by,
+    present_tenants,
+    step_time_target,
+)
 from tailserve.engine.tenant_share import TenantShares
 from tailserve.engine.waiting_queue import WaitingQueue, make_waiting_queue
 from tailserve.errors import InvalidRequestError
@@ -234,6 +239,7 @@ class Scheduler:
         """Queue lengths, preemptions, the block manager's counters, the step-time model (its
         ``describe``: well under a microsecond) and the cap on a step without decodes with the
         arrival rate behind it (two predictions: a few microseconds), as a frozen value."""
+        cap_s, cap_by = prefill_step_cap_by(self)
         return SchedulerSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -242,7 +248,8 @@ class Scheduler:
             itl_target_s=self.itl_target_s,
             min_decode_slack_s=self.min_decode_slack_s,
             step_model=self.step_model.describe(),
-            prefill_step_cap_s=prefill_step_cap(self),
+            prefill_step_cap_s=cap_s,
+            prefill_step_cap_by=cap_by,
             busy_arrival_rate=self.arrivals.rate(self._clock()),
         )
 

@@ -33,7 +33,13 @@ ARRIVAL_RISK = 0.05
 
 
 def prefill_step_cap(s: Scheduler) -> float | None:
-    """The time a step with no decode may take: the tightest ITL SLO among the running
+    """The time a step with no decode may take (``prefill_step_cap_by`` without its why)."""
+    return prefill_step_cap_by(s)[0]
+
+
+def prefill_step_cap_by(s: Scheduler) -> tuple[float | None, str | None]:
+    """The time a step with no decode may take, and what set it: ``itl_slo``,
+    ``fixed_cost``, ``token_budget`` or ``arrivals``. The tightest ITL SLO among the running
     requests and the server's (less the margin), never more than a chunk of the whole
     token budget at a prompt's start is predicted to take. It is what a decode would allow
     right after its token, and what a prompt that arrives meanwhile waits for: late
@@ -56,12 +62,16 @@ def prefill_step_cap(s: Scheduler) -> float | None:
     if cfg.slo_itl_s is not None:
         itl.append(cfg.slo_itl_s)
     if not (itl and cfg.enable_chunked_prefill):
-        return None
+        return None, None
     model = s.step_model
     whole = model.predict(StepShape().plus_chunk(0, cfg.max_num_batched_tokens))
     floor = FIXED_COST_MULTIPLE * model.predict(StepShape())
+    slo = step_time_budget(model, min(itl))
+    cap, by = (slo, "itl_slo") if slo >= floor else (floor, "fixed_cost")
+    if whole < cap:
+        cap, by = whole, "token_budget"
     quiet = ARRIVAL_RISK / s.arrivals.rate(s.now())
-    return max(min(whole, max(step_time_budget(model, min(itl)), floor)), quiet)
+    return (quiet, "arrivals") if quiet > cap else (cap, by)
 
 
 def step_time_target(s: Scheduler, b: StepBudget) -> float | None:
