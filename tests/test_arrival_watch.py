@@ -67,30 +67,32 @@ def _closed_loop(s: Scheduler, runner: FakeRunner, clock: Clock, n_prompts: int,
 
 def test_a_closed_loop_client_gets_whole_budget_steps_and_arrivals_bring_the_cap_back(
         ) -> None:
-    """10 ms a step + 1 ms a prompt token, a 512-token budget (522 ms whole), an ITL SLO that
+    """10 ms a step + 1 ms a prompt token, a 256-token budget (266 ms whole), an ITL SLO that
     caps a step without decodes at 126 ms (96 tokens). Cold, the watch assumes one arrival a
-    second: the step that keeps 0.05 arrivals expected is 50 ms, under the cap, so 96-token
+    second: the step that keeps 0.02 arrivals expected is 20 ms, under the cap, so 96-token
     chunks. A client sending one 600-token prompt after another never arrives while the
-    engine works; after ~9.4 s of work (rate 1 / (9.4 + 1) = 0.096/s: 0.522 s expects 0.05)
-    its prompts go in whole-budget steps. Then short prompts arriving every 150 ms while a
-    long one runs bring the cap back after one step."""
+    engine works; once it has ~12.3 s of work behind it (decayed: rate 1 / (12.3 + 1), so
+    0.266 s expects 0.02) its prompts go in whole-budget steps. Then short prompts arriving
+    every 150 ms while a long one runs bring the cap back after one step."""
     clock = Clock()
     # No prefix cache: the fake prompts repeat every 40 tokens.
-    s = make(clock, target_s=0.126, max_num_batched_tokens=512, enable_prefix_caching=False,
+    s = make(clock, target_s=0.126, max_num_batched_tokens=256, enable_prefix_caching=False,
              max_model_len=4200, num_kv_blocks=640)
     runner = FakeRunner()
     assert prefill_step_cap(s) == pytest.approx(0.126)
     assert s.snapshot().prefill_step_cap_by == "itl_slo"
-    sizes = _closed_loop(s, runner, clock, 24, 600)
-    assert sizes[0] == sizes[1] == [96] * 6 + [24]
-    # The first chunk grows with the work done alone (0.05 x (work + 1 s)), never shrinks.
+    sizes = _closed_loop(s, runner, clock, 30, 600)
+    assert sizes[0] == sizes[8] == [96] * 6 + [24]
+    # The first chunk grows with the work done alone (0.02 x (work + 1 s)), never shrinks.
     firsts = [c[0] for c in sizes]
-    assert firsts == sorted(firsts) and firsts[-1] == 512 and sizes[-1] == [512, 88]
+    assert firsts == sorted(firsts) and sizes[-1] == [256, 256, 88]
+    whole = next(i for i, c in enumerate(sizes) if c == [256, 256, 88])
+    assert 15 < whole < 30, firsts
     assert s.arrivals.busy_arrivals == 0.0
-    # Past a whole budget's first chunk (522 ms): a late chunk of a long prompt may take
+    # Past a whole budget's first chunk (266 ms): a late chunk of a long prompt may take
     # that long too.
     assert prefill_step_cap(s) == pytest.approx(ARRIVAL_RISK / s.arrivals.rate(clock.t))
-    assert prefill_step_cap(s) > 0.522
+    assert prefill_step_cap(s) > 0.266
     snap = s.snapshot()
     assert (snap.prefill_step_cap_s, snap.prefill_step_cap_by) == (prefill_step_cap(s),
                                                                    "arrivals")
@@ -104,8 +106,8 @@ def test_a_closed_loop_client_gets_whole_budget_steps_and_arrivals_bring_the_cap
             next_short += 0.15
             k += 1
         late.append(dict(step(s, runner, clock)).get("long", 0))
-    # One whole-budget step (522 ms: three short prompts waited for it), then the cap.
-    assert late[0] == 512 and max(late[1:]) <= 96
+    # One whole-budget step (266 ms: a short prompt waited for it), then the cap.
+    assert late[0] == 256 and max(late[1:]) <= 96
     assert s.arrivals.rate(clock.t) > 1.0
     assert prefill_step_cap(s) == pytest.approx(0.126)
     assert s.snapshot().prefill_step_cap_by == "itl_slo"

@@ -92,8 +92,8 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
 
 def _quiet_cap_note(steps: Steps, alone: np.ndarray, ev: dict[str, Any]) -> str:
     """Where the cap on steps without decodes was the arrival watch's (the step in which
-    0.05 arrivals are expected, past the ITL SLO's cap; the cap in force after the step
-    before), say so: the engine had seen few arrivals while it worked, and the first ones
+    ``step_time.ARRIVAL_RISK`` arrivals are expected, past the ITL SLO's cap; the cap in
+    force after the step before), say so: the engine had seen few arrivals while it worked, and the first ones
     after such a stretch waited for a long step."""
     before = np.array([False] + [by == "arrivals" for by in steps.prefill_cap_by[:-1]])
     lifted = alone & before
@@ -104,7 +104,7 @@ def _quiet_cap_note(steps: Steps, alone: np.ndarray, ev: dict[str, Any]) -> str:
            "busy_arrival_rate_per_s": round(rate, 4)}
     return (f" {int(lifted.sum())} of them ran under a longer cap: few requests had arrived "
             f"while the engine worked ({rate:.2g}/s), so a step without decodes could take "
-            "0.05 / that; the cap returns once arrivals keep finding the engine busy "
+            "longer; the cap returns once arrivals keep finding the engine busy "
             "(docs/slo.md).")
 
 

@@ -28,8 +28,11 @@ SHARED_STEP_SCALE = 2.0
 FIXED_COST_MULTIPLE = 10.0
 # A step without decodes may also take as long as keeps the arrivals expected while it runs
 # (``ArrivalWatch.rate`` x its time) under ARRIVAL_RISK: where nobody arrives while the engine
-# works, a lone prompt goes in whole-budget steps (``prefill_step_cap``).
-ARRIVAL_RISK = 0.05
+# works, a lone prompt goes in whole-budget steps (``prefill_step_cap``). At 0.05 the estimate
+# of a 0.5 req/s Poisson load sat near the line (0.05 / 0.5 = 0.1 s, the ITL cap's size) and
+# its dips let long steps through: the long-mix shorts' P99 came 2.33-2.97x their median
+# against 2.05-2.66x before (benchmarks/notes/scheduling.md); at 0.02 the line is 0.2 req/s.
+ARRIVAL_RISK = 0.02
 
 
 def prefill_step_cap(s: Scheduler) -> float | None:
@@ -55,8 +58,8 @@ def prefill_step_cap_by(s: Scheduler) -> tuple[float | None, str | None]:
     or not: the cap protects arrivals, and where none come (a closed-loop client, one
     user) it only cut the prompt (a lone 2,000-token prompt on the bundled model: 1,120 ms
     in ~100 ms steps, 890 in whole-budget ones). Under Poisson arrivals at 0.5/s that step
-    is 0.1 s, the ITL cap's own size. None when steps are not sized by time (no ITL SLO,
-    or no chunking)."""
+    is 40 ms, under the ITL cap. None when steps are not sized by time (no ITL SLO, or no
+    chunking)."""
     cfg = s.config
     itl = [r.slo.itl_s for r in s.running if r.slo.itl_s is not None]
     if cfg.slo_itl_s is not None:

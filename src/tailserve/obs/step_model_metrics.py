@@ -49,7 +49,7 @@ class StepModelMetrics:
         self.busy_arrival_rate = gauge(
             "busy_arrival_rate", "Requests that arrived while the engine was working, per "
             "second of its work, decayed over ~30 s (with a prior of 1): a step without "
-            "decodes may take 0.05 / this.")
+            "decodes may take 0.02 / this (step_time.ARRIVAL_RISK).")
         # The newest step's gauge values, until the next flush.
         self._step_model: Mapping[str, float] | None = None
         self._cap: tuple[float, float] | None = None
