@@ -93,8 +93,8 @@ def _interference_advice(steps: Steps | None, ev: dict[str, Any], metric: str) -
 def _quiet_cap_note(steps: Steps, alone: np.ndarray, ev: dict[str, Any]) -> str:
     """Where the cap on steps without decodes was the arrival watch's (the step in which
     ``step_time.ARRIVAL_RISK`` arrivals are expected, past the ITL SLO's cap; the cap in
-    force after the step before), say so: the engine had seen few arrivals while it worked, and the first ones
-    after such a stretch waited for a long step."""
+    force after the step before), say so: the engine had seen few arrivals while it
+    worked, and the first ones after such a stretch waited for a long step."""
     before = np.array([False] + [by == "arrivals" for by in steps.prefill_cap_by[:-1]])
     lifted = alone & before
     if not lifted.any():
