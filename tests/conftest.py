@@ -26,25 +26,24 @@ if not os.environ.get("TRITON_INTERPRET"):
 
 
 @pytest.fixture
-def itl_cap_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Schedules worked out for the ITL SLO's cap alone: without the floor of
-    FIXED_COST_MULTIPLE x the fake model's 10 ms fixed cost (100 ms), which
-    tests/test_scheduler_time.py::test_a_lone_prompt_on_a_heavy_model_is_not_cut_into_tiny_steps
-    tests on its own, and without the step the arrival rate allows (ARRIVAL_RISK; its own
-    tests in tests/test_arrival_watch.py)."""
+def no_arrival_risk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schedules worked out without the step the arrival rate allows (ARRIVAL_RISK; its own
+    tests in tests/test_arrival_watch.py): a long run of fake steps with nobody arriving
+    would lift the cap they test."""
     from tailserve.engine import step_time
 
-    monkeypatch.setattr(step_time, "FIXED_COST_MULTIPLE", 0.0)
     monkeypatch.setattr(step_time, "ARRIVAL_RISK", 0.0)
 
 
 @pytest.fixture
-def no_arrival_risk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Schedules worked out without the step the arrival rate allows (ARRIVAL_RISK): a
-    long run of fake steps with nobody arriving would lift the cap they test."""
+def itl_cap_only(monkeypatch: pytest.MonkeyPatch, no_arrival_risk: None) -> None:
+    """Schedules worked out for the ITL SLO's cap alone: without the floor of
+    FIXED_COST_MULTIPLE x the fake model's 10 ms fixed cost (100 ms), which
+    tests/test_scheduler_time.py::test_a_lone_prompt_on_a_heavy_model_is_not_cut_into_tiny_steps
+    tests on its own, nor the arrival rate's step (``no_arrival_risk``)."""
     from tailserve.engine import step_time
 
-    monkeypatch.setattr(step_time, "ARRIVAL_RISK", 0.0)
+    monkeypatch.setattr(step_time, "FIXED_COST_MULTIPLE", 0.0)
 
 
 @pytest.fixture(scope="session")
