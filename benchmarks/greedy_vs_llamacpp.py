@@ -31,6 +31,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from server_util import free_port, wait_for_health
+from serving_peers import best_llama_flags, cpu_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [
@@ -152,8 +153,11 @@ def main() -> int:
         env = {**os.environ, "MODEL_GGUF": gguf, "TAILSERVE_PYTHON": sys.executable}
         if args.threads is not None:
             env["LLAMA_THREADS"] = str(args.threads)
+        # serving_peers.py's flags for this CPU (--no-repack on AMX: b11434's repack
+        # segfaults there at start).
+        flags, _why = best_llama_flags(cpu_flags())
         proc = subprocess.Popen(["bash", os.path.join(HERE, "peers", "start_llamacpp.sh"),
-                                 str(port)], env=env, stdout=subprocess.DEVNULL,
+                                 str(port), *flags], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         if not wait_for_health(url, proc, 300):
