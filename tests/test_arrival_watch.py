@@ -112,3 +112,14 @@ def test_a_closed_loop_client_gets_whole_budget_steps_and_arrivals_bring_the_cap
     assert prefill_step_cap(s) == pytest.approx(0.126)
     assert s.snapshot().prefill_step_cap_by == "itl_slo"
     assert ARRIVAL_RISK / s.arrivals.rate(clock.t) < 0.126
+
+
+def test_the_metric_help_states_the_risk_the_engine_uses() -> None:
+    """obs/ may not import engine/ (DESIGN.md), so the gauge's help on /metrics repeats the
+    risk as a number; this keeps the two equal when one of them changes."""
+    from tailserve.obs.metrics import ServerMetrics
+
+    page = ServerMetrics().render()[0].decode()
+    help_line = next(line for line in page.splitlines()
+                     if line.startswith("# HELP tailserve:busy_arrival_rate "))
+    assert f"may take {ARRIVAL_RISK:g} / this" in help_line
