@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +31,7 @@ from tailserve import LLM, SamplingParams
 from tailserve.config import EngineArgs
 from tailserve.engine.loop import EngineLoop
 from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.kernels import set_quant_isa
 from tailserve.model.attention import AttentionMetadata
 from tailserve.model.attention.torch_ref import TorchAttentionBackend
 from tailserve.model.device import detect_platform
@@ -231,7 +233,7 @@ def test_packed_weights_refused_where_no_kernel_reads_them(packed_loaded: Loaded
 
 
 def write_gguf(path: Path, qtype: Any, *, hidden: int, inter: int, arch: str = "llama",
-               odd: dict[str, Any] | None = None, seed: int = 0) -> str:
+               odd: dict[str, Any] | None = None, seed: int = 0, context: int = 512) -> str:
     """A random 2-layer model; matrices in ``qtype`` (``odd``: GGUF name -> another type),
     quantized by ``gguf`` where it can, else random blocks of that format."""
     g = torch.Generator().manual_seed(seed)
@@ -239,7 +241,7 @@ def write_gguf(path: Path, qtype: Any, *, hidden: int, inter: int, arch: str = "
     head_dim = hidden // heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(2)
-    writer.add_context_length(512)
+    writer.add_context_length(context)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(inter)
     writer.add_head_count(heads)
@@ -329,6 +331,37 @@ def test_every_format_one_call_decode_matches_module_forward(tmp_path: Path, qty
     with torch.inference_mode():
         ref = ref_runner.model(ids, positions, ref_runner.kv_caches, meta)
     assert ((want - ref).norm() / ref.norm()).item() < TINY_RTOL
+
+
+@pytest.fixture(params=["avx2", "avx512vnni", "amx", "amx-bf16"])
+def product_isa(cpu_kernels: None, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The products' levels, forced as TAILSERVE_QUANT_ISA would; those this CPU lacks skip."""
+    try:
+        set_quant_isa(request.param)
+    except RuntimeError as e:
+        pytest.skip(f"{request.param} does not run here: {e}")
+    yield request.param
+    set_quant_isa("auto")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=["Q4_1", "Q8_0", "Q4_K"])
+def test_a_step_of_many_rows_matches_module_forward(tmp_path: Path, product_isa: str,
+                                                    qtype: Any) -> None:
+    """A step past decode_layers' row-blocked MLP threshold (1,024 rows: the gate/up product and
+    SiLU 128 rows at a time) gives the module forward's numbers (one product of every row)
+    bit for bit, with a ragged last block (T mod 16 != 0: rows the tile kernels leave to the
+    vector passes) and decodes first."""
+    k_quant = qtype == Q.Q4_K
+    path = write_gguf(tmp_path / "m.gguf", qtype, hidden=256 if k_quant else 64,
+                      inter=512 if k_quant else 96, context=2048)
+    config, weights = tiny(path, packed=True)
+    runner = make_runner(config, weights, num_kv_blocks=400, max_model_len=1536)
+    assert_graph_matches_module_forward(
+        runner, *mixed_batch(runner, [1, 40, 17], [(5, 1100), (0, 30)], seed=3))
+    # 1,030 rows: the last block's 6 rows alone in a call (the few-row kernels), where one
+    # call of every row ran them as the last rows of many.
+    assert_graph_matches_module_forward(
+        runner, *mixed_batch(runner, [1, 40, 17], [(5, 1027)], seed=4))
 
 
 def test_mixed_formats_and_an_unsupported_type(
