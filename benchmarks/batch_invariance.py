@@ -2,10 +2,11 @@
 each at temperature 0 (EOS ignored), run one at a time and then all 16 in one batch, at the
 kernel level in force (``TAILSERVE_QUANT_ISA``): the prompts whose tokens differ, and where.
 
-At the default levels every product of many rows is bit for bit the few-row one, so only the
-attention's float32 rounding could move a near-tie; at ``amx-bf16`` the products of 16+
-rows round to bf16 while fewer rows stay on VNNI's int8, so a sequence's numbers depend on
-how many others share its steps (benchmarks/notes/cpu_kernels.md).
+At the default levels the 32-value formats' products are the same at every row count, while
+the K-quants' 1-8-row decode kernels add in another order than their many-row ones (float32
+rounding that can move a near-tie); at ``amx-bf16`` the products of 16+ rows round x to bf16
+while fewer rows stay on VNNI's int8, so a sequence's numbers depend on how many others share
+its steps (benchmarks/notes/cpu_kernels.md).
 
     PYTHONPATH=src python benchmarks/batch_invariance.py [--model PATH] [--json F]
     TAILSERVE_QUANT_ISA=amx-bf16 PYTHONPATH=src python benchmarks/batch_invariance.py

@@ -347,7 +347,7 @@ def product_isa(cpu_kernels: None, request: pytest.FixtureRequest) -> Iterator[s
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=["Q4_1", "Q8_0", "Q4_K"])
 def test_a_step_of_many_rows_matches_module_forward(tmp_path: Path, product_isa: str,
                                                     qtype: Any) -> None:
-    """A step past decode_layers' row-blocked MLP threshold (1,024 rows: the gate/up product and
+    """A step past decode_layers' row-blocked MLP threshold (960 rows: the gate/up product and
     SiLU 128 rows at a time) gives the module forward's numbers (one product of every row)
     bit for bit, with a ragged last block (T mod 16 != 0: rows the tile kernels leave to the
     vector passes) and decodes first."""
@@ -358,8 +358,8 @@ def test_a_step_of_many_rows_matches_module_forward(tmp_path: Path, product_isa:
     runner = make_runner(config, weights, num_kv_blocks=400, max_model_len=1536)
     assert_graph_matches_module_forward(
         runner, *mixed_batch(runner, [1, 40, 17], [(5, 1100), (0, 30)], seed=3))
-    # 1,030 rows: the last block's 6 rows alone in a call (the few-row kernels), where one
-    # call of every row ran them as the last rows of many.
+    # 1,030 rows = 8 x 128 + 6: the last block takes those 6 rows with it; alone in a call
+    # they would go to the K-quants' few-row kernels, whose bits differ.
     assert_graph_matches_module_forward(
         runner, *mixed_batch(runner, [1, 40, 17], [(5, 1027)], seed=4))
 
