@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from greedy_vs_llamacpp import PROMPTS
+from greedy_vs_llamacpp import PROMPTS  # run as a script: benchmarks/ is on the path
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
